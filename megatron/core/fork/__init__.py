@@ -1,0 +1,7 @@
+"""Files the Megatron-MTP fork owns inside megatron-core.
+
+Everything under ``megatron/core/fork`` is new code, kept out of upstream files
+so that the patch series in ``patches/`` stays a set of thin hooks. The install
+tool links (development install) or copies (``--copy``) this directory into the
+patched megatron-core; see README.md, "How fork-owned files reach megatron.core".
+"""

@@ -1,0 +1,62 @@
+"""One place that decides which device megatron-core computes on.
+
+Upstream megatron-core 0.16.1 names ``cuda`` in schedules, DDP buffers,
+optimizers, gradient clipping, RNG trackers and checkpointing. The fork routes
+each of those choices through this module: on a machine with CUDA every helper
+returns exactly what the upstream call returned, so GPU behaviour is unchanged;
+without CUDA the stack runs on CPU with the gloo backend.
+"""
+
+import torch
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on: its current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize() -> None:
+    """Wait for queued device work; CPU work is already complete when a call returns."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def distributed_backend() -> str:
+    """The collective backend matching ``current_device()``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def get_rng_state() -> torch.Tensor:
+    """RNG state of the generator that drives ``current_device()`` (dropout, init)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def on_compute_device(tensor: torch.Tensor) -> bool:
+    """True for tensors on the compute device type (upstream checked ``torch.cuda.*Tensor``)."""
+    return tensor.device.type == device_type()

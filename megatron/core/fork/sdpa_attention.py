@@ -1,0 +1,129 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+Upstream's local ``DotProductAttention`` takes its score buffer from the global
+CUDA memory buffer and cannot handle packed (THD) rows; Transformer Engine needs
+a GPU. This module is a drop-in ``core_attention`` for layer specs that runs on
+any device, handles causal and padding masks, grouped-query attention and packed
+rows (a block-diagonal causal mask built from ``cu_seqlens``), and keeps
+attention dropout under the tensor-parallel RNG tracker as upstream does.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+def packed_causal_mask(cu_seqlens: Tensor, total: int, device: torch.device) -> Tensor:
+    """[total, total] bool mask, True where attention is allowed: causal inside each segment."""
+    positions = torch.arange(total, device=device)
+    boundaries = cu_seqlens.to(device=device, dtype=torch.long)
+    segment = torch.bucketize(positions, boundaries[1:], right=True)
+    same_segment = segment[:, None] == segment[None, :]
+    causal = positions[:, None] >= positions[None, :]
+    return same_segment & causal
+
+
+class SDPACoreAttention(MegatronModule):
+    """Same constructor and forward signature as upstream ``DotProductAttention``."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism")
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"SDPACoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+        if config.window_size is not None:
+            raise ValueError("SDPACoreAttention does not support sliding-window attention")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp'])
+        tp_size = pg_collection.tp.size()
+        self.attn_mask_type = attn_mask_type
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, tp_size)
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        head_dim = divide(projection_size, config.num_attention_heads)
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        # apply_query_key_layer_scaling needs no handling: upstream divides the scale by the
+        # layer number and multiplies it back inside its fp32 softmax, a net factor of one.
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention does not support attention_bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == 'thd'
+        if packed:
+            # THD: [t, np, hn] -> one row of length t.
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+
+        # [s, b, n, h] -> [b, n, s, h]
+        query, key, value = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        groups = self.heads_per_partition // self.query_groups_per_partition
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+
+        # bool, True where a query may attend to a key. As in upstream's softmax, an explicit
+        # mask (True marks positions to exclude) wins over the causal default.
+        if packed:
+            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+            if cu_seqlens is None:
+                cu_seqlens = packed_seq_params.cu_seqlens_q
+            allowed = packed_causal_mask(cu_seqlens, query.size(2), query.device)
+        elif attention_mask is not None:
+            allowed = ~attention_mask.bool()
+        elif mask_type == AttnMaskType.causal:
+            sq, sk = query.size(2), key.size(2)
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
+        else:
+            allowed = None
+
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = self._attend(query, key, value, allowed, dropout_p)
+        else:
+            context = self._attend(query, key, value, allowed, dropout_p)
+
+        # [b, n, s, h] -> [s, b, n*h]
+        context = context.permute(2, 0, 1, 3).contiguous()
+        context = context.view(context.size(0), context.size(1), self.hidden_size_per_partition)
+        if packed:
+            context = context.squeeze(1)
+        return context
+
+    def _attend(self, query, key, value, allowed, dropout_p):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=allowed, dropout_p=dropout_p, scale=self.softmax_scale
+        )

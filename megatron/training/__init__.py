@@ -1,0 +1,1 @@
+"""Megatron-MTP trainer package (fork-owned; megatron.core is the patched upstream)."""

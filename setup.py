@@ -1,0 +1,30 @@
+"""Megatron-MTP: exact multi-token-prediction training as a patch series over megatron-core.
+
+This installs the fork-owned trainer package (megatron.training) and the project's
+dependencies. The patched megatron-core itself is built and installed by
+`tools/fork install` (see README.md): it is upstream source plus patches/, not a
+package published from here.
+"""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="megatron-mtp",
+    version="0.1.0",
+    description="Exact multi-token-prediction (MTP) training for Megatron-LM / megatron-core",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["megatron.training", "megatron.training.*"]),
+    install_requires=[
+        # The local CPU wheel (2.13.0) satisfies this range; a newer major needs re-validation.
+        "torch>=2.6,<2.14",
+        "numpy",
+        "packaging>=24.2",
+        "psutil",  # dist checkpointing
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        # GPU only, never needed on CPU. NVIDIA apex is built from source (see README);
+        # the PyPI package named `apex` is an unrelated project.
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.6"],
+    },
+)

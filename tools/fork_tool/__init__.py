@@ -1,0 +1,1 @@
+"""Implementation of tools/fork. Each module holds one step of the patch-series workflow."""

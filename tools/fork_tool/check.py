@@ -1,0 +1,42 @@
+"""Apply the series to pristine upstream, or to a user's Megatron-LM checkout, and report per patch."""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from fork_tool import upstream
+from fork_tool.errors import ForkError
+from fork_tool.git import init_pristine
+from fork_tool.series import PRISTINE_TAG, apply_series
+from megatron.training.patched_core import series_patches
+
+
+def check_pristine(version: str, sdist: Path | None = None) -> list[tuple[str, str]]:
+    patches = series_patches(version)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        upstream.unpack(upstream.verified_sdist(version, sdist=sdist), tree)
+        init_pristine(tree, PRISTINE_TAG)
+        return apply_series(tree, patches)
+
+
+def check_checkout(version: str, checkout: Path) -> list[tuple[str, str]]:
+    """A Megatron-LM checkout has the same megatron/core paths as the sdist; test on a copy of them."""
+    core = Path(checkout) / "megatron" / "core"
+    if not (core / "__init__.py").is_file():
+        raise ForkError(f"{checkout} is not a Megatron-LM checkout: {core}/__init__.py is missing")
+    patches = series_patches(version)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        shutil.copytree(core, tree / "megatron" / "core", symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+        init_pristine(tree, PRISTINE_TAG)
+        return apply_series(tree, patches)
+
+
+def report_lines(title: str, report: list[tuple[str, str]], total: int) -> tuple[bool, list[str]]:
+    lines = [title] + [f"  {name}: {status}" for name, status in report]
+    ok = len(report) == total and all(status == "ok" for _, status in report)
+    if not ok and len(report) < total:
+        lines.append(f"  ({total - len(report)} later patch(es) not tried)")
+    return ok, lines

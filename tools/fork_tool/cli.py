@@ -1,0 +1,116 @@
+"""Command line of tools/fork. Every failure the user can act on prints one message, not a traceback."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from fork_tool import check, install, rebase, series
+from fork_tool.errors import ForkError
+from megatron.training.patched_core import PatchedCoreError, current_upstream_version, series_patches
+
+
+def cmd_prepare(args) -> int:
+    tree = series.prepare(args.version, args.workdir, force=args.force, sdist=args.sdist)
+    print(f"prepared {tree}: pristine megatron-core {args.version} (tag '{series.PRISTINE_TAG}') "
+          f"plus one commit per patch")
+    return 0
+
+
+def cmd_install(args) -> int:
+    print(install.install(args.version, copy=args.copy, force=args.force, python=args.python))
+    return 0
+
+
+def cmd_export(args) -> int:
+    if args.for_users:
+        names = series.export_for_users(args.version, Path(args.for_users), sdist=args.sdist)
+        print(f"wrote a self-contained series of {len(names)} patch(es) to {args.for_users}")
+        print(f"apply it in a Megatron-LM checkout at the matching tag with: git am {args.for_users}/*.patch")
+    else:
+        names = series.export(args.version, args.workdir, args.out)
+        print(f"exported {len(names)} patch(es)")
+    return 0
+
+
+def cmd_check(args) -> int:
+    total = len(series_patches(args.version))
+    ok, lines = check.report_lines(
+        f"pristine megatron-core {args.version}:", check.check_pristine(args.version, args.sdist), total
+    )
+    if args.checkout:
+        ok_checkout, more = check.report_lines(
+            f"checkout {args.checkout}:", check.check_checkout(args.version, Path(args.checkout)), total
+        )
+        ok, lines = ok and ok_checkout, lines + more
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def cmd_rebase(args) -> int:
+    ok, lines = rebase.rebase(args.version, args.onto, sha256=args.sha256, sdist=args.sdist,
+                              workdir=args.workdir, force=args.force)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="tools/fork",
+        description="Carry the Megatron-MTP patch series over pinned upstream megatron-core.",
+    )
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, func, help_text):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--version", default=None,
+                       help="upstream megatron-core version (default: `current` in patches/upstream.toml)")
+        p.set_defaults(func=func)
+        return p
+
+    p = add("prepare", cmd_prepare, "Fetch and verify pristine upstream, and make a git working tree "
+            "with one commit per patch (default .build/megatron-core-VERSION).")
+    p.add_argument("--workdir", type=Path)
+    p.add_argument("--sdist", type=Path, help="use this sdist file instead of downloading it (still verified)")
+    p.add_argument("--force", action="store_true", help="replace a working tree that has unexported work")
+
+    p = add("install", cmd_install, "Install the patched megatron-core as VERSION+mtp.<series digest>; "
+            "a no-op when that build is already installed.")
+    p.add_argument("--copy", action="store_true",
+                   help="install a plain copy (default: editable, fork-owned files linked to this checkout)")
+    p.add_argument("--force", action="store_true", help="rebuild and reinstall even when up to date")
+    p.add_argument("--python", default=sys.executable, help="interpreter of the target environment")
+
+    p = add("export", cmd_export, "Write the working tree's commits back to patches/ (refresh), or a "
+            "self-contained series for users with --for-users DIR.")
+    p.add_argument("--workdir", type=Path)
+    p.add_argument("--out", type=Path, help="write the series here instead of patches/megatron-core-VERSION")
+    p.add_argument("--for-users", metavar="DIR",
+                   help="write a series that also adds the fork-owned files, for a Megatron-LM checkout")
+    p.add_argument("--sdist", type=Path, help="with --for-users: use this sdist file (still verified)")
+
+    p = add("check", cmd_check, "Apply the series to pristine upstream (and to --checkout PATH) "
+            "and report per patch; exits 1 if any patch fails.")
+    p.add_argument("--checkout", help="a Megatron-LM checkout at the matching tag")
+    p.add_argument("--sdist", type=Path, help="use this sdist file instead of downloading it (still verified)")
+
+    p = add("rebase", cmd_rebase, "Move the series onto another upstream version with 3-way merges, "
+            "stopping at the first conflict with the patch, file and hunk.")
+    p.add_argument("--onto", required=True, help="the upstream version to move to")
+    p.add_argument("--sha256", help="sha256 of the target sdist, if patches/upstream.toml does not list it")
+    p.add_argument("--sdist", type=Path, help="the target sdist file, instead of downloading it")
+    p.add_argument("--workdir", type=Path, help="where to build the rebased tree")
+    p.add_argument("--force", action="store_true", help="replace an existing tree at the target")
+    return top
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.version = args.version or current_upstream_version()
+        return args.func(args)
+    except (ForkError, PatchedCoreError) as error:
+        print(f"tools/fork {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tools/fork {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,145 @@
+"""The working tree (one commit per patch over pristine upstream) and the series it exports to."""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from fork_tool import upstream
+from fork_tool.errors import ForkError
+from fork_tool.git import git, init_pristine, is_dirty
+from megatron.training.patched_core import FORK_OWNED_DIR, REPO_ROOT, series_dir, series_patches
+
+BUILD_DIR = REPO_ROOT / ".build"
+PRISTINE_TAG = "upstream"
+FORK_OWNED_REL = "megatron/core/fork"
+FORK_OWNED_MESSAGE = """Add the Megatron-MTP fork-owned modules
+
+What: megatron/core/fork/, the new files that the rest of this series calls
+into (device selection, SDPA core attention, and the MTP training logic).
+
+Why: the series keeps hunks in upstream files thin; the logic lives in these
+files, which the fork maintains as plain sources. Apply this patch first.
+
+Upstream status: not upstream.
+"""
+
+
+def default_workdir(version: str) -> Path:
+    return BUILD_DIR / f"megatron-core-{version}"
+
+
+def link_fork_owned(tree: Path) -> None:
+    """Make the repo's fork-owned files visible inside `tree` without committing them there."""
+    link = tree / FORK_OWNED_REL
+    if link.is_symlink() or link.exists():
+        return
+    link.symlink_to(FORK_OWNED_DIR)
+    exclude = tree / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    with open(exclude, "a") as f:
+        f.write(f"/{FORK_OWNED_REL}\n*.so\n")
+
+
+def apply_series(tree: Path, patches: list[Path], three_way: bool = False) -> list[tuple[str, str]]:
+    """`git am` the patches in one session (so `git am --continue` resumes after a conflict).
+
+    Returns (name, status) for each patch tried; the last one is the failure, if any.
+    """
+    if not patches:
+        return []
+    before = int(git(tree, "rev-list", "--count", "HEAD").stdout)
+    args = ["am", "--quiet", "--keep-cr"] + (["-3"] if three_way else [])
+    result = git(tree, *args, *map(str, patches), check=False)
+    applied = int(git(tree, "rev-list", "--count", "HEAD").stdout) - before
+    report = [(patch.name, "ok") for patch in patches[:applied]]
+    if result.returncode != 0:
+        report.append((patches[applied].name, "FAILED\n" + describe_failure(tree, result)))
+    return report
+
+
+def describe_failure(tree: Path, result) -> str:
+    """Name the files and hunks that did not apply, from git's own report and conflict markers."""
+    lines = [line for line in (result.stdout + result.stderr).splitlines()
+             if line.startswith(("error:", "CONFLICT", "Patch failed", "Applying"))]
+    conflicted = git(tree, "diff", "--name-only", "--diff-filter=U", check=False).stdout.split()
+    for path in conflicted:
+        text = (tree / path).read_text(errors="replace").splitlines()
+        for number, line in enumerate(text, 1):
+            if line.startswith("<<<<<<<"):
+                lines.append(f"  conflict in {path} at line {number}")
+    return "\n".join("  " + line.strip() for line in lines) or "  " + result.stderr.strip()
+
+
+def prepare(version: str, workdir: Path | None = None, force: bool = False,
+            sdist: Path | None = None, sha256: str | None = None) -> Path:
+    workdir = Path(workdir or default_workdir(version))
+    if workdir.exists():
+        if (workdir / ".git").exists() and is_dirty(workdir) and not force:
+            raise ForkError(
+                f"{workdir} has uncommitted changes; commit them and run `tools/fork export`, "
+                "or pass --force to discard them"
+            )
+        if not force and (workdir / ".git").exists() and not exported_matches(workdir, version):
+            raise ForkError(
+                f"{workdir} holds commits that differ from patches/{series_dir(version).name}; "
+                "run `tools/fork export` to keep them, or pass --force to discard them"
+            )
+        shutil.rmtree(workdir)
+    patches = series_patches(version)
+    tarball = upstream.verified_sdist(version, sha256=sha256, sdist=sdist)
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    upstream.unpack(tarball, workdir)
+    init_pristine(workdir, PRISTINE_TAG)
+    link_fork_owned(workdir)
+    report = apply_series(workdir, patches)
+    if report and report[-1][1] != "ok":
+        raise ForkError(f"patch {report[-1][0]} does not apply to pristine {version}:\n{report[-1][1]}")
+    return workdir
+
+
+def format_series(tree: Path, out_dir: Path, base: str = PRISTINE_TAG) -> list[str]:
+    """Write base..HEAD as numbered patches plus a quilt `series` file; returns the patch names."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.patch"):
+        old.unlink()
+    names = git(tree, "format-patch", "--zero-commit", "--no-signature", "--no-numbered",
+                "--no-color", "-o", str(out_dir), f"{base}..HEAD").stdout.split()
+    names = [Path(n).name for n in names]
+    (out_dir / "series").write_text("".join(n + "\n" for n in names))
+    return names
+
+
+def exported_matches(tree: Path, version: str) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        format_series(tree, Path(tmp))
+        committed = series_dir(version)
+        fresh = sorted(p.name for p in Path(tmp).iterdir())
+        current = sorted(p.name for p in committed.iterdir()) if committed.is_dir() else []
+        return fresh == current and all(
+            (Path(tmp) / n).read_bytes() == (committed / n).read_bytes() for n in fresh
+        )
+
+
+def export(version: str, workdir: Path | None = None, out_dir: Path | None = None) -> list[str]:
+    workdir = Path(workdir or default_workdir(version))
+    if not (workdir / ".git").exists():
+        raise ForkError(f"no working tree at {workdir}; run `tools/fork prepare` first")
+    if is_dirty(workdir):
+        raise ForkError(f"{workdir} has uncommitted changes; commit them (one commit per patch) first")
+    return format_series(workdir, Path(out_dir or series_dir(version)))
+
+
+def export_for_users(version: str, out_dir: Path, sdist: Path | None = None) -> list[str]:
+    """A self-contained series: a first patch adds the fork-owned files, then the committed series."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        upstream.unpack(upstream.verified_sdist(version, sdist=sdist), tree)
+        init_pristine(tree, PRISTINE_TAG)
+        shutil.copytree(FORK_OWNED_DIR, tree / FORK_OWNED_REL,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        git(tree, "add", "-f", FORK_OWNED_REL)
+        git(tree, "commit", "-q", "--date", "2000-01-01T00:00:00+00:00", "-m", FORK_OWNED_MESSAGE)
+        report = apply_series(tree, series_patches(version))
+        if report and report[-1][1] != "ok":
+            raise ForkError(f"patch {report[-1][0]} does not apply:\n{report[-1][1]}")
+        return format_series(tree, Path(out_dir))
