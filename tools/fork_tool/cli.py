@@ -48,7 +48,7 @@ def cmd_check(args) -> int:
 
 def cmd_rebase(args) -> int:
     ok, lines = rebase.rebase(args.version, args.onto, sha256=args.sha256, sdist=args.sdist,
-                              workdir=args.workdir, force=args.force)
+                              workdir=args.workdir, out_dir=args.out, force=args.force)
     print("\n".join(lines))
     return 0 if ok else 1
 
@@ -99,6 +99,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sha256", help="sha256 of the target sdist, if patches/upstream.toml does not list it")
     p.add_argument("--sdist", type=Path, help="the target sdist file, instead of downloading it")
     p.add_argument("--workdir", type=Path, help="where to build the rebased tree")
+    p.add_argument("--out", type=Path, help="write the rebased series here instead of patches/megatron-core-ONTO")
     p.add_argument("--force", action="store_true", help="replace an existing tree at the target")
     return top
 

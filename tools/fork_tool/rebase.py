@@ -11,7 +11,8 @@ from megatron.training.patched_core import series_dir, series_patches
 
 
 def rebase(from_version: str, onto: str, sha256: str | None = None, sdist: Path | None = None,
-           workdir: Path | None = None, force: bool = False) -> tuple[bool, list[str]]:
+           workdir: Path | None = None, out_dir: Path | None = None,
+           force: bool = False) -> tuple[bool, list[str]]:
     patches = series_patches(from_version)
     tarball = upstream.verified_sdist(onto, sha256=sha256, sdist=sdist)
     # The 3-way merge needs the blobs the patches were made against: pristine `from_version`.
@@ -38,9 +39,11 @@ def rebase(from_version: str, onto: str, sha256: str | None = None, sdist: Path 
         lines += [
             f"Stopped at {report[-1][0]}. Resolve the conflict in {tree}, then run",
             f"  git -C {tree} add <files> && git -C {tree} am --continue",
-            "for the rest, and `tools/fork export --version " + onto + "` when `git am` is done.",
+            f"for the rest, and `tools/fork export --version {onto} --workdir {tree}` when `git am` is done.",
         ]
         return False, lines
-    names = format_series(tree, series_dir(onto))
-    lines.append(f"wrote {len(names)} patch(es) to {series_dir(onto)}")
+    out_dir = Path(out_dir or series_dir(onto))
+    names = format_series(tree, out_dir)
+    lines.append(f"wrote {len(names)} patch(es) to {out_dir}; set `current` in patches/upstream.toml "
+                 f"(with the sdist_sha256 of {onto}) to build it")
     return True, lines

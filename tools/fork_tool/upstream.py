@@ -1,6 +1,7 @@
 """Pristine upstream megatron-core: download the sdist, verify its sha256, unpack it."""
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 from fork_tool.errors import ForkError
 from megatron.training.patched_core import REPO_ROOT, upstream_config
 
-DOWNLOAD_DIR = REPO_ROOT / ".build" / "downloads"
+# Downloaded sdists are cached here (MEGATRON_MTP_DOWNLOADS overrides it, e.g. in tests).
+DOWNLOAD_DIR = Path(os.environ.get("MEGATRON_MTP_DOWNLOADS", REPO_ROOT / ".build" / "downloads"))
 
 
 def known_sha256(version: str) -> str:

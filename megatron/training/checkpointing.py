@@ -1,0 +1,58 @@
+"""Save and load model (and optimizer) state with megatron-core dist checkpointing.
+
+A checkpoint is written into a temporary sibling directory and renamed into place
+only when complete, so an interrupted save never leaves a half-written checkpoint
+under the final name.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing, parallel_state
+
+
+def model_state(chunks) -> dict:
+    # Megatron-LM's trainer passes the same metadata; GPTModel needs it when MTP sits on a
+    # pipeline stage without the embedding.
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    return {f"model{i}": chunk.module.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(chunks)}
+
+
+def save_checkpoint(path, chunks, optimizer=None) -> None:
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    state = model_state(chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state)
+    dist_checkpointing.save(state, str(partial))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if path.exists():
+            old = path.with_name(path.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(partial, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(partial, path)
+    dist.barrier()
+
+
+def load_checkpoint(path, chunks, optimizer=None) -> None:
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    state = model_state(chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(chunks):
+        chunk.module.load_state_dict(loaded[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])

@@ -1,0 +1,61 @@
+"""Build a GPT (with optional MTP) on the current parallel layout, wrapped in megatron-core DDP."""
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.fork.specs import get_gpt_layer_sdpa_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def transformer_layer_spec(use_transformer_engine: bool):
+    if use_transformer_engine:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_sdpa_spec()
+
+
+def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                use_distributed_optimizer: bool = False, use_transformer_engine: bool = False,
+                position_embedding_type: str = "rope"):
+    """One DDP-wrapped GPTModel per virtual pipeline stage; sets the config's schedule hooks."""
+    layer_spec = transformer_layer_spec(use_transformer_engine)
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        mtp_spec = (
+            get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine,
+                                   vp_stage=stage)
+            if config.mtp_num_layers else None
+        )
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            # Rotary, as in DeepSeek-V3. (Learned absolute position embeddings are duplicated
+            # on an MTP stage without the embedding and upstream 0.16.1 cannot checkpoint that.)
+            position_embedding_type=position_embedding_type,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            mtp_block_spec=mtp_spec,
+            vp_stage=stage,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if config.bf16 or config.fp16:
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
+        )
+        chunks.append(DistributedDataParallel(config, ddp_config, model))
+    config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [chunk.no_sync for chunk in chunks]
+    config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    return chunks

@@ -1,0 +1,1 @@
+"""Test bodies: functions that run inside tests.harness launches (one process per rank)."""

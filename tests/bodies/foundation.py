@@ -1,0 +1,131 @@
+"""Bodies for tests/test_foundation.py: the single-process reference and the parallel layouts."""
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from tests.bodies.tiny_gpt import Setup, build, train_step
+from tests.harness.layout import model_parallel
+
+STEPS = 3
+
+
+def _train(setup: Setup, chunks, optimizer, first_step: int, steps: int) -> list[dict]:
+    return [train_step(setup, chunks, optimizer, step) for step in range(first_step, first_step + steps)]
+
+
+def _flat_params(chunks) -> dict:
+    return {f"{i}.{name}": p.detach().clone() for i, c in enumerate(chunks) for name, p in c.module.named_parameters()}
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    state = optimizer.state_dict()
+    found = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            found.append(value.detach().clone())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return found
+
+
+def reference(ckpt_root: str) -> dict:
+    """One process, whole batch. Saves each model's initial weights for the layouts to load."""
+    results = {}
+    with model_parallel():
+        for mtp in (0, 2):
+            setup = Setup(mtp_num_layers=mtp)
+            chunks, optimizer, _ = build(setup)
+            save_checkpoint(f"{ckpt_root}/init_mtp{mtp}", chunks)
+            results[f"fp32_mtp{mtp}"] = _train(setup, chunks, optimizer, 0, STEPS)
+
+        # bf16 mixed precision from the same initial weights as fp32.
+        setup = Setup(mtp_num_layers=2, bf16=True)
+        chunks, optimizer, _ = build(setup)
+        load_checkpoint(f"{ckpt_root}/init_mtp2", chunks)
+        results["bf16_mtp2"] = _train(setup, chunks, optimizer, 0, STEPS)
+
+        results["resume"] = resume_exactly(ckpt_root)
+    return results
+
+
+def resume_exactly(ckpt_root: str) -> dict:
+    """Train 2 steps, save model + optimizer, train 2 more; a fresh model loading the
+    checkpoint must hold identical parameters and optimizer state and repeat those 2 steps."""
+    setup = Setup(mtp_num_layers=2)
+    chunks, optimizer, _ = build(setup)
+    _train(setup, chunks, optimizer, 0, 2)
+    save_checkpoint(f"{ckpt_root}/resume", chunks, optimizer)
+    saved_params, saved_optimizer = _flat_params(chunks), _optimizer_tensors(optimizer)
+    continued = _train(setup, chunks, optimizer, 2, 2)
+
+    torch.manual_seed(999)  # a different initialization, so the load has to do the work
+    fresh_chunks, fresh_optimizer, _ = build(setup)
+    load_checkpoint(f"{ckpt_root}/resume", fresh_chunks, fresh_optimizer)
+    loaded_params, loaded_optimizer = _flat_params(fresh_chunks), _optimizer_tensors(fresh_optimizer)
+    resumed = _train(setup, fresh_chunks, fresh_optimizer, 2, 2)
+    return {
+        "param_names_match": sorted(saved_params) == sorted(loaded_params),
+        "param_max_diff": max((saved_params[k] - loaded_params[k]).abs().max().item() for k in saved_params),
+        "optimizer_tensor_count": [len(saved_optimizer), len(loaded_optimizer)],
+        "optimizer_max_diff": max(
+            ((a.float() - b.float()).abs().max().item() if a.numel() else 0.0)
+            for a, b in zip(saved_optimizer, loaded_optimizer)
+        ),
+        "continued": continued,
+        "resumed": resumed,
+    }
+
+
+def layouts(ckpt_root: str, cases: list[dict]) -> dict:
+    """Each case: tp, pp, vpp, mtp, distributed_optimizer; loads the reference's initial weights."""
+    results = {}
+    for case in cases:
+        with model_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp")):
+            setup = Setup(mtp_num_layers=case["mtp"], distributed_optimizer=case.get("distributed_optimizer", False))
+            chunks, optimizer, _ = build(setup, vpp=case.get("vpp"))
+            load_checkpoint(f"{ckpt_root}/init_mtp{case['mtp']}", chunks)
+            results[case["name"]] = {
+                "dp": parallel_state.get_data_parallel_world_size(),
+                "steps": _train(setup, chunks, optimizer, 0, STEPS),
+            }
+    return results
+
+
+def sdpa_matches_upstream_attention() -> dict:
+    """SDPACoreAttention against upstream's local DotProductAttention on the same weights."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.fork.specs import get_gpt_layer_sdpa_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+    tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(16).unsqueeze(0).expand(3, -1)
+    causal = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)
+    padded = causal.repeat(3, 1, 1, 1)
+    padded[1, :, :, 10:] = True  # sample 1: keys 10.. are padding
+    padded[1, :, :, 0] = False
+    out = {}
+    with model_parallel():
+        models = []
+        for spec in (get_gpt_layer_local_spec(), get_gpt_layer_sdpa_spec()):
+            torch.manual_seed(11)
+            models.append(GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64,
+                                   max_sequence_length=16))
+        for name, mask in (("causal", causal), ("padding", padded)):
+            local, sdpa = (m(tokens, positions, mask) for m in models)
+            out[name] = (local - sdpa).abs().max().item()
+    return out
+
+
+def reference_suite(ckpt_root: str) -> dict:
+    return {"reference": reference(ckpt_root), "sdpa": sdpa_matches_upstream_attention()}

@@ -1,0 +1,80 @@
+"""A tiny GPT trained through megatron-core's own stack, for any TP x PP x VPP x DP layout.
+
+Model, step and checkpointing are the trainer's (megatron.training). The data here is
+made to be hard to get right: one deterministic global batch per step with holes in
+the loss mask and very uneven valid-token counts across samples (sample 1 keeps only
+3 targets), so that a layout that normalized per micro-batch or per rank would differ
+from one process on the whole batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.data import rank_microbatches
+from megatron.training.model import build_model
+from megatron.training.step import train_step as trainer_step
+
+
+
+@dataclass
+class Setup:
+    vocab_size: int = 64
+    seq_length: int = 16
+    hidden_size: int = 32
+    num_heads: int = 4
+    num_layers: int = 4
+    mtp_num_layers: int = 0
+    global_batch: int = 8
+    micro_batch: int = 2
+    bf16: bool = False
+    distributed_optimizer: bool = False
+    lr: float = 1e-2
+    clip_grad: float = 1.0
+    data_seed: int = 7
+
+
+def build(setup: Setup, vpp: int | None = None):
+    """Model chunks (DDP-wrapped) and optimizer on the current layout."""
+    dtype = torch.bfloat16 if setup.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=setup.num_layers,
+        hidden_size=setup.hidden_size,
+        num_attention_heads=setup.num_heads,
+        mtp_num_layers=setup.mtp_num_layers or None,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        bf16=setup.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=vpp,
+        calculate_per_token_loss=True,
+    )
+    chunks = build_model(config, setup.vocab_size, setup.seq_length,
+                         use_distributed_optimizer=setup.distributed_optimizer)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=setup.lr, clip_grad=setup.clip_grad, bf16=setup.bf16,
+                        params_dtype=dtype, use_distributed_optimizer=setup.distributed_optimizer),
+        chunks,
+    )
+    return chunks, optimizer, config
+
+
+def global_batch(setup: Setup, step: int):
+    """Tokens [B, S+1] and a loss mask [B, S] with holes; sample 1 is almost fully masked."""
+    gen = torch.Generator().manual_seed(setup.data_seed * 1000 + step)
+    tokens = torch.randint(0, setup.vocab_size, (setup.global_batch, setup.seq_length + 1), generator=gen)
+    mask = (torch.rand(setup.global_batch, setup.seq_length, generator=gen) > 0.3).float()
+    mask[1, 3:] = 0.0
+    return tokens, mask
+
+
+def train_step(setup: Setup, chunks, optimizer, step: int) -> dict:
+    tokens, mask = global_batch(setup, step)
+    return trainer_step(chunks, optimizer, rank_microbatches(tokens, mask, setup.micro_batch), setup.seq_length)

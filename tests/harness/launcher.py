@@ -1,0 +1,107 @@
+"""Launch a test body on `world_size` real processes talking gloo over loopback.
+
+Each process imports megatron-core (several seconds), so a body usually runs many
+checks per launch. The launcher picks a free port, gives the whole launch one
+deadline, kills every process group it started on timeout or failure (no process
+is left behind), and raises with every failing rank's traceback and output tail.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# After the first rank fails, the others usually block in a collective: give them a
+# moment to report their own errors, then kill them.
+GRACE_AFTER_FAILURE_S = 5.0
+
+
+class DistributedTestFailure(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    kept = [line for line in text.splitlines() if "UserWarning" not in line and "warnings.warn" not in line]
+    return "\n".join(kept[-lines:])
+
+
+def launch(body: str, world_size: int, args: dict | None = None, timeout: float = 300.0,
+           tmp_dir: Path | None = None, use_gpus: bool = False) -> list:
+    """Run `body` ("package.module:function") on every rank; return each rank's return value.
+
+    The body is called as function(**args) after torch.distributed (gloo) is up; it sets
+    up whatever model-parallel layouts it needs (see tests.harness.layout). Ranks run on
+    the CPU with gloo unless `use_gpus` (one GPU per rank, NCCL).
+    """
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as scratch:
+        scratch = Path(scratch)
+        spec = scratch / "spec.json"
+        spec.write_text(json.dumps({"body": body, "args": args or {}}))
+        port = free_port()
+        procs, logs = [], []
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+            if not use_gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            log = scratch / f"rank{rank}.log"
+            logs.append(log)
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "tests.harness.worker", str(spec), str(scratch / f"rank{rank}.json")],
+                    cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                ))
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        try:
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                    failed_at = now
+                if now > deadline or (failed_at is not None and now - failed_at > GRACE_AFTER_FAILURE_S):
+                    break
+                time.sleep(0.05)
+        finally:
+            timed_out = any(p.poll() is None for p in procs) and failed_at is None
+            _kill(procs)
+
+        results, problems = [], []
+        for rank, (proc, log) in enumerate(zip(procs, logs)):
+            result_file = scratch / f"rank{rank}.json"
+            outcome = json.loads(result_file.read_text()) if result_file.exists() else None
+            if outcome and outcome["ok"]:
+                results.append(outcome["result"])
+                continue
+            results.append(None)
+            detail = outcome["traceback"] if outcome else f"(no result; exit code {proc.returncode})"
+            problems.append(f"--- rank {rank} ---\n{detail}\n--- rank {rank} output tail ---\n{_tail(log)}")
+        if timed_out:
+            problems.insert(0, f"timed out after {timeout:.0f}s")
+        if problems:
+            raise DistributedTestFailure(f"{body} on {world_size} rank(s) failed:\n" + "\n".join(problems))
+        return results
