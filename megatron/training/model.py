@@ -20,33 +20,43 @@ def transformer_layer_spec(use_transformer_engine: bool):
     return get_gpt_layer_sdpa_spec()
 
 
+def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+              use_transformer_engine: bool = False, vp_stage: int | None = None,
+              share_embeddings_and_output_weights: bool = False,
+              position_embedding_type: str = "rope") -> GPTModel:
+    """The GPTModel (with its MTP block on the last stage) of one (virtual) pipeline stage."""
+    layer_spec = transformer_layer_spec(use_transformer_engine)
+    mtp_spec = (
+        get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine,
+                               vp_stage=vp_stage)
+        if config.mtp_num_layers else None
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        # Rotary, as in DeepSeek-V3. (Learned absolute position embeddings are duplicated
+        # on an MTP stage without the embedding and upstream 0.16.1 cannot checkpoint that.)
+        position_embedding_type=position_embedding_type,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        mtp_block_spec=mtp_spec,
+        vp_stage=vp_stage,
+    )
+
+
 def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                 use_distributed_optimizer: bool = False, use_transformer_engine: bool = False,
-                position_embedding_type: str = "rope"):
+                share_embeddings_and_output_weights: bool = False):
     """One DDP-wrapped GPTModel per virtual pipeline stage; sets the config's schedule hooks."""
-    layer_spec = transformer_layer_spec(use_transformer_engine)
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        mtp_spec = (
-            get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine,
-                                   vp_stage=stage)
-            if config.mtp_num_layers else None
-        )
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            # Rotary, as in DeepSeek-V3. (Learned absolute position embeddings are duplicated
-            # on an MTP stage without the embedding and upstream 0.16.1 cannot checkpoint that.)
-            position_embedding_type=position_embedding_type,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            mtp_block_spec=mtp_spec,
-            vp_stage=stage,
-        )
+        model = build_gpt(config, vocab_size, max_sequence_length, use_transformer_engine,
+                          vp_stage=vp_stage if vpp else None,
+                          share_embeddings_and_output_weights=share_embeddings_and_output_weights)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:

@@ -1,0 +1,8 @@
+"""Exact MTP training: what the patched GPTModel and MTP block call into.
+
+- options: validation of the MTP flags on TransformerConfig.
+- isolation: gradient isolation of the MTP heads (``mtp_detach_heads``).
+- supervision: per-depth targets and masks, labels derived from input ids.
+- statistics: exact per-depth sums and counts (loss, acceptance, chain acceptance).
+- heads: the per-depth loss branch of GPTModel's postprocess.
+"""

@@ -1,0 +1,64 @@
+"""The MTP loss branch of GPTModel's postprocess: per-depth logits, losses and statistics.
+
+Upstream 0.16.1 computes the same per-position losses; this version also derives
+labels when none are given, isolates the output weight under ``mtp_detach_heads``,
+records exact statistics, and attaches each depth's loss as a raw, masked sum scaled
+by lambda / D so that the step's normalization can be exact (spec section 4).
+"""
+
+import torch
+
+from megatron.core.fork.mtp import isolation
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS, vocab_parallel_argmax
+from megatron.core.fork.mtp.supervision import check_shapes, depth_targets, next_token_labels
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+
+def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):
+    """Backward weight of a depth's raw masked CE sum.
+
+    calculate_per_token_loss: lambda / D on raw sums; finalize_model_grads divides every
+    gradient once by the step's global main-token count N_tok, which gives the spec's
+    (lambda / D) * S_k / N_tok exactly. Otherwise (each micro-batch normalized by its own
+    counts, upstream's default mode) the micro-batch's main-token count stands in for N_tok.
+    """
+    weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    if config.calculate_per_token_loss:
+        return weight
+    return weight / torch.clamp(main_valid_tokens, min=1)
+
+
+def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared_output_weight,
+                      packed_seq_params=None, runtime_gather_output=None):
+    """Split [h^0; h^1..h^D], attach every depth's loss to h^0, return h^0 for the main head."""
+    config = model.config
+    depths = config.mtp_num_layers
+    per_depth_hidden = torch.chunk(hidden_states, 1 + depths, dim=0)
+    main_hidden = per_depth_hidden[0]
+    if labels is None:
+        if not model.training:
+            return main_hidden  # generation: nothing to supervise
+        check_shapes("input_ids", input_ids, loss_mask=loss_mask)
+        labels, has_next = next_token_labels(input_ids, packed_seq_params, model.cp_group)
+        loss_mask = has_next if loss_mask is None else loss_mask.float() * has_next
+    else:
+        check_shapes("labels", labels, loss_mask=loss_mask)
+        if loss_mask is None:
+            loss_mask = torch.ones_like(labels, dtype=torch.float)
+    weight = isolation.output_weight(model, shared_output_weight)
+    loss_weight = mtp_loss_weight(config, loss_mask.sum())
+    chain_correct = None
+    for k, labels_k, mask_k in depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group):
+        logits, _ = model.output_layer(per_depth_hidden[k], weight=weight,
+                                       runtime_gather_output=runtime_gather_output)
+        per_token = model.compute_language_model_loss(labels_k, logits) * mask_k
+        with torch.no_grad():
+            # Logits are split over the vocabulary unless the output layer gathered them.
+            tp_group = None if logits.size(-1) == model.vocab_size else model.pg_collection.tp
+            correct = vocab_parallel_argmax(logits, tp_group).transpose(0, 1) == labels_k
+            chain_correct = correct if chain_correct is None else chain_correct & correct
+            STEP_STATISTICS.add(k, depths, per_token.sum(), mask_k.sum(),
+                                (correct * mask_k).sum(), (chain_correct * mask_k).sum())
+        del logits  # one depth's logits alive at a time
+        main_hidden = MTPLossAutoScaler.apply(main_hidden, loss_weight * per_token)
+    return main_hidden

@@ -1,0 +1,22 @@
+"""Validate the MTP options of a TransformerConfig before any module is built."""
+
+
+def validate_mtp_options(config) -> None:
+    """Raise ValueError naming the contradiction and the fix; called from TransformerConfig."""
+    depths = config.mtp_num_layers or 0
+    if depths < 0:
+        raise ValueError(f"mtp_num_layers must be >= 0, got {depths}")
+    if config.mtp_detach_heads and depths == 0:
+        raise ValueError(
+            "mtp_detach_heads (--mtp-detach-heads) isolates MTP heads, but mtp_num_layers is not set; "
+            "set --mtp-num-layers D >= 1 or drop --mtp-detach-heads"
+        )
+    if config.mtp_use_repeated_layer and depths == 0:
+        raise ValueError(
+            "mtp_use_repeated_layer (--mtp-use-repeated-layer) applies one MTP layer at every depth, "
+            "but mtp_num_layers is not set; set --mtp-num-layers D >= 1 or drop --mtp-use-repeated-layer"
+        )
+    if depths and (config.mtp_loss_scaling_factor is None or config.mtp_loss_scaling_factor < 0):
+        raise ValueError(
+            f"mtp_loss_scaling_factor must be a number >= 0, got {config.mtp_loss_scaling_factor}"
+        )

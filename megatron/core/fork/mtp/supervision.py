@@ -1,0 +1,58 @@
+"""What each MTP depth is trained to predict (spec section 3).
+
+Depth k at position t predicts x_{t+k+1}: its labels are the next-token labels rolled
+left by k and its mask is the effective mask rolled by k, zero wherever the target
+would cross the end of the row or of a packed (THD) segment. Rolling uses upstream's
+``roll_tensor``, which zero-fills the vacated positions and respects ``cu_seqlens``.
+"""
+
+from typing import Iterator, Optional
+
+import torch
+
+from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+
+def effective_mask(token_mask: torch.Tensor, sample_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """m_t * s: token mask [b, s] times sample mask [b] (0 drops a sample), as float.
+
+    Build it before micro-batches are formed or sequences packed.
+    """
+    if token_mask.dim() != 2:
+        raise ValueError(f"token mask must be [batch, seq], got shape {tuple(token_mask.shape)}")
+    mask = token_mask.float()
+    if sample_mask is None:
+        return mask
+    if sample_mask.shape != (token_mask.size(0),):
+        raise ValueError(
+            f"sample mask must be [batch] = [{token_mask.size(0)}], got shape {tuple(sample_mask.shape)}"
+        )
+    return mask * sample_mask.to(mask.dtype).unsqueeze(1)
+
+
+def next_token_labels(input_ids: torch.Tensor, packed_seq_params=None, cp_group=None):
+    """Labels = input ids rolled left by one, with a mask that is zero where no next token exists."""
+    labels, _ = roll_tensor(input_ids, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+    ones = torch.ones_like(input_ids, dtype=torch.float)
+    has_next, _ = roll_tensor(ones, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+    return labels, has_next
+
+
+def check_shapes(reference_name: str, reference: torch.Tensor, **tensors) -> None:
+    """Every given tensor must have the shape of `reference` ([batch, seq])."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.shape != reference.shape:
+            raise ValueError(
+                f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, "
+                f"got {tuple(tensor.shape)}"
+            )
+
+
+def depth_targets(labels: torch.Tensor, loss_mask: torch.Tensor, depths: int,
+                  packed_seq_params=None, cp_group=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Yield (k, labels_k, mask_k) for k = 1..depths; each roll builds on the previous one."""
+    for k in range(1, depths + 1):
+        labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
+                                   packed_seq_params=packed_seq_params)
+        yield k, labels, loss_mask

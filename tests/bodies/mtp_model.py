@@ -1,0 +1,270 @@
+"""Model-level MTP checks (one process): the patched GPTModel against the plain-PyTorch
+reference of tests/reference/gpt_mtp.py on the same weights and data."""
+
+import itertools
+
+import torch
+
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import multi_token_prediction
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.model import build_gpt
+from tests.harness.layout import model_parallel
+from tests.reference.gpt_mtp import ReferenceGPT
+
+VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, LAMBDA = 48, 32, 4, 2, 2, 12, 0.3
+
+
+def make_config(depths, repeated=False, detach=False, recompute=False, **extra):
+    kwargs = dict(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        mtp_num_layers=depths or None, mtp_loss_scaling_factor=LAMBDA,
+        mtp_use_repeated_layer=repeated, mtp_detach_heads=detach,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        calculate_per_token_loss=True, **extra,
+    )
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def padded_batch(seed=0):
+    """4 rows: holes in the token mask, sample 2 dropped by the sample mask, row 3 padded after 7."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (4, SEQ + 1), generator=g)
+    tokens[3, 8:] = 0
+    input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    token_mask = (torch.rand(4, SEQ, generator=g) > 0.25).float()
+    token_mask[3, 7:] = 0.0  # padding
+    sample_mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    from megatron.core.fork.mtp.supervision import effective_mask
+
+    return input_ids, labels, effective_mask(token_mask, sample_mask), None
+
+
+def packed_batch(seed=1):
+    """One THD row of segments of 5, 4 and 3 tokens; the last token of each segment has no target."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 4, 3]
+    input_ids = torch.randint(1, VOCAB, (1, SEQ), generator=g)
+    labels = torch.zeros_like(input_ids)
+    mask = (torch.rand(1, SEQ, generator=g) > 0.2).float()
+    segments = torch.zeros_like(input_ids)
+    start = 0
+    for i, n in enumerate(lengths):
+        labels[0, start:start + n - 1] = input_ids[0, start + 1:start + n]
+        mask[0, start + n - 1] = 0.0
+        segments[0, start:start + n] = i
+        start += n
+    return input_ids, labels, mask, segments
+
+
+def packed_params(segments):
+    counts = torch.bincount(segments[0])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=int(counts.max()), max_seqlen_kv=int(counts.max()))
+
+
+class Capture:
+    """Records MTP per-position weighted losses and output-layer logits during a forward."""
+
+    def __init__(self, model):
+        self.mtp_terms, self.logits = [], []
+        self.original_apply = multi_token_prediction.MTPLossAutoScaler.apply
+        self.model = model
+
+    def __enter__(self):
+        capture = self
+
+        def apply(hidden, loss):
+            capture.mtp_terms.append(loss.detach().clone())
+            return capture.original_apply(hidden, loss)
+
+        from megatron.core.fork.mtp import heads
+
+        self.heads = heads
+        heads.MTPLossAutoScaler = type("Recording", (), {"apply": staticmethod(apply)})
+        self.hook = self.model.output_layer.register_forward_hook(
+            lambda module, args, out: capture.logits.append(out[0].detach().transpose(0, 1).clone())
+        )
+        return self
+
+    def __exit__(self, *exc):
+        self.heads.MTPLossAutoScaler = multi_token_prediction.MTPLossAutoScaler
+        self.hook.remove()
+
+
+def run_megatron(model, input_ids, labels, mask, segments):
+    multi_token_prediction.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    STEP_STATISTICS.reset()
+    model.zero_grad(set_to_none=True)
+    model.train()
+    packed = packed_params(segments) if segments is not None else None
+    positions = torch.arange(input_ids.size(1)).unsqueeze(0).expand_as(input_ids)
+    with Capture(model) as capture:
+        per_token = model(input_ids, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed)
+    (per_token * mask).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {"main_ce": per_token.detach(), "mtp_terms": capture.mtp_terms, "logits": capture.logits,
+            "grads": grads, "sums": STEP_STATISTICS.reduced()}
+
+
+def reference_for(model, depths, tied, repeated, detach):
+    ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, depths, groups=GROUPS, tied=tied,
+                       repeated=repeated, detach_heads=detach, mtp_loss_scaling_factor=LAMBDA)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    ref.load_state_dict(state, strict=True)
+    return ref
+
+
+def reference_sums(per_depth):
+    rows, chain = [], None
+    for ce, mask_k, labels_k, logits in per_depth:
+        correct = logits.argmax(dim=-1) == labels_k
+        chain = correct if chain is None else chain & correct
+        rows.append([(ce * mask_k).sum(), mask_k.sum(), (correct * mask_k).sum(), (chain * mask_k).sum()])
+    return torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float64)
+
+
+def max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+
+
+def compare_case(depths, repeated, tied, detach, recompute, layout):
+    torch.manual_seed(1000 + depths)
+    model = build_gpt(make_config(depths, repeated, detach, recompute), VOCAB, SEQ,
+                      share_embeddings_and_output_weights=tied)
+    input_ids, labels, mask, segments = (padded_batch if layout == "padded" else packed_batch)()
+    got = run_megatron(model, input_ids, labels, mask, segments)
+    ref = reference_for(model, depths, tied, repeated, detach)
+    logits, main_ce, per_depth = ref.losses(input_ids, labels, mask, segments)
+    ref.objective_sums(input_ids, labels, mask, segments).backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters() if p.grad is not None}
+    errors = {
+        "main_logits": max_rel(got["logits"][-1], logits.detach()),
+        "main_ce": max_rel(got["main_ce"], main_ce.detach()),
+        "grad_names": sorted(got["grads"]) == sorted(ref_grads),
+    }
+    for k, (ce, mask_k, _, lg) in enumerate(per_depth):
+        errors[f"mtp{k + 1}_logits"] = max_rel(got["logits"][k], lg.detach())
+        errors[f"mtp{k + 1}_loss"] = max_rel(got["mtp_terms"][k] / (LAMBDA / depths), (ce * mask_k).detach())
+    errors["grads"] = max(max_rel(got["grads"][n], ref_grads[n]) for n in ref_grads) if errors["grad_names"] else 1.0
+    sums, ref_sums = got["sums"], reference_sums(per_depth)
+    errors["sums"] = max_rel(sums, ref_sums)
+    errors["counts_exact"] = bool(torch.equal(sums[:, 1:], ref_sums[:, 1:]))
+    return errors
+
+
+def reference_matrix() -> dict:
+    """Every combination of depth, repeated, tied, isolation, recompute and row layout."""
+    results = {}
+    with model_parallel():
+        for depths, repeated, tied, detach, recompute, layout in itertools.product(
+            (1, 2, 3), (False, True), (False, True), (False, True), (False, True), ("padded", "packed")
+        ):
+            if repeated and depths == 1:
+                continue  # same model as distinct
+            name = f"D{depths}-{'rep' if repeated else 'dist'}-{'tied' if tied else 'untied'}-" \
+                   f"{'iso' if detach else 'att'}-{'recomp' if recompute else 'norecomp'}-{layout}"
+            results[name] = compare_case(depths, repeated, tied, detach, recompute, layout)
+    return results
+
+
+def isolation_leaves_the_backbone_alone() -> dict:
+    """Isolation on: backbone, embedding and output-weight gradients equal a D = 0 run's."""
+    out = {}
+    with model_parallel():
+        for depths, repeated, tied, layout in itertools.product((1, 3), (False, True), (False, True),
+                                                                ("padded", "packed")):
+            if repeated and depths == 1:
+                continue
+            torch.manual_seed(7)
+            with_mtp = build_gpt(make_config(depths, repeated, detach=True), VOCAB, SEQ,
+                                 share_embeddings_and_output_weights=tied)
+            without = build_gpt(make_config(0), VOCAB, SEQ, share_embeddings_and_output_weights=tied)
+            without.load_state_dict(with_mtp.state_dict(), strict=False)
+            batch = (padded_batch if layout == "padded" else packed_batch)()
+            got, base = run_megatron(with_mtp, *batch), run_megatron(without, *batch)
+            shared = sorted(base["grads"])
+            name = f"D{depths}-{'rep' if repeated else 'dist'}-{'tied' if tied else 'untied'}-{layout}"
+            out[name] = {
+                "shared_names": shared == sorted(n for n in got["grads"] if not n.startswith("mtp.")),
+                "max_abs_diff": max((got["grads"][n] - base["grads"][n]).abs().max().item() for n in shared),
+                "mtp_grads_nonzero": all(got["grads"][n].abs().sum().item() > 0
+                                         for n in got["grads"] if n.startswith("mtp.")),
+                "mtp_tagged": all(getattr(p, "grad_norm_group", None) == "mtp"
+                                  for n, p in with_mtp.named_parameters() if n.startswith("mtp.")),
+            }
+    return out
+
+
+def refusals() -> dict:
+    """Bad input is refused with a message before any state changes."""
+    messages = {}
+
+    def error_of(fn):
+        try:
+            fn()
+        except (ValueError, RuntimeError) as error:
+            return str(error)
+        return None
+
+    with model_parallel():
+        messages["detach_without_depths"] = error_of(lambda: make_config(0, detach=True))
+        messages["repeated_without_depths"] = error_of(lambda: make_config(0, repeated=True))
+        messages["negative_weight"] = error_of(
+            lambda: make_config(2).__class__(**{**vars(make_config(2)), "mtp_loss_scaling_factor": -1.0}))
+
+        model = build_gpt(make_config(2, detach=True), VOCAB, SEQ)
+        input_ids, labels, mask, _ = padded_batch()
+        positions = torch.arange(SEQ).unsqueeze(0).expand_as(input_ids)
+        STEP_STATISTICS.reset()
+        messages["mask_shape"] = error_of(
+            lambda: model(input_ids, positions, None, labels=labels, loss_mask=mask[:, :-1]))
+        messages["statistics_untouched"] = STEP_STATISTICS.reduced() is None
+
+        from megatron.core.fork.mtp import isolation
+
+        model.output_layer.bias = torch.nn.Parameter(torch.zeros(VOCAB))
+        messages["trainable_bias"] = error_of(lambda: isolation.setup_model(model))
+    return messages
+
+
+def labels_derived_from_input_ids() -> dict:
+    """No labels (an RL/SFT backbone owns the main loss): the model returns logits and its
+    MTP heads train on targets derived from input_ids, as with labels = ids shifted by one."""
+    with model_parallel():
+        torch.manual_seed(3)
+        model = build_gpt(make_config(2, detach=True), VOCAB, SEQ)
+        input_ids, _, mask, _ = padded_batch()
+        positions = torch.arange(SEQ).unsqueeze(0).expand_as(input_ids)
+        model.train()
+        multi_token_prediction.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        STEP_STATISTICS.reset()
+        logits = model(input_ids, positions, None, labels=None, loss_mask=mask)
+        derived_sums = STEP_STATISTICS.reduced()
+        logits.sum().backward()
+        mtp_grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("mtp.")}
+
+        labels = torch.zeros_like(input_ids)
+        labels[:, :-1] = input_ids[:, 1:]
+        explicit_mask = mask.clone()
+        explicit_mask[:, -1] = 0.0
+        got = run_megatron(model, input_ids, labels, explicit_mask, None)
+        return {
+            "logits_shape": list(logits.shape),
+            "sums_equal": bool(torch.allclose(derived_sums, got["sums"], rtol=1e-6, atol=0)),
+            "mtp_grads_equal": all(torch.allclose(mtp_grads[n], got["grads"][n], rtol=1e-5, atol=1e-7)
+                                   for n in mtp_grads),
+        }
+
+
+def model_suite() -> dict:
+    return {
+        "matrix": reference_matrix(),
+        "isolation": isolation_leaves_the_backbone_alone(),
+        "refusals": refusals(),
+        "derived_labels": labels_derived_from_input_ids(),
+    }

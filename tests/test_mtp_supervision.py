@@ -1,0 +1,67 @@
+"""Depth targets and masks, position by position, on hand-built examples (spec section 3)."""
+
+import pytest
+import torch
+
+from megatron.core.fork.mtp.statistics import metrics_from_sums
+from megatron.core.fork.mtp.supervision import depth_targets, effective_mask, next_token_labels
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+def packed(lengths):
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
+def test_padded_rows_by_hand():
+    # row 0: 6 tokens, holes at targets 1 and 3; row 1: 3 real tokens then padding (short:
+    # fewer than k + 2 tokens for k = 2).
+    labels = torch.tensor([[11, 12, 13, 14, 15, 0], [21, 22, 0, 0, 0, 0]])
+    mask = torch.tensor([[1., 0., 1., 0., 1., 0.], [1., 1., 0., 0., 0., 0.]])
+    got = {k: (l.tolist(), m.tolist()) for k, l, m in depth_targets(labels, mask, 2)}
+    assert got[1] == ([[12, 13, 14, 15, 0, 0], [22, 0, 0, 0, 0, 0]],
+                      [[0., 1., 0., 1., 0., 0.], [1., 0., 0., 0., 0., 0.]])
+    assert got[2] == ([[13, 14, 15, 0, 0, 0], [0, 0, 0, 0, 0, 0]],
+                      [[1., 0., 1., 0., 0., 0.], [0., 0., 0., 0., 0., 0.]])
+
+
+def test_packed_row_whose_segments_end_mid_row_by_hand():
+    # segments [0, 3), [3, 5), [5, 8); no target crosses a boundary at any depth.
+    labels = torch.tensor([[1, 2, 0, 4, 0, 6, 7, 0]])
+    mask = torch.tensor([[1., 1., 0., 1., 0., 1., 1., 0.]])
+    got = {k: (l.tolist(), m.tolist()) for k, l, m in depth_targets(labels, mask, 2, packed([3, 2, 3]))}
+    assert got[1] == ([[2, 0, 0, 0, 0, 7, 0, 0]], [[1., 0., 0., 0., 0., 1., 0., 0.]])
+    assert got[2] == ([[0, 0, 0, 0, 0, 0, 0, 0]], [[0., 0., 0., 0., 0., 0., 0., 0.]])
+
+
+def test_labels_from_input_ids_stop_at_segment_ends():
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    labels, has_next = next_token_labels(ids, packed([2, 3]))
+    assert labels.tolist() == [[6, 0, 8, 9, 0]]
+    assert has_next.tolist() == [[1., 0., 1., 1., 0.]]
+    labels, has_next = next_token_labels(ids)
+    assert labels.tolist() == [[6, 7, 8, 9, 0]] and has_next.tolist() == [[1., 1., 1., 1., 0.]]
+
+
+def test_sample_mask_drops_whole_samples():
+    token = torch.tensor([[1., 0., 1.], [1., 1., 1.]])
+    assert effective_mask(token, torch.tensor([1, 0])).tolist() == [[1., 0., 1.], [0., 0., 0.]]
+    with pytest.raises(ValueError, match="sample mask must be"):
+        effective_mask(token, torch.tensor([1, 0, 1]))
+    with pytest.raises(ValueError, match="token mask must be"):
+        effective_mask(token[0])
+
+
+def test_metrics_from_sums_are_ratios_of_sums_with_the_bonus_token():
+    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0], [4.0, 2.0, 1.0, 1.0]], dtype=torch.float64)
+    metrics = metrics_from_sums(sums)
+    assert metrics["mtp_1 loss"] == 1.5 and metrics["mtp_2 loss"] == 2.0
+    assert metrics["mtp_1 acceptance"] == 0.75 and metrics["mtp_2 chain acceptance"] == 0.5
+    assert metrics["expected accepted length (incl. bonus token)"] == 1 + 0.75 + 0.5
+
+
+def test_a_depth_without_valid_positions_reports_zero_not_nan():
+    metrics = metrics_from_sums(torch.zeros(2, 4, dtype=torch.float64))
+    assert all(v == v for v in metrics.values())  # no NaN
+    assert metrics["expected accepted length (incl. bonus token)"] == 1.0
