@@ -26,6 +26,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--mtp-num-layers", type=int, default=1, help="MTP depths D (0 disables MTP)")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="lambda of the MTP loss")
+    g.add_argument("--mtp-detach-heads", action="store_true",
+                   help="isolate the MTP heads: no MTP gradient reaches the backbone, embedding or output "
+                        "weight (depth chain stays connected); MTP parameters get their own grad norm")
+    g.add_argument("--mtp-use-repeated-layer", action="store_true",
+                   help="apply one MTP layer (mtp.layers.0) at every depth")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="local: megatron-core layers with SDPA attention (any device)")
     g = p.add_argument_group("parallelism")
@@ -53,6 +59,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         if remainder or per_stage % args.num_layers_per_virtual_pipeline_stage:
             p.error("--num-layers must split evenly into pipeline stages and virtual stages")
     return args
+
+
+def format_log_line(iteration: int, total: int, result: dict, seconds_per_iter: float) -> str:
+    parts = [f"iteration {iteration:5d}/{total}", f"lm loss {result['loss']:.4f}"]
+    depth = 1
+    while f"mtp_{depth} loss" in result:
+        parts.append(f"mtp_{depth} loss {result[f'mtp_{depth} loss']:.4f} "
+                     f"acc {result[f'mtp_{depth} acceptance']:.3f} "
+                     f"chain {result[f'mtp_{depth} chain acceptance']:.3f}")
+        depth += 1
+    if depth > 1:
+        parts.append(f"accepted length (incl. bonus) {result['expected accepted length (incl. bonus token)']:.3f}")
+    parts.append(f"grad norm {result['grad_norm']:.3f}")
+    if "mtp" in result["grad_norms"]:
+        parts.append(f"mtp grad norm {result['grad_norms']['mtp']:.3f}")
+    parts += [f"tokens {result['tokens']}", f"{seconds_per_iter:.3f} s/iter"]
+    return " | ".join(parts)
 
 
 def main(argv=None) -> int:
@@ -87,6 +110,8 @@ def main(argv=None) -> int:
         num_attention_heads=args.num_attention_heads,
         mtp_num_layers=args.mtp_num_layers or None,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+        mtp_detach_heads=args.mtp_detach_heads,
+        mtp_use_repeated_layer=args.mtp_use_repeated_layer,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -100,7 +125,8 @@ def main(argv=None) -> int:
     )
     chunks = build_model(config, BYTE_VOCAB_SIZE, args.seq_length,
                          use_distributed_optimizer=args.use_distributed_optimizer,
-                         use_transformer_engine=args.transformer_impl == "transformer_engine")
+                         use_transformer_engine=args.transformer_impl == "transformer_engine",
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad, bf16=args.bf16,
                         params_dtype=dtype, use_distributed_optimizer=args.use_distributed_optimizer),
@@ -121,9 +147,8 @@ def main(argv=None) -> int:
         result = train_step(chunks, optimizer, rank_microbatches(tokens, loss_mask, args.micro_batch_size),
                             args.seq_length)
         if rank0 and (step % args.log_interval == 0 or step == args.train_iters - 1):
-            print(f"iteration {step + 1:5d}/{args.train_iters} | lm loss {result['loss']:.4f} | "
-                  f"grad norm {result['grad_norm']:.3f} | tokens {result['tokens']} | "
-                  f"{(time.perf_counter() - start) / (step + 1):.3f} s/iter", flush=True)
+            print(format_log_line(step + 1, args.train_iters, result, (time.perf_counter() - start) / (step + 1)),
+                  flush=True)
     if args.save:
         save_checkpoint(args.save, chunks, optimizer)
         if rank0:

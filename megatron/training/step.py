@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
@@ -37,8 +38,10 @@ def train_step(chunks, optimizer, microbatches: list, seq_length: int, forward_s
     """Forward/backward over this rank's micro-batches, then one optimizer step.
 
     Returns the step's token-weighted loss over all data-parallel ranks (the same on every
-    rank), the gradient norm, and whether the optimizer skipped the step.
+    rank), the gradient norm of each group ("grad_norm" is the main group's), whether the
+    optimizer skipped the step, and the exact per-depth MTP metrics and their sums.
     """
+    STEP_STATISTICS.reset()
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -56,13 +59,31 @@ def train_step(chunks, optimizer, microbatches: list, seq_length: int, forward_s
     totals = torch.zeros(2, device=compute_device.current_device())
     for entry in losses:  # only the last pipeline stage has entries
         totals += entry["lm loss"]
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-    dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
-    loss_sum, tokens = totals.tolist()
-    return {
+    loss_sum, tokens = last_stage_sum(totals).tolist()
+    result = {
         "loss": loss_sum / tokens if tokens else 0.0,
         "tokens": int(tokens),
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "grad_norms": {name: float(norm) for name, norm in getattr(optimizer, "grad_norms_by_group", {}).items()},
         "skipped": not update_successful,
     }
+    mtp_depths = chunks[0].config.mtp_num_layers
+    if mtp_depths:
+        local = STEP_STATISTICS.reduced()
+        if local is None:
+            local = torch.zeros(mtp_depths, 4, dtype=torch.float64, device=compute_device.current_device())
+        sums = last_stage_sum(local)
+        result["mtp_sums"] = sums.tolist()
+        result.update(metrics_from_sums(sums))
+    return result
+
+
+def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
+    """Sum over data-parallel ranks of what the last pipeline stage holds, on every rank."""
+    total = local.clone()
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    else:
+        total.zero_()
+    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return total

@@ -35,6 +35,9 @@ class Setup:
     lr: float = 1e-2
     clip_grad: float = 1.0
     data_seed: int = 7
+    mtp_detach_heads: bool = False
+    mtp_use_repeated_layer: bool = False
+    tied: bool = False
 
 
 def build(setup: Setup, vpp: int | None = None):
@@ -45,6 +48,8 @@ def build(setup: Setup, vpp: int | None = None):
         hidden_size=setup.hidden_size,
         num_attention_heads=setup.num_heads,
         mtp_num_layers=setup.mtp_num_layers or None,
+        mtp_detach_heads=setup.mtp_detach_heads,
+        mtp_use_repeated_layer=setup.mtp_use_repeated_layer,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -57,7 +62,8 @@ def build(setup: Setup, vpp: int | None = None):
         calculate_per_token_loss=True,
     )
     chunks = build_model(config, setup.vocab_size, setup.seq_length,
-                         use_distributed_optimizer=setup.distributed_optimizer)
+                         use_distributed_optimizer=setup.distributed_optimizer,
+                         share_embeddings_and_output_weights=setup.tied)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=setup.lr, clip_grad=setup.clip_grad, bf16=setup.bf16,
                         params_dtype=dtype, use_distributed_optimizer=setup.distributed_optimizer),

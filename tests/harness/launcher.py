@@ -50,23 +50,26 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def launch(body: str, world_size: int, args: dict | None = None, timeout: float = 300.0,
-           tmp_dir: Path | None = None, use_gpus: bool = False) -> list:
+           tmp_dir: Path | None = None, use_gpus: bool = False, pythonpath_first: str | None = None,
+           check_build: bool = True) -> list:
     """Run `body` ("package.module:function") on every rank; return each rank's return value.
 
     The body is called as function(**args) after torch.distributed (gloo) is up; it sets
     up whatever model-parallel layouts it needs (see tests.harness.layout). Ranks run on
-    the CPU with gloo unless `use_gpus` (one GPU per rank, NCCL).
+    the CPU with gloo unless `use_gpus` (one GPU per rank, NCCL). `pythonpath_first` puts
+    another megatron-core tree ahead of the installed one (then pass check_build=False).
     """
     with tempfile.TemporaryDirectory(dir=tmp_dir) as scratch:
         scratch = Path(scratch)
         spec = scratch / "spec.json"
-        spec.write_text(json.dumps({"body": body, "args": args or {}}))
+        spec.write_text(json.dumps({"body": body, "args": args or {}, "check_build": check_build}))
         port = free_port()
         procs, logs = [], []
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+                       OMP_NUM_THREADS="1",
+                       PYTHONPATH=os.pathsep.join(p for p in (pythonpath_first, str(REPO_ROOT)) if p))
             if not use_gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ""
             log = scratch / f"rank{rank}.log"

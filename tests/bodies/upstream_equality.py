@@ -1,0 +1,73 @@
+"""Isolation off: the fork's MTP forward (per-position logits and losses) equals upstream's.
+
+`capture` runs in two processes on identical weights and data: one with this checkout's
+patched megatron-core, one with pristine 0.16.1 plus only the device-neutral patch 0001
+(which upstream needs to run on CPU and which does not touch MTP). Both build upstream's
+own local layer spec.
+"""
+
+import torch
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer import multi_token_prediction
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.harness.layout import model_parallel
+
+VOCAB, SEQ = 48, 12
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(1, VOCAB, (3, SEQ + 1), generator=g)
+    mask = (torch.rand(3, SEQ, generator=g) > 0.3).float()
+    mask[2, 4:] = 0.0
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
+
+
+def capture_cases(out_dir: str, side: str, cases: list) -> dict:
+    """Each case is [depths, tied]; the "ours" side saves the weights the other side loads."""
+    import megatron.core
+
+    for depths, tied in cases:
+        name = f"D{depths}-{'tied' if tied else 'untied'}"
+        capture(f"{out_dir}/{side}-{name}.pt", f"{out_dir}/weights-{name}.pt", side == "ours", depths, tied)
+    return {"core": megatron.core.__file__}
+
+
+def capture(out_file: str, weights_file: str, save_weights: bool, depths: int, tied: bool) -> None:
+    with model_parallel():
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, mtp_num_layers=depths,
+                                   mtp_loss_scaling_factor=0.3, hidden_dropout=0.0, attention_dropout=0.0,
+                                   use_cpu_initialization=True, calculate_per_token_loss=True)
+        spec = get_gpt_layer_local_spec()
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                         position_embedding_type="rope", share_embeddings_and_output_weights=tied,
+                         mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+        if save_weights:
+            torch.save(model.state_dict(), weights_file)
+        model.load_state_dict(torch.load(weights_file, weights_only=False))
+        model.train()
+
+        terms, logits = [], []
+        scale = config.mtp_loss_scaling_factor / depths
+        original = multi_token_prediction.MTPLossAutoScaler.apply  # bound classmethod
+
+        def recording_apply(hidden, loss):
+            terms.append((loss.detach() / scale).tolist())
+            return original(hidden, loss)
+
+        multi_token_prediction.MTPLossAutoScaler.apply = staticmethod(recording_apply)
+        hook = model.output_layer.register_forward_hook(
+            lambda m, a, out: logits.append(out[0].detach().transpose(0, 1).tolist()))
+        # Upstream's loss tracker keeps a tensor sized for the first D it saw in this process.
+        multi_token_prediction.MTPLossLoggingHelper.tracker.clear()
+        input_ids, labels, mask = _batch()
+        positions = torch.arange(SEQ).unsqueeze(0).expand_as(input_ids)
+        try:
+            main = model(input_ids, positions, None, labels=labels, loss_mask=mask)
+        finally:
+            del multi_token_prediction.MTPLossAutoScaler.apply  # back to autograd.Function's
+            hook.remove()
+        result = {"mtp_losses": terms, "logits": logits, "main": main.detach().tolist()}
+        torch.save(result, out_file)
