@@ -58,3 +58,17 @@ def test_isolation_reports_a_separate_mtp_norm(runs):
     assert set(reference["attached_D2"]["grad_norms"]) == {"main"}
     assert set(reference["isolated_D3"]["grad_norms"]) == {"main", "mtp"}
     assert reference["isolated_D3"]["grad_norm"] == reference["isolated_D3"]["grad_norms"]["main"]
+
+
+def test_each_group_is_measured_and_clipped_by_its_own_norm(runs):
+    """Independent norms of the gradients by group; clip_grad = 1 clips the main group
+    (norm > 1) to 1 and leaves the small MTP group untouched (one global norm would
+    shrink both)."""
+    reference, _ = runs
+    result = reference["isolated_D3"]
+    before, after = result["independent_group_norms"]["before_clip"], result["independent_group_norms"]["after_clip"]
+    assert rel(result["grad_norms"]["main"], before["main"]) < TOL
+    assert rel(result["grad_norms"]["mtp"], before["mtp"]) < TOL
+    assert before["main"] > 1.0 > before["mtp"] > 0
+    assert rel(after["main"], 1.0) < TOL
+    assert rel(after["mtp"], before["mtp"]) < TOL

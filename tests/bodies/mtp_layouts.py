@@ -58,18 +58,34 @@ def gathered_grad_norms(chunks) -> dict:
     return {name: total ** 0.5 for name, (_, total) in combined.items()}
 
 
-def one_step(setup: Setup, chunks, optimizer) -> dict:
+def group_norms_of_grads(chunks) -> dict:
+    """Norm of the (unsharded, one-process) gradients of MTP and of all other parameters."""
+    squares = {"main": 0.0, "mtp": 0.0}
+    for chunk in chunks:
+        for name, param in chunk.module.named_parameters():
+            squares["mtp" if name.startswith("mtp.") else "main"] += float(param.main_grad.double().pow(2).sum())
+    return {group: total ** 0.5 for group, total in squares.items()}
+
+
+def one_step(setup: Setup, chunks, optimizer, one_process: bool = False) -> dict:
     captured = {}
     original_step = optimizer.step
 
     def step_after_capture():
         captured["grads"] = gathered_grad_norms(chunks)  # gradients are final (finalize ran)
-        return original_step()
+        if one_process:
+            captured["before_clip"] = group_norms_of_grads(chunks)
+        outcome = original_step()
+        if one_process:
+            captured["after_clip"] = group_norms_of_grads(chunks)
+        return outcome
 
     optimizer.step = step_after_capture
     result = train_step(setup, chunks, optimizer, 0)
     optimizer.step = original_step
     result["param_grad_norms"] = captured["grads"]
+    if one_process:
+        result["independent_group_norms"] = {k: captured[k] for k in ("before_clip", "after_clip")}
     return result
 
 
@@ -80,7 +96,7 @@ def reference(ckpt_root: str) -> dict:
             setup = Setup(**kwargs)
             chunks, optimizer, _ = build(setup)
             save_checkpoint(f"{ckpt_root}/{name}", chunks)
-            out[name] = one_step(setup, chunks, optimizer)
+            out[name] = one_step(setup, chunks, optimizer, one_process=True)
     return out
 
 
