@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def format_log_line(iteration: int, total: int, result: dict, seconds_per_iter: float) -> str:
-    parts = [f"iteration {iteration:5d}/{total}", f"lm loss {result['loss']:.4f}"]
+    parts = [f"iteration {iteration:5d}/{total}", f"lm loss {result['lm loss']:.4f}"]
     depth = 1
     while f"mtp_{depth} loss" in result:
         parts.append(f"mtp_{depth} loss {result[f'mtp_{depth} loss']:.4f} "
@@ -71,9 +71,11 @@ def format_log_line(iteration: int, total: int, result: dict, seconds_per_iter: 
         depth += 1
     if depth > 1:
         parts.append(f"accepted length (incl. bonus) {result['expected accepted length (incl. bonus token)']:.3f}")
-    parts.append(f"grad norm {result['grad_norm']:.3f}")
-    if "mtp" in result["grad_norms"]:
-        parts.append(f"mtp grad norm {result['grad_norms']['mtp']:.3f}")
+    parts.append(f"grad norm {result['grad norm']:.3f}")
+    if "mtp grad norm" in result:
+        parts.append(f"mtp grad norm {result['mtp grad norm']:.3f}")
+    if result["skipped"]:
+        parts.append("step skipped (overflow)")
     parts += [f"tokens {result['tokens']}", f"{seconds_per_iter:.3f} s/iter"]
     return " | ".join(parts)
 

@@ -46,8 +46,8 @@ def test_reference_trains(runs):
     single, _ = runs
     for key in ("fp32_mtp0", "fp32_mtp2"):
         steps = single["reference"][key]
-        assert all(s["loss"] == s["loss"] and s["grad_norm"] > 0 for s in steps)
-        assert steps[-1]["loss"] < steps[0]["loss"] + 0.1  # sane, not diverging
+        assert all(s["lm loss"] == s["lm loss"] and s["grad norm"] > 0 for s in steps)
+        assert steps[-1]["lm loss"] < steps[0]["lm loss"] + 0.1  # sane, not diverging
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
@@ -60,22 +60,22 @@ def test_layout_matches_single_process(runs, case):
         got = rank_result[case["name"]]
         assert got["dp"] == expected_dp
         for step, (g, r) in enumerate(zip(got["steps"], reference)):
-            assert rel(g["loss"], r["loss"]) < LAYOUT_TOL, (step, g, r)
-            assert rel(g["grad_norm"], r["grad_norm"]) < LAYOUT_TOL, (step, g, r)
+            assert rel(g["lm loss"], r["lm loss"]) < LAYOUT_TOL, (step, g, r)
+            assert rel(g["grad norm"], r["grad norm"]) < LAYOUT_TOL, (step, g, r)
 
 
 def test_mtp_changes_the_gradients(runs):
     """Guards the comparisons above: with and without MTP must not look alike."""
     single, _ = runs
     with_mtp, without = single["reference"]["fp32_mtp2"], single["reference"]["fp32_mtp0"]
-    assert rel(with_mtp[0]["grad_norm"], without[0]["grad_norm"]) > 1e-2
+    assert rel(with_mtp[0]["grad norm"], without[0]["grad norm"]) > 1e-2
 
 
 def test_bf16_mixed_precision_tracks_fp32(runs):
     single, _ = runs
     bf16, fp32 = single["reference"]["bf16_mtp2"], single["reference"]["fp32_mtp2"]
     for b, f in zip(bf16, fp32):
-        assert rel(b["loss"], f["loss"]) < BF16_TOL
+        assert rel(b["lm loss"], f["lm loss"]) < BF16_TOL
     assert bf16 != fp32  # it really ran in reduced precision
 
 

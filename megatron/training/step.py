@@ -1,8 +1,8 @@
-"""One optimizer step through megatron-core's schedules, and its globally reduced loss.
+"""One optimizer step of the trainer: a split step (megatron.core.fork.split_step) with one chunk.
 
-The loss function follows megatron-core's `calculate_per_token_loss` convention: it
-returns the raw loss sum and the valid-token count of its micro-batch, and
-finalize_model_grads divides every gradient once by the step's global token count.
+The step's batch is known, so its global counts (valid main tokens and sequences) are
+all-reduced once up front and every loss branch is seeded with its exact global scale
+(spec section 4). An RL or SFT controller drives the same SplitStep with several chunks.
 """
 
 from functools import partial
@@ -12,18 +12,11 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
-from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.fork.normalization import StepCounts, main_loss
+from megatron.core.fork.split_step import SplitStep
 
 
-def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = (per_token_loss.float().reshape(-1) * mask).sum()
-    count = mask.sum().to(torch.int)
-    return loss_sum, count, {"lm loss": torch.stack([loss_sum.detach(), count.detach().float()])}
-
-
-def gpt_forward_step(data_iterator, model):
+def gpt_forward_step(data_iterator, model, main_loss_level: str = "token"):
     """Micro-batch = (tokens [b, s+1], loss_mask [b, s]); targets are tokens shifted by one."""
     tokens, loss_mask = next(data_iterator)
     device = compute_device.current_device()
@@ -31,59 +24,30 @@ def gpt_forward_step(data_iterator, model):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1), device=device).unsqueeze(0).expand_as(inputs)
     output = model(inputs, positions, None, labels=labels, loss_mask=loss_mask)
-    return output, partial(masked_token_loss, loss_mask)
+    return output, partial(_loss, loss_mask, main_loss_level)
 
 
-def train_step(chunks, optimizer, microbatches: list, seq_length: int, forward_step=gpt_forward_step) -> dict:
-    """Forward/backward over this rank's micro-batches, then one optimizer step.
-
-    Returns the step's token-weighted loss over all data-parallel ranks (the same on every
-    rank), the gradient norm of each group ("grad_norm" is the main group's), whether the
-    optimizer skipped the step, and the exact per-depth MTP metrics and their sums.
-    """
-    STEP_STATISTICS.reset()
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    iterators = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators,
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=microbatches[0][0].size(0),
-        forward_only=False,
-    )
-    update_successful, grad_norm, _ = optimizer.step()
-    totals = torch.zeros(2, device=compute_device.current_device())
-    for entry in losses:  # only the last pipeline stage has entries
-        totals += entry["lm loss"]
-    loss_sum, tokens = last_stage_sum(totals).tolist()
-    result = {
-        "loss": loss_sum / tokens if tokens else 0.0,
-        "tokens": int(tokens),
-        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "grad_norms": {name: float(norm) for name, norm in getattr(optimizer, "grad_norms_by_group", {}).items()},
-        "skipped": not update_successful,
-    }
-    mtp_depths = chunks[0].config.mtp_num_layers
-    if mtp_depths:
-        local = STEP_STATISTICS.reduced()
-        if local is None:
-            local = torch.zeros(mtp_depths, 4, dtype=torch.float64, device=compute_device.current_device())
-        sums = last_stage_sum(local)
-        result["mtp_sums"] = sums.tolist()
-        result.update(metrics_from_sums(sums))
-    return result
+def _loss(loss_mask, level, per_token_loss):
+    return main_loss(per_token_loss, loss_mask, level)
 
 
-def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
-    """Sum over data-parallel ranks of what the last pipeline stage holds, on every rank."""
-    total = local.clone()
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    else:
-        total.zero_()
-    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    return total
+def global_counts(microbatches: list) -> StepCounts:
+    """The step's counts over all data-parallel ranks: one small all-reduce."""
+    local = torch.zeros(2, dtype=torch.float64, device=compute_device.current_device())
+    for _, loss_mask in microbatches:
+        per_sequence = loss_mask.reshape(loss_mask.size(0), -1).sum(dim=1)
+        local += torch.stack([per_sequence.sum(), (per_sequence > 0).sum()]).double().to(local.device)
+    dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+    tokens, sequences = local.tolist()
+    return StepCounts(tokens=int(tokens), sequences=int(sequences))
+
+
+def train_step(chunks, optimizer, microbatches: list, seq_length: int, main_loss_level: str = "token",
+               counts_up_front: bool = True) -> dict:
+    """Forward/backward over this rank's micro-batches, then one optimizer step; the step's
+    exact metrics (see SplitStep.finish), the same on every rank."""
+    step = SplitStep(chunks, optimizer, partial(gpt_forward_step, main_loss_level=main_loss_level),
+                     seq_length, main_loss=main_loss_level)
+    step.begin(global_counts(microbatches) if counts_up_front else None)
+    step.accumulate(microbatches)
+    return step.finish()

@@ -8,6 +8,7 @@ by lambda / D so that the step's normalization can be exact (spec section 4).
 
 import torch
 
+from megatron.core.fork import normalization
 from megatron.core.fork.mtp import isolation
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, vocab_parallel_argmax
 from megatron.core.fork.mtp.supervision import check_shapes, depth_targets, next_token_labels
@@ -17,14 +18,15 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):
     """Backward weight of a depth's raw masked CE sum.
 
-    calculate_per_token_loss: lambda / D on raw sums; finalize_model_grads divides every
-    gradient once by the step's global main-token count N_tok, which gives the spec's
-    (lambda / D) * S_k / N_tok exactly. Otherwise (each micro-batch normalized by its own
+    calculate_per_token_loss: lambda / D on raw sums, and the active step's normalization
+    (megatron.core.fork.normalization) makes the division by the global N_tok exact,
+    either here (counts up front) or after the gradient reduce. Otherwise (each micro-batch normalized by its own
     counts, upstream's default mode) the micro-batch's main-token count stands in for N_tok.
     """
     weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
     if config.calculate_per_token_loss:
-        return weight
+        # Inside a step with counts given up front, the exact global 1/N_tok is applied here.
+        return weight * normalization.mtp_backward_scale()
     return weight / torch.clamp(main_valid_tokens, min=1)
 
 

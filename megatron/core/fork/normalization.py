@@ -1,0 +1,144 @@
+"""Exact global normalization of every loss branch for one optimizer step (spec section 4).
+
+    L = L_main + (lambda / D) * sum_k S_k / N_tok
+
+L_main is token-level (sum CE / N_tok) or sequence-level (mean over the N_seq valid
+sequences of each sequence's token mean). The denominators are global: all micro-batches,
+chunks and data-parallel ranks of the step. This builds on megatron-core's
+``calculate_per_token_loss`` mode, where losses are raw sums and finalize_model_grads
+divides once; an active ``StepNormalization`` decides what that division is:
+
+- counts given up front (``StepCounts``): each branch is seeded with its exact global
+  scale (main loss by 1/N_main, MTP by 1/N_tok) and finalize divides by nothing more.
+  Exact for every mode.
+- counts known only at the end: raw sums; after the reduce, main-loss gradients are
+  divided by N_main and MTP-only parameters by N_tok. Exact when the MTP heads are
+  isolated or when N_main = N_tok (token-level main loss). Isolation off with a
+  sequence-level main loss cannot be corrected afterwards and is refused up front.
+
+Without an active step, finalize_model_grads behaves as upstream (divide by its count).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
+
+TOKEN, SEQUENCE = "token", "sequence"
+MAIN_LOSS_LEVELS = (TOKEN, SEQUENCE)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Global counts of one step: valid next-token targets and sequences with at least one."""
+
+    tokens: int
+    sequences: int
+
+
+def count_targets(loss_mask: torch.Tensor) -> StepCounts:
+    """Counts of one batch [b, s] (sum them over ranks for the step's global counts)."""
+    per_sequence = loss_mask.reshape(loss_mask.size(0), -1).sum(dim=1)
+    return StepCounts(tokens=int(per_sequence.sum().item()), sequences=int((per_sequence > 0).sum().item()))
+
+
+class StepNormalization:
+    def __init__(self, main_loss: str, isolated: bool, counts: StepCounts | None):
+        if main_loss not in MAIN_LOSS_LEVELS:
+            raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {main_loss!r}")
+        if counts is None and main_loss == SEQUENCE and not isolated:
+            raise ValueError(
+                "a sequence-level main loss with attached MTP heads cannot be normalized exactly when "
+                "the step's counts are only known at the end (the shared parameters mix 1/N_seq and "
+                "1/N_tok terms). Either isolate the heads (--mtp-detach-heads) or pass the step's "
+                "global counts up front (begin(counts=StepCounts(tokens=..., sequences=...)))."
+            )
+        if counts is not None and (counts.tokens < 0 or counts.sequences < 0):
+            raise ValueError(f"step counts must be >= 0, got {counts}")
+        self.main_loss = main_loss
+        self.isolated = isolated
+        self.counts = counts  # up front, if given
+        self.final_counts: StepCounts | None = None  # observed and reduced at the end
+
+    def _main_count(self, counts: StepCounts) -> int:
+        return counts.tokens if self.main_loss == TOKEN else counts.sequences
+
+    def main_scale(self) -> float:
+        """Factor on the main loss's raw sum in the backward pass."""
+        return 1.0 / max(self._main_count(self.counts), 1) if self.counts else 1.0
+
+    def mtp_scale(self) -> float:
+        """Factor on each depth's raw (lambda / D)-weighted sum in the backward pass."""
+        return 1.0 / max(self.counts.tokens, 1) if self.counts else 1.0
+
+    def normalize_reduced_gradients(self, model_chunk) -> None:
+        """After the gradient reduce: what is left to divide (nothing if seeded up front)."""
+        if self.counts is not None:
+            return
+        if self.final_counts is None:
+            raise RuntimeError("the step's counts were not reduced before finalize_model_grads")
+        main = max(self._main_count(self.final_counts), 1)
+        model_chunk.scale_gradients(1.0 / main)
+        if self.main_loss == TOKEN:
+            return  # N_main = N_tok: every branch is already exact
+        correction = main / max(self.final_counts.tokens, 1)
+        for param in model_chunk.parameters():
+            if getattr(param, "grad_norm_group", None) == MTP_GRAD_NORM_GROUP and param.requires_grad:
+                grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+                if grad is not None:
+                    grad.mul_(correction)
+
+
+_ACTIVE: StepNormalization | None = None
+
+
+def active() -> StepNormalization | None:
+    return _ACTIVE
+
+
+def activate(normalization: StepNormalization) -> None:
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("a training step is already in progress; finish() or abort() it first")
+    _ACTIVE = normalization
+
+
+def deactivate() -> None:
+    global _ACTIVE
+    _ACTIVE = None
+
+
+def mtp_backward_scale() -> float:
+    return _ACTIVE.mtp_scale() if _ACTIVE is not None else 1.0
+
+
+def normalize_gradients(model_chunk, num_tokens: torch.Tensor) -> None:
+    """finalize_model_grads' division (hook). Upstream: divide by the reduced count."""
+    if _ACTIVE is not None:
+        _ACTIVE.normalize_reduced_gradients(model_chunk)
+    elif num_tokens > 0:
+        model_chunk.scale_gradients(1.0 / num_tokens)
+
+
+def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, level: str = TOKEN):
+    """A loss function for megatron-core's calculate_per_token_loss mode.
+
+    Returns (backward tensor, count, report): the raw main-loss sum (token-level: sum of
+    masked CE; sequence-level: sum over sequences with valid targets of their token mean)
+    times the active step's main scale, the micro-batch's main count, and the sums that
+    reduce exactly into metrics: [main sum, valid tokens, valid sequences].
+    """
+    mask = loss_mask.reshape(loss_mask.size(0), -1).float()
+    losses = per_token_loss.float().reshape(mask.shape) * mask
+    per_sequence_tokens = mask.sum(dim=1)
+    tokens, sequences = per_sequence_tokens.sum(), (per_sequence_tokens > 0).sum().float()
+    if level == TOKEN:
+        raw, count = losses.sum(), tokens
+    elif level == SEQUENCE:
+        raw, count = (losses.sum(dim=1) / per_sequence_tokens.clamp(min=1)).sum(), sequences
+    else:
+        raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {level!r}")
+    scale = _ACTIVE.main_scale() if _ACTIVE is not None else 1.0
+    report = torch.stack([raw.detach(), tokens.detach(), sequences.detach()])
+    return raw * scale, count.to(torch.int), {"main loss sums": report}

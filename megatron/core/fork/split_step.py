@@ -1,0 +1,184 @@
+"""One optimizer step, driven as begin -> accumulate(chunk) x n -> finish (or abort).
+
+An RL or SFT controller that sends a step in chunks calls ``accumulate`` once per chunk;
+a plain trainer calls it once. Chunks run forward/backward through megatron-core's own
+schedules (``get_forward_backward_func``) on raw loss sums, with gradient
+synchronisation and finalize_model_grads held back; ``finish`` reduces the step's counts
+once, runs finalize_model_grads once (which reduces the gradients and applies the exact
+normalization of megatron.core.fork.normalization), clips each gradient-norm group by its
+own norm, steps the optimizer and returns the step's exact metrics.
+
+Requires ``calculate_per_token_loss=True`` and a forward step whose loss function is
+``normalization.main_loss`` (or returns the same triple). Not thread-safe: one step per
+process at a time.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.fork import device as compute_device
+from megatron.core.fork import normalization
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+# What a step overrides on the model config while it runs, restored by finish and abort.
+_CONFIG_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func")
+
+
+def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
+    """Sum over data-parallel ranks of what the last pipeline stage holds, on every rank."""
+    total = local.clone()
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    else:
+        total.zero_()
+    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return total
+
+
+def _no_sync_inside_step():
+    return contextlib.nullcontext()
+
+
+class SplitStep:
+    def __init__(self, model_chunks, optimizer, forward_step_func, seq_length: int, main_loss: str = "token"):
+        self.chunks = list(model_chunks)
+        self.optimizer = optimizer
+        self.forward_step_func = forward_step_func
+        self.seq_length = seq_length
+        self.main_loss = main_loss
+        self.config = self.chunks[0].config
+        self._saved_hooks = None
+        self._no_sync = None
+        self._normalization = None
+        self._main_sums = None
+        self._mtp_loss_scale = None
+
+    @property
+    def in_progress(self) -> bool:
+        return self._normalization is not None
+
+    def begin(self, counts: "normalization.StepCounts | None" = None) -> None:
+        """Start a step. `counts`: the step's global StepCounts, if known (exact in every mode)."""
+        if self.in_progress:
+            raise RuntimeError("this step is already in progress; finish() or abort() it first")
+        if not self.config.calculate_per_token_loss:
+            raise ValueError("split steps need calculate_per_token_loss=True (raw loss sums per micro-batch)")
+        step = normalization.StepNormalization(self.main_loss, bool(self.config.mtp_detach_heads), counts)
+        # Nothing has changed yet: everything above may refuse.
+        normalization.activate(step)
+        self._normalization = step
+        self._saved_hooks = {name: getattr(self.config, name) for name in _CONFIG_HOOKS}
+        self._mtp_loss_scale = MTPLossAutoScaler.main_loss_backward_scale
+        self.config.finalize_model_grads_func = None
+        self.config.no_sync_func = _no_sync_inside_step
+        self.config.grad_sync_func = None
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._no_sync = contextlib.ExitStack()
+        for chunk in self.chunks:
+            self._no_sync.enter_context(chunk.no_sync())
+        STEP_STATISTICS.reset()
+        self._main_sums = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
+
+    def accumulate(self, microbatches: list) -> None:
+        """Forward and backward over one chunk's micro-batches; raw sums, no gradient sync."""
+        if not self.in_progress:
+            raise RuntimeError("begin() the step before accumulate()")
+        if not microbatches:
+            return
+        try:
+            many = len(self.chunks) > 1
+            losses = get_forward_backward_func()(
+                forward_step_func=self.forward_step_func,
+                data_iterator=[iter(microbatches) for _ in self.chunks] if many else iter(microbatches),
+                model=self.chunks if many else self.chunks[0],
+                num_microbatches=len(microbatches),
+                seq_length=self.seq_length,
+                micro_batch_size=microbatches[0][0].size(0),
+                forward_only=False,
+            )
+            for entry in losses:  # the last pipeline stage's loss reports
+                self._main_sums += entry["main loss sums"].double()
+        except BaseException:
+            self.abort()
+            raise
+
+    def finish(self) -> dict:
+        """Reduce, normalize, clip and step once; return the step's metrics."""
+        if not self.in_progress:
+            raise RuntimeError("begin() the step before finish()")
+        try:
+            self._release_step_hooks()
+            mtp_depths = self.config.mtp_num_layers or 0
+            local = self._main_sums
+            if mtp_depths:
+                mtp = STEP_STATISTICS.reduced()
+                if mtp is None:
+                    mtp = torch.zeros(mtp_depths, 4, dtype=torch.float64, device=local.device)
+                local = torch.cat([local, mtp.flatten()])
+            totals = last_stage_sum(local)  # the step's one reduce of counts and metric sums
+            main_sum, tokens, sequences = totals[:3].tolist()
+            observed = normalization.StepCounts(tokens=int(round(tokens)), sequences=int(round(sequences)))
+            step = self._normalization
+            if step.counts is not None and step.counts != observed:
+                raise ValueError(
+                    f"the counts given to begin() ({step.counts}) differ from the step's data ({observed}); "
+                    "no optimizer step was taken"
+                )
+            step.final_counts = observed
+            main_count = local.new_tensor(self._main_sums[1 if self.main_loss == "token" else 2].item())
+            finalize_model_grads(self.chunks, num_tokens=main_count.to(torch.int))
+            update_successful, grad_norm, _ = self.optimizer.step()
+        except BaseException:
+            self.abort()
+            raise
+        self._end()
+        denominator = observed.tokens if self.main_loss == "token" else observed.sequences
+        result = {
+            "lm loss": main_sum / denominator if denominator else 0.0,
+            "tokens": observed.tokens,
+            "sequences": observed.sequences,
+            "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "grad norms": {k: float(v) for k, v in getattr(self.optimizer, "grad_norms_by_group", {}).items()}
+            if update_successful else {},
+            "skipped": not update_successful,
+        }
+        if "mtp" in result["grad norms"]:
+            result["mtp grad norm"] = result["grad norms"]["mtp"]
+        if mtp_depths:
+            sums = totals[3:].view(mtp_depths, 4)
+            result["mtp sums"] = sums.tolist()
+            result.update(metrics_from_sums(sums))
+        return result
+
+    def abort(self) -> None:
+        """Drop the step: gradients zeroed, hooks and scales as before begin(), no optimizer step."""
+        if not self.in_progress:
+            return
+        self._release_step_hooks()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._end()
+
+    def _release_step_hooks(self) -> None:
+        if self._no_sync is not None:
+            self._no_sync.close()
+            self._no_sync = None
+        if self._saved_hooks is not None:
+            for name, value in self._saved_hooks.items():
+                setattr(self.config, name, value)
+            self._saved_hooks = None
+
+    def _end(self) -> None:
+        MTPLossAutoScaler.set_loss_scale(self._mtp_loss_scale)
+        STEP_STATISTICS.reset()
+        normalization.deactivate()
+        self._normalization = None
