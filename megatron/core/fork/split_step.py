@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 # What a step overrides on the model config while it runs, restored by finish and abort.
-_CONFIG_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func")
+_CONFIG_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "grad_scale_func")
 
 
 def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
@@ -78,6 +78,10 @@ class SplitStep:
         self.config.finalize_model_grads_func = None
         self.config.no_sync_func = _no_sync_inside_step
         self.config.grad_sync_func = None
+        # The optimizer's (dynamic, for fp16) loss scale reaches the main loss through the
+        # schedules and every MTP depth through MTPLossAutoScaler; unscaling then restores
+        # each branch exactly (pinning a branch to 1 would leave it 1/S too small).
+        self.config.grad_scale_func = self.optimizer.scale_loss
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
