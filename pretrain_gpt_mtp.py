@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--mtp-use-repeated-layer", action="store_true",
                    help="apply one MTP layer (mtp.layers.0) at every depth")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--main-loss-level", choices=["token", "sequence"], default="token",
+                   help="main loss: mean over valid tokens of the step, or mean over valid sequences of "
+                        "each sequence's token mean (the MTP term is always normalized by the token count)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="local: megatron-core layers with SDPA attention (any device)")
     g = p.add_argument_group("parallelism")
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
     for step in range(args.train_iters):
         tokens, loss_mask = global_batch(corpus, args.global_batch_size, args.seq_length, args.seed, step)
         result = train_step(chunks, optimizer, rank_microbatches(tokens, loss_mask, args.micro_batch_size),
-                            args.seq_length)
+                            args.seq_length, main_loss_level=args.main_loss_level)
         if rank0 and (step % args.log_interval == 0 or step == args.train_iters - 1):
             print(format_log_line(step + 1, args.train_iters, result, (time.perf_counter() - start) / (step + 1)),
                   flush=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.fork import normalization
 
 
 def model_state(chunks) -> dict:
@@ -22,6 +23,11 @@ def model_state(chunks) -> dict:
 
 
 def save_checkpoint(path, chunks, optimizer=None) -> None:
+    if normalization.active() is not None:
+        raise RuntimeError(
+            "a training step is in progress (begin() without finish()/abort()); its gradients and "
+            "loss scaling are not part of a checkpoint. Finish or abort the step, then save."
+        )
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     if dist.get_rank() == 0:

@@ -235,8 +235,14 @@ def abort_restores(tokens, mask) -> dict:
     step = SplitStep(chunks, optimizer, lambda it, m: gpt_forward_step(it, m, "token"), SEQ)
     step.begin(StepCounts(**vars(global_counts(microbatches))))
     step.accumulate(microbatches[:2])
+    try:
+        save_checkpoint("/nonexistent/never-written", chunks, optimizer)
+        checkpoint_refused = False
+    except RuntimeError:
+        checkpoint_refused = True
     step.abort()
     clean = {
+        "checkpoint_refused_mid_step": checkpoint_refused,
         "grads_zero": all(g.abs().max().item() == 0 for g in local_grads(chunks).values()),
         "hooks_restored": hooks == (config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func),
         "scale_restored": MTPLossAutoScaler.main_loss_backward_scale is scale,
