@@ -2,9 +2,7 @@
 and every failure the issue names gives a clear error instead of a traceback."""
 
 import hashlib
-import io
 import os
-import shutil
 import subprocess
 import sys
 import tarfile

@@ -5,33 +5,13 @@ which upstream cannot run on CPU; it does not touch MTP), imported ahead of the 
 build. Per-position MTP losses of every depth and all logits must match to 1e-6.
 """
 
-import subprocess
-import tarfile
-
 import pytest
 import torch
 
-from megatron.training.patched_core import FORK_OWNED_DIR, REPO_ROOT, current_upstream_version, series_patches
+from megatron.training.patched_core import REPO_ROOT
 from tests.harness import launch
 
 pytestmark = pytest.mark.slow
-VERSION = current_upstream_version()
-
-
-@pytest.fixture(scope="module")
-def upstream_tree(tmp_path_factory):
-    sdist = REPO_ROOT / ".build" / "downloads" / f"megatron_core-{VERSION}.tar.gz"
-    root = tmp_path_factory.mktemp("upstream")
-    with tarfile.open(sdist) as archive:
-        archive.extractall(root, filter="data")
-    (tree,) = root.iterdir()
-    device_patch = series_patches(VERSION)[0]
-    assert "CUDA" in device_patch.name  # the device-neutral patch, and nothing else
-    subprocess.run(["git", "apply", str(device_patch)], cwd=tree, check=True)
-    (tree / "megatron" / "core" / "fork").symlink_to(FORK_OWNED_DIR)
-    return tree
-
-
 CASES = [(1, False), (2, True), (3, False)]
 
 

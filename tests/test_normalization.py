@@ -12,12 +12,8 @@ Tolerance: relative 1e-5 of each parameter's largest gradient magnitude (float32
 round-off; measured <= 1.4e-6); fp16 group-norm ratios within 1e-2 of 1.
 """
 
-import subprocess
-import tarfile
-
 import pytest
 
-from megatron.training.patched_core import FORK_OWNED_DIR, REPO_ROOT, current_upstream_version, series_patches
 from tests.harness import launch
 
 pytestmark = pytest.mark.slow
@@ -110,19 +106,6 @@ def test_parallel_layouts_match_the_reference(layouts):
     tokens = [rank["dp4/detach0/token/upfront/uneven"]["local_tokens"] for rank in layouts]
     assert max(tokens) >= 3 * min(tokens)  # really uneven
     assert [rank["dp4/detach0/token/upfront/rank0-empty"]["local_tokens"] for rank in layouts][0] == 0
-
-
-@pytest.fixture(scope="module")
-def upstream_tree(tmp_path_factory):
-    version = current_upstream_version()
-    sdist = REPO_ROOT / ".build" / "downloads" / f"megatron_core-{version}.tar.gz"
-    root = tmp_path_factory.mktemp("upstream")
-    with tarfile.open(sdist) as archive:
-        archive.extractall(root, filter="data")
-    (tree,) = root.iterdir()
-    subprocess.run(["git", "apply", str(series_patches(version)[0])], cwd=tree, check=True)
-    (tree / "megatron" / "core" / "fork").symlink_to(FORK_OWNED_DIR)
-    return tree
 
 
 def test_upstream_default_mode_is_not_invariant(layouts, ckpt_root, upstream_tree):

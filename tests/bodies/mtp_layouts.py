@@ -5,7 +5,6 @@ recombined, replicas across DP and embedding copies across stages taken once), t
 and MTP group norms, the loss and the per-depth MTP sums.
 """
 
-import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state

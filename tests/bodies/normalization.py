@@ -5,8 +5,6 @@ objective L = L_main + (lambda / D) * sum_k S_k / N_tok, token- or sequence-leve
 """
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.fork.normalization import StepCounts, active
