@@ -12,7 +12,8 @@ from tests.harness import launch
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
-LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), dict(name="tp2_pp2", tp=2, pp=2)]
+LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), dict(name="tp2_pp2", tp=2, pp=2),
+           dict(name="dp4_distributed_optimizer", tp=1, pp=1, distributed_optimizer=True)]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,10 @@ def test_layout_matches_one_process(runs, layout, setup):
     reference, ranks = runs
     want = reference[setup]
     for got in (rank[f"{layout}/{setup}"] for rank in ranks):
-        assert sorted(got["param_grad_norms"]) == sorted(want["param_grad_norms"])
-        for name, norm in want["param_grad_norms"].items():
-            assert rel(got["param_grad_norms"][name], norm) < TOL, name
+        if got["param_grad_norms"] is not None:  # None: sharded by the distributed optimizer
+            assert sorted(got["param_grad_norms"]) == sorted(want["param_grad_norms"])
+            for name, norm in want["param_grad_norms"].items():
+                assert rel(got["param_grad_norms"][name], norm) < TOL, name
         assert got["grad norms"].keys() == want["grad norms"].keys()
         for group, norm in want["grad norms"].items():
             assert rel(got["grad norms"][group], norm) < TOL, group

@@ -14,8 +14,9 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def suite():
-    (result,) = launch("tests.bodies.mtp_model:model_suite", 1, {}, timeout=900)
+def suite(tmp_path_factory):
+    ckpt_dir = str(tmp_path_factory.mktemp("mtp-model"))
+    (result,) = launch("tests.bodies.mtp_model:model_suite", 1, {"ckpt_dir": ckpt_dir}, timeout=900)
     return result
 
 
@@ -57,3 +58,8 @@ def test_bad_input_is_refused_with_the_fix(suite):
     assert "loss_mask must have the shape of labels" in messages["mask_shape"]
     assert messages["statistics_untouched"] is True
     assert "output-layer bias" in messages["trainable_bias"]
+
+
+def test_repeated_layer_gradient_after_checkpoint_resume(suite):
+    for mode, error in suite["repeated_after_resume"].items():
+        assert error <= TOL, (mode, error)

@@ -261,10 +261,38 @@ def labels_derived_from_input_ids() -> dict:
         }
 
 
-def model_suite() -> dict:
+def model_suite(ckpt_dir: str) -> dict:
     return {
+        "repeated_after_resume": repeated_layer_after_resume(ckpt_dir),
         "matrix": reference_matrix(),
         "isolation": isolation_leaves_the_backbone_alone(),
         "refusals": refusals(),
         "derived_labels": labels_derived_from_input_ids(),
     }
+
+
+def repeated_layer_after_resume(ckpt_dir: str) -> dict:
+    """Repeated mode after a dist-checkpoint round trip (upstream issue #6965: one depth's
+    gradient overwrote another's after resume): still the sum of all depths' terms."""
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    out = {}
+    with model_parallel():
+        for detach in (False, True):
+            torch.manual_seed(21)
+            config = make_config(3, repeated=True, detach=detach)
+            saved = build_gpt(config, VOCAB, SEQ)
+            wrapper = type("Chunk", (), {"module": saved})
+            save_checkpoint(f"{ckpt_dir}/rep{int(detach)}", [wrapper])
+            torch.manual_seed(99)
+            resumed = build_gpt(config, VOCAB, SEQ)
+            load_checkpoint(f"{ckpt_dir}/rep{int(detach)}", [type("Chunk", (), {"module": resumed})])
+            batch = padded_batch()
+            got = run_megatron(resumed, *batch)
+            ref = reference_for(resumed, 3, False, True, detach)
+            ref.objective_sums(*batch[:3]).backward()
+            want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+            loaded = all(torch.equal(p, dict(saved.named_parameters())[n]) for n, p in resumed.named_parameters())
+            error = max(max_rel(got["grads"][n], want[n]) for n in want)
+            out[f"detach{int(detach)}"] = error if loaded else float("inf")
+    return out
