@@ -24,11 +24,7 @@ def gpt_forward_step(data_iterator, model, main_loss_level: str = "token"):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1), device=device).unsqueeze(0).expand_as(inputs)
     output = model(inputs, positions, None, labels=labels, loss_mask=loss_mask)
-    return output, partial(_loss, loss_mask, main_loss_level)
-
-
-def _loss(loss_mask, level, per_token_loss):
-    return main_loss(per_token_loss, loss_mask, level)
+    return output, partial(main_loss, loss_mask=loss_mask, level=main_loss_level)
 
 
 def global_counts(microbatches: list) -> StepCounts:

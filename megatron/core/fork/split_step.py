@@ -137,8 +137,10 @@ class SplitStep:
                     "no optimizer step was taken"
                 )
             step.final_counts = observed
-            main_count = local.new_tensor(self._main_sums[1 if self.main_loss == "token" else 2].item())
-            finalize_model_grads(self.chunks, num_tokens=main_count.to(torch.int))
+            # This rank's main count; finalize_model_grads broadcasts the last stage's and sums
+            # it over DP ranks, as in upstream's per-token mode, then calls the normalization.
+            main_count = self._main_sums[1 if self.main_loss == "token" else 2].round().to(torch.int)
+            finalize_model_grads(self.chunks, num_tokens=main_count)
             update_successful, grad_norm, _ = self.optimizer.step()
         except BaseException:
             self.abort()
