@@ -16,6 +16,8 @@ SETUPS = {
     "attached_D2": dict(mtp_num_layers=2),
     "isolated_D2_repeated": dict(mtp_num_layers=2, mtp_detach_heads=True, mtp_use_repeated_layer=True),
     "isolated_D3": dict(mtp_num_layers=3, mtp_detach_heads=True),
+    # Tied: under PP the MTP stage holds the embedding copy that also serves as output weight.
+    "attached_D2_tied": dict(mtp_num_layers=2, tied=True),
 }
 
 
