@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
-from megatron.core.fork.normalization import StepCounts, main_loss
+from megatron.core.fork.normalization import StepCounts, count_targets, main_loss
 from megatron.core.fork.split_step import SplitStep
 
 
@@ -29,10 +29,9 @@ def gpt_forward_step(data_iterator, model, main_loss_level: str = "token"):
 
 def global_counts(microbatches: list) -> StepCounts:
     """The step's counts over all data-parallel ranks: one small all-reduce."""
-    local = torch.zeros(2, dtype=torch.float64, device=compute_device.current_device())
-    for _, loss_mask in microbatches:
-        per_sequence = loss_mask.reshape(loss_mask.size(0), -1).sum(dim=1)
-        local += torch.stack([per_sequence.sum(), (per_sequence > 0).sum()]).double().to(local.device)
+    per_batch = [count_targets(loss_mask) for _, loss_mask in microbatches]
+    local = torch.tensor([[c.tokens, c.sequences] for c in per_batch], dtype=torch.float64,
+                         device=compute_device.current_device()).sum(dim=0)
     dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
     tokens, sequences = local.tolist()
     return StepCounts(tokens=int(tokens), sequences=int(sequences))

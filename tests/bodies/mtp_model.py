@@ -108,7 +108,7 @@ def run_megatron(model, input_ids, labels, mask, segments):
     (per_token * mask).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return {"main_ce": per_token.detach(), "mtp_terms": capture.mtp_terms, "logits": capture.logits,
-            "grads": grads, "sums": STEP_STATISTICS.reduced()}
+            "grads": grads, "sums": STEP_STATISTICS.local_sums()}
 
 
 def reference_for(model, depths, tied, repeated, detach):
@@ -128,8 +128,10 @@ def reference_sums(per_depth):
     return torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float64)
 
 
-def max_rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+def max_rel(a, b) -> float:
+    """Largest deviation relative to b's largest magnitude; NaN or inf counts as infinite."""
+    error = ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+    return error if error == error else float("inf")
 
 
 def compare_case(depths, repeated, tied, detach, recompute, layout):
@@ -223,7 +225,7 @@ def refusals() -> dict:
         STEP_STATISTICS.reset()
         messages["mask_shape"] = error_of(
             lambda: model(input_ids, positions, None, labels=labels, loss_mask=mask[:, :-1]))
-        messages["statistics_untouched"] = STEP_STATISTICS.reduced() is None
+        messages["statistics_untouched"] = STEP_STATISTICS.local_sums() is None
 
         from megatron.core.fork.mtp import isolation
 
@@ -244,7 +246,7 @@ def labels_derived_from_input_ids() -> dict:
         multi_token_prediction.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
         STEP_STATISTICS.reset()
         logits = model(input_ids, positions, None, labels=None, loss_mask=mask)
-        derived_sums = STEP_STATISTICS.reduced()
+        derived_sums = STEP_STATISTICS.local_sums()
         logits.sum().backward()
         mtp_grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("mtp.")}
 

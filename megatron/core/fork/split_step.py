@@ -123,7 +123,7 @@ class SplitStep:
             mtp_depths = self.config.mtp_num_layers or 0
             local = self._main_sums
             if mtp_depths:
-                mtp = STEP_STATISTICS.reduced()
+                mtp = STEP_STATISTICS.local_sums()
                 if mtp is None:
                     mtp = torch.zeros(mtp_depths, 4, dtype=torch.float64, device=local.device)
                 local = torch.cat([local, mtp.flatten()])

@@ -54,14 +54,10 @@ class MTPStatistics:
                            correct.detach().double(), chain_correct.detach().double()])
         self.sums[depth - 1] += row
 
-    def reduced(self, group=None) -> torch.Tensor | None:
-        """The step's sums summed over `group` (data-parallel ranks); None if no MTP ran here."""
-        if self.sums is None:
-            return None
-        sums = self.sums.clone()
-        if group is not None:
-            dist.all_reduce(sums, group=group)
-        return sums
+    def local_sums(self) -> torch.Tensor | None:
+        """A copy of this rank's sums so far; None if no MTP ran here. (The split step
+        reduces them over ranks with its other counts, in one collective.)"""
+        return None if self.sums is None else self.sums.clone()
 
 
 STEP_STATISTICS = MTPStatistics()
@@ -73,7 +69,10 @@ def metrics_from_sums(sums: torch.Tensor) -> dict:
     chain_total = 0.0
     for k in range(sums.size(0)):
         ce_sum, valid, correct, chain = sums[k].tolist()
-        ratio = (lambda x: x / valid) if valid > 0 else (lambda x: 0.0)
+
+        def ratio(x, valid=valid):
+            return x / valid if valid > 0 else 0.0
+
         metrics[f"mtp_{k + 1} loss"] = ratio(ce_sum)
         metrics[f"mtp_{k + 1} acceptance"] = ratio(correct)
         metrics[f"mtp_{k + 1} chain acceptance"] = ratio(chain)
