@@ -86,7 +86,7 @@ def format_log_line(iteration: int, total: int, result: dict, seconds_per_iter: 
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
-    from megatron.training.patched_core import PatchedCoreError, require_patched_core
+    from megatron_mtp.patched_core import PatchedCoreError, require_patched_core
 
     try:
         require_patched_core()
@@ -98,11 +98,11 @@ def main(argv=None) -> int:
 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-    from megatron.training.data import BYTE_VOCAB_SIZE, embedded_corpus, global_batch, rank_microbatches
-    from megatron.training.initialize import initialize_distributed
-    from megatron.training.model import build_model
-    from megatron.training.step import train_step
+    from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_mtp.data import BYTE_VOCAB_SIZE, embedded_corpus, global_batch, rank_microbatches
+    from megatron_mtp.initialize import initialize_distributed
+    from megatron_mtp.model import build_model
+    from megatron_mtp.step import train_step
 
     vpp = None
     if args.num_layers_per_virtual_pipeline_stage:

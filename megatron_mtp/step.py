@@ -16,15 +16,16 @@ from megatron.core.fork.normalization import StepCounts, count_targets, main_los
 from megatron.core.fork.split_step import SplitStep
 
 
-def gpt_forward_step(data_iterator, model, main_loss_level: str = "token"):
-    """Micro-batch = (tokens [b, s+1], loss_mask [b, s]); targets are tokens shifted by one."""
+def gpt_forward_step(data_iterator, model):
+    """Micro-batch = (tokens [b, s+1], loss_mask [b, s]); targets are tokens shifted by one.
+    The main loss's level is the running step's (normalization.main_loss reads it)."""
     tokens, loss_mask = next(data_iterator)
     device = compute_device.current_device()
     tokens, loss_mask = tokens.to(device), loss_mask.to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1), device=device).unsqueeze(0).expand_as(inputs)
     output = model(inputs, positions, None, labels=labels, loss_mask=loss_mask)
-    return output, partial(main_loss, loss_mask=loss_mask, level=main_loss_level)
+    return output, partial(main_loss, loss_mask=loss_mask)
 
 
 def global_counts(microbatches: list) -> StepCounts:
@@ -41,8 +42,8 @@ def train_step(chunks, optimizer, microbatches: list, seq_length: int, main_loss
                counts_up_front: bool = True) -> dict:
     """Forward/backward over this rank's micro-batches, then one optimizer step; the step's
     exact metrics (see SplitStep.finish), the same on every rank."""
-    step = SplitStep(chunks, optimizer, partial(gpt_forward_step, main_loss_level=main_loss_level),
-                     seq_length, main_loss=main_loss_level)
+    step = SplitStep(chunks, optimizer, gpt_forward_step, seq_length=seq_length,
+                     micro_batch_size=microbatches[0][0].size(0), main_loss=main_loss_level)
     step.begin(global_counts(microbatches) if counts_up_front else None)
     step.accumulate(microbatches)
     return step.finish()

@@ -2,7 +2,9 @@
 
 A checkpoint is written into a temporary sibling directory and renamed into place
 only when complete, so an interrupted save never leaves a half-written checkpoint
-under the final name.
+under the final name. It records the model's shape (megatron.core.fork.model_shape),
+and loading into a model of another shape is refused, naming each difference, before
+any tensor is read.
 """
 
 import os
@@ -13,6 +15,9 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.fork import normalization
+from megatron.core.fork.model_shape import check_same_shape, model_shape
+
+MODEL_SHAPE_KEY = "model_shape"
 
 
 def model_state(chunks) -> dict:
@@ -35,6 +40,7 @@ def save_checkpoint(path, chunks, optimizer=None) -> None:
         partial.mkdir(parents=True)
     dist.barrier()
     state = model_state(chunks)
+    state[MODEL_SHAPE_KEY] = model_shape(chunks[0].module)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state)
     dist_checkpointing.save(state, str(partial))
@@ -54,6 +60,8 @@ def save_checkpoint(path, chunks, optimizer=None) -> None:
 def load_checkpoint(path, chunks, optimizer=None) -> None:
     if not Path(path).is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    check_same_shape(dist_checkpointing.load_common_state_dict(str(path))[MODEL_SHAPE_KEY],
+                     model_shape(chunks[0].module))
     state = model_state(chunks)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)

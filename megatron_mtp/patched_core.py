@@ -1,0 +1,148 @@
+"""Which megatron-core builds this checkout carries, where they are built, and a runtime
+check that the imported megatron.core is one of them.
+
+Every upstream version with a series in ``patches/`` is carried; ``current`` in
+``patches/upstream.toml`` is the one ``tools/fork install`` installs. A build is named
+``<upstream>+mtp.<digest of its series>``, so a checkout whose series changed (a pull,
+a new patch) no longer matches what is built and says so before any model is built.
+``tools/fork`` and the runtime check both use this module.
+"""
+
+import hashlib
+import subprocess
+import tarfile
+import tomllib
+from pathlib import Path
+
+from packaging.version import Version
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PATCHES_DIR = REPO_ROOT / "patches"
+FORK_OWNED_DIR = REPO_ROOT / "megatron" / "core" / "fork"
+BUILD_DIR = REPO_ROOT / ".build"
+INSTALL_DIR = BUILD_DIR / "install"
+SERIES_PREFIX = "megatron-core-"
+# Patches that only make upstream run here (CPU/gloo, Python 3.11), named by their subject's
+# prefix. They come first in every series; pristine upstream plus these is the baseline that
+# comparisons with upstream use, since pristine upstream cannot run on a CPU-only machine.
+RUNTIME_ONLY_PATCHES = ("Run-on-CPU", "Python-3.11")
+
+
+class PatchedCoreError(RuntimeError):
+    pass
+
+
+def upstream_config() -> dict:
+    return tomllib.loads((PATCHES_DIR / "upstream.toml").read_text())
+
+
+def current_upstream_version() -> str:
+    return upstream_config()["current"]
+
+
+def series_dir(version: str) -> Path:
+    return PATCHES_DIR / f"{SERIES_PREFIX}{version}"
+
+
+def carried_versions() -> list[str]:
+    """Every upstream version with a committed series, newest first."""
+    versions = [d.name[len(SERIES_PREFIX):] for d in PATCHES_DIR.glob(f"{SERIES_PREFIX}*")
+                if (d / "series").is_file()]
+    return sorted(versions, key=Version, reverse=True)
+
+
+def series_patches(version: str) -> list[Path]:
+    """Patch files in the order of the ``series`` file (quilt format: one name per line)."""
+    directory = series_dir(version)
+    series_file = directory / "series"
+    if not series_file.is_file():
+        raise PatchedCoreError(f"no patch series for megatron-core {version}: {series_file} is missing")
+    names = [
+        line.strip()
+        for line in series_file.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    return [directory / name for name in names]
+
+
+def series_digest(version: str) -> str:
+    digest = hashlib.sha256()
+    for patch in series_patches(version):
+        digest.update(patch.name.encode() + b"\0" + patch.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def expected_build_version(version: str | None = None) -> str:
+    version = version or current_upstream_version()
+    return f"{version}+mtp.{series_digest(version)}"
+
+
+def build_tree(version: str | None = None) -> Path:
+    """Where `tools/fork install` / `tools/fork build` put the patched tree of `version`."""
+    return INSTALL_DIR / f"megatron-core-{expected_build_version(version)}"
+
+
+def runtime_only_patches(version: str) -> list[Path]:
+    patches = series_patches(version)
+    runtime = [p for p in patches if any(tag in p.name for tag in RUNTIME_ONLY_PATCHES)]
+    if not runtime or runtime != patches[:len(runtime)]:
+        raise PatchedCoreError(f"the runtime-only patches of {version} must come first in its series")
+    return runtime
+
+
+def make_upstream_tree(version: str, destination: Path) -> Path:
+    """Pristine upstream `version` (the downloaded sdist) plus only its runtime-only patches and
+    the fork-owned modules, in `destination`; returns the tree to put first on the path."""
+    sdist = BUILD_DIR / "downloads" / f"megatron_core-{version}.tar.gz"
+    with tarfile.open(sdist) as archive:
+        archive.extractall(destination, filter="data")
+    (tree,) = Path(destination).iterdir()
+    for patch in runtime_only_patches(version):
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+    (tree / "megatron" / "core" / "fork").symlink_to(FORK_OWNED_DIR)
+    return tree
+
+
+def fix_command(version: str) -> str:
+    """The command that makes the build of `version` that this checkout needs."""
+    if version == current_upstream_version():
+        return "tools/fork install"
+    return f"tools/fork build --version {version}"
+
+
+def fork_owned_digest(directory: Path = FORK_OWNED_DIR) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*.py")):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def imported_core_version() -> str | None:
+    """The version megatron.core reports where it is imported from (None: not importable)."""
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        return None
+    return package_info.__version__
+
+
+def require_patched_core(version: str | None = None) -> None:
+    """Stop with a message naming the fix unless the imported megatron.core is this
+    checkout's patched build of `version` (default: `current`)."""
+    version = version or current_upstream_version()
+    expected = expected_build_version(version)
+    found = imported_core_version()
+    if found != expected:
+        what = "no megatron-core is installed" if found is None else f"megatron-core {found} is imported"
+        raise PatchedCoreError(
+            f"{what}, but this checkout needs the patched build {expected}. "
+            f"Run `{fix_command(version)}` (or `bash tools/bootstrap` on a new machine)."
+        )
+    import megatron.core.fork
+
+    imported_fork_dir = Path(megatron.core.fork.__file__).resolve().parent
+    if imported_fork_dir != FORK_OWNED_DIR.resolve() and fork_owned_digest(imported_fork_dir) != fork_owned_digest():
+        raise PatchedCoreError(
+            f"megatron.core.fork in {imported_fork_dir} differs from {FORK_OWNED_DIR}. "
+            f"Run `{fix_command(version)}` to build with this checkout's fork-owned files."
+        )
