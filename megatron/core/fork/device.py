@@ -60,3 +60,20 @@ def manual_seed(seed: int) -> None:
 def on_compute_device(tensor: torch.Tensor) -> bool:
     """True for tensors on the compute device type (upstream checked ``torch.cuda.*Tensor``)."""
     return tensor.device.type == device_type()
+
+
+def current_stream():
+    """The current stream of the compute device (a CPU stream, whose waits are no-ops, on CPU)."""
+    if torch.cuda.is_available():
+        return torch.cuda.current_stream()
+    return torch.cpu.current_stream()
+
+
+def legacy_type(tensor: torch.Tensor) -> str:
+    """``tensor.type()`` as upstream compares it: on a CPU-only machine a CPU tensor reports
+    the CUDA type name (``torch.cuda.FloatTensor``), so type checks written for the compute
+    device hold on either."""
+    name = tensor.type()
+    if not torch.cuda.is_available() and tensor.device.type == "cpu":
+        return name.replace("torch.", "torch.cuda.", 1)
+    return name

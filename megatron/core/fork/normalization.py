@@ -5,18 +5,20 @@
 L_main is token-level (sum CE / N_tok) or sequence-level (mean over the N_seq valid
 sequences of each sequence's token mean). The denominators are global: all micro-batches,
 chunks and data-parallel ranks of the step. This builds on megatron-core's
-``calculate_per_token_loss`` mode, where losses are raw sums and finalize_model_grads
-divides once; an active ``StepNormalization`` decides what that division is:
+``calculate_per_token_loss`` mode, where losses are raw sums; the step runs
+finalize_model_grads without a token count (so it reduces and divides by nothing) and
+an active ``StepNormalization`` applies the division itself:
 
 - counts given up front (``StepCounts``): each branch is seeded with its exact global
-  scale (main loss by 1/N_main, MTP by 1/N_tok) and finalize divides by nothing more.
+  scale (main loss by 1/N_main, MTP by 1/N_tok) and nothing is left to divide.
   Exact for every mode.
 - counts known only at the end: raw sums; after the reduce, main-loss gradients are
   divided by N_main and MTP-only parameters by N_tok. Exact when the MTP heads are
   isolated or when N_main = N_tok (token-level main loss). Isolation off with a
   sequence-level main loss cannot be corrected afterwards and is refused up front.
 
-Without an active step, finalize_model_grads behaves as upstream (divide by its count).
+The main-loss level (token or sequence) is the step's: ``main_loss`` reads it from the
+active step, so it cannot disagree with the normalization.
 """
 
 from dataclasses import dataclass
@@ -113,32 +115,24 @@ def mtp_backward_scale() -> float:
     return _ACTIVE.mtp_scale() if _ACTIVE is not None else 1.0
 
 
-def normalize_gradients(model_chunk, num_tokens: torch.Tensor) -> None:
-    """finalize_model_grads' division (hook). Upstream: divide by the reduced count."""
-    if _ACTIVE is not None:
-        _ACTIVE.normalize_reduced_gradients(model_chunk)
-    elif num_tokens > 0:
-        model_chunk.scale_gradients(1.0 / num_tokens)
-
-
-def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, level: str = TOKEN):
+def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
     """A loss function for megatron-core's calculate_per_token_loss mode.
 
-    Returns (backward tensor, count, report): the raw main-loss sum (token-level: sum of
-    masked CE; sequence-level: sum over sequences with valid targets of their token mean)
-    times the active step's main scale, the micro-batch's main count, and the sums that
-    reduce exactly into metrics: [main sum, valid tokens, valid sequences].
+    Returns (backward tensor, count, report): the raw main-loss sum at the active step's
+    level (token: sum of masked CE; sequence: sum over sequences with valid targets of
+    their token mean; token when no step is active, e.g. evaluation) times the step's main
+    scale, the micro-batch's main count, and the sums that reduce exactly into metrics:
+    [main sum, valid tokens, valid sequences].
     """
+    level = _ACTIVE.main_loss if _ACTIVE is not None else TOKEN
     mask = loss_mask.reshape(loss_mask.size(0), -1).float()
     losses = per_token_loss.float().reshape(mask.shape) * mask
     per_sequence_tokens = mask.sum(dim=1)
     tokens, sequences = per_sequence_tokens.sum(), (per_sequence_tokens > 0).sum().float()
     if level == TOKEN:
         raw, count = losses.sum(), tokens
-    elif level == SEQUENCE:
-        raw, count = (losses.sum(dim=1) / per_sequence_tokens.clamp(min=1)).sum(), sequences
     else:
-        raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {level!r}")
+        raw, count = (losses.sum(dim=1) / per_sequence_tokens.clamp(min=1)).sum(), sequences
     scale = _ACTIVE.main_scale() if _ACTIVE is not None else 1.0
     report = torch.stack([raw.detach(), tokens.detach(), sequences.detach()])
     return raw * scale, count.to(torch.int), {"main loss sums": report}

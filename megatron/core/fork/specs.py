@@ -6,8 +6,8 @@ spec with its ``core_attention`` replaced by ``SDPACoreAttention``; everything e
 is derived from it by upstream's ``get_gpt_mtp_block_spec``.
 """
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.fork.sdpa_attention import SDPACoreAttention
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 

@@ -9,8 +9,9 @@ normalization of megatron.core.fork.normalization), clips each gradient-norm gro
 own norm, steps the optimizer and returns the step's exact metrics.
 
 Requires ``calculate_per_token_loss=True`` and a forward step whose loss function is
-``normalization.main_loss`` (or returns the same triple). Not thread-safe: one step per
-process at a time.
+``normalization.main_loss`` (or returns the same triple). Micro-batches are opaque to the
+step (tensors, tuples or dicts, whatever the forward step reads); the schedule's shapes
+are given to the constructor. Not thread-safe: one step per process at a time.
 """
 
 import contextlib
@@ -22,10 +23,12 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.fork import device as compute_device
 from megatron.core.fork import normalization
+from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
+MAIN_GRAD_NORM_GROUP = "main"
 # What a step overrides on the model config while it runs, restored by finish and abort.
 _CONFIG_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "grad_scale_func")
 
@@ -46,13 +49,25 @@ def _no_sync_inside_step():
 
 
 class SplitStep:
-    def __init__(self, model_chunks, optimizer, forward_step_func, seq_length: int, main_loss: str = "token"):
+    def __init__(self, model_chunks, optimizer, forward_step_func, *, seq_length: int, micro_batch_size: int,
+                 main_loss: str = normalization.TOKEN):
+        """`main_loss`: the level of the main loss, "token" or "sequence"; the forward step's
+        loss function (``normalization.main_loss``) takes it from the running step."""
         self.chunks = list(model_chunks)
+        self.config = self.chunks[0].config
+        if main_loss not in normalization.MAIN_LOSS_LEVELS:
+            raise ValueError(f"main loss level must be one of {normalization.MAIN_LOSS_LEVELS}, got {main_loss!r}")
+        if self.config.context_parallel_size != 1:
+            raise ValueError(
+                f"split steps do not support context parallelism (context_parallel_size="
+                f"{self.config.context_parallel_size}): step counts and MTP targets cross context-parallel "
+                "shards, and exact normalization across them is not implemented. Use context_parallel_size=1."
+            )
         self.optimizer = optimizer
         self.forward_step_func = forward_step_func
         self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
         self.main_loss = main_loss
-        self.config = self.chunks[0].config
         self._saved_hooks = None
         self._no_sync = None
         self._normalization = None
@@ -105,7 +120,7 @@ class SplitStep:
                 model=self.chunks if many else self.chunks[0],
                 num_microbatches=len(microbatches),
                 seq_length=self.seq_length,
-                micro_batch_size=microbatches[0][0].size(0),
+                micro_batch_size=self.micro_batch_size,
                 forward_only=False,
             )
             for entry in losses:  # the last pipeline stage's loss reports
@@ -137,27 +152,32 @@ class SplitStep:
                     "no optimizer step was taken"
                 )
             step.final_counts = observed
-            # This rank's main count; finalize_model_grads broadcasts the last stage's and sums
-            # it over DP ranks, as in upstream's per-token mode, then calls the normalization.
-            main_count = self._main_sums[1 if self.main_loss == "token" else 2].round().to(torch.int)
-            finalize_model_grads(self.chunks, num_tokens=main_count)
+            # Without a token count finalize_model_grads reduces and divides by nothing; the
+            # step's normalization then divides by its global counts (if not seeded up front).
+            finalize_model_grads(self.chunks, num_tokens=None)
+            for chunk in self.chunks:
+                step.normalize_reduced_gradients(chunk)
             update_successful, grad_norm, _ = self.optimizer.step()
         except BaseException:
             self.abort()
             raise
         self._end()
-        denominator = observed.tokens if self.main_loss == "token" else observed.sequences
+        denominator = observed.tokens if self.main_loss == normalization.TOKEN else observed.sequences
+        # The optimizer returns the main group's norm and keeps separate groups' by name.
+        grad_norms = {}
+        if update_successful and grad_norm is not None:
+            grad_norms[MAIN_GRAD_NORM_GROUP] = float(grad_norm)
+            grad_norms.update({k: float(v) for k, v in getattr(self.optimizer, "grad_norms_by_group", {}).items()})
         result = {
             "lm loss": main_sum / denominator if denominator else 0.0,
             "tokens": observed.tokens,
             "sequences": observed.sequences,
-            "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "grad norms": {k: float(v) for k, v in getattr(self.optimizer, "grad_norms_by_group", {}).items()}
-            if update_successful else {},
+            "grad norm": grad_norms.get(MAIN_GRAD_NORM_GROUP, float("nan")),
+            "grad norms": grad_norms,
             "skipped": not update_successful,
         }
-        if "mtp" in result["grad norms"]:
-            result["mtp grad norm"] = result["grad norms"]["mtp"]
+        if MTP_GRAD_NORM_GROUP in grad_norms:
+            result["mtp grad norm"] = grad_norms[MTP_GRAD_NORM_GROUP]
         if mtp_depths:
             sums = totals[3:].view(mtp_depths, 4)
             result["mtp sums"] = sums.tolist()

@@ -1,14 +1,15 @@
 """The MTP loss branch of GPTModel's postprocess: per-depth logits, losses and statistics.
 
-Upstream 0.16.1 computes the same per-position losses; this version also derives
-labels when none are given, isolates the output weight under ``mtp_detach_heads``,
-records exact statistics, and attaches each depth's loss as a raw, masked sum scaled
-by lambda / D so that the step's normalization can be exact (spec section 4).
+Upstream computes the same per-position losses; this version also derives labels when
+none are given (0.16.1 cannot), isolates the output weight under ``mtp_detach_heads``,
+records exact statistics (chain acceptance included), and attaches each depth's loss as a
+raw, masked sum scaled by lambda / D so that the step's normalization can be exact (spec
+section 4; upstream 0.19 rescales each depth by its local count, issue #7452).
 """
 
 import torch
 
-from megatron.core.fork import normalization
+from megatron.core.fork import compat, normalization
 from megatron.core.fork.mtp import isolation
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, vocab_parallel_argmax
 from megatron.core.fork.mtp.supervision import check_shapes, depth_targets, next_token_labels
@@ -34,7 +35,10 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
                       packed_seq_params=None, runtime_gather_output=None):
     """Split [h^0; h^1..h^D], attach every depth's loss to h^0, return h^0 for the main head."""
     config = model.config
-    depths = config.mtp_num_layers
+    depths = config.mtp_num_layers or 0
+    if depths == 0:
+        return hidden_states  # mtp_num_layers=0: no MTP, as upstream
+    isolation.refuse_trainable_output_bias(model)
     per_depth_hidden = torch.chunk(hidden_states, 1 + depths, dim=0)
     main_hidden = per_depth_hidden[0]
     if labels is None:
@@ -53,6 +57,7 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
     for k, labels_k, mask_k in depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group):
         logits, _ = model.output_layer(per_depth_hidden[k], weight=weight,
                                        runtime_gather_output=runtime_gather_output)
+        logits = compat.scale_logits(model, logits)
         per_token = model.compute_language_model_loss(labels_k, logits) * mask_k
         with torch.no_grad():
             # Logits are split over the vocabulary unless the output layer gathered them.

@@ -45,17 +45,19 @@ def output_weight(model, shared_weight):
     return weight.detach()
 
 
-def setup_model(model) -> None:
-    """Refuse what isolation cannot honour, and tag MTP parameters as their own norm group."""
-    config = model.config
-    if not config.mtp_detach_heads or not model.mtp_process:
-        return
-    output_layer = getattr(model, "output_layer", None)
-    bias = getattr(output_layer, "bias", None)
-    if bias is not None and bias.requires_grad:
+def tag_mtp_parameters(model) -> None:
+    """Under isolation the MTP parameters form their own gradient-norm group (spec section 6).
+    (megatron-core 0.17+ tags them upstream, with the same attribute and name.)"""
+    if model.config.mtp_detach_heads and model.mtp_process:
+        for param in model.mtp.parameters():
+            param.grad_norm_group = MTP_GRAD_NORM_GROUP
+
+
+def refuse_trainable_output_bias(model) -> None:
+    """Isolation cannot honour a trainable output-layer bias: MTP logits would train it."""
+    bias = getattr(getattr(model, "output_layer", None), "bias", None)
+    if model.config.mtp_detach_heads and bias is not None and bias.requires_grad:
         raise ValueError(
             "mtp_detach_heads cannot isolate a trainable output-layer bias: the MTP loss would "
             "train it. Freeze the bias (requires_grad=False) or build the output layer without one."
         )
-    for param in model.mtp.parameters():
-        param.grad_norm_group = MTP_GRAD_NORM_GROUP

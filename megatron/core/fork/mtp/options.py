@@ -16,6 +16,13 @@ def validate_mtp_options(config) -> None:
             "mtp_use_repeated_layer (--mtp-use-repeated-layer) applies one MTP layer at every depth, "
             "but mtp_num_layers is not set; set --mtp-num-layers D >= 1 or drop --mtp-use-repeated-layer"
         )
+    if depths and config.context_parallel_size > 1:
+        raise ValueError(
+            f"MTP (mtp_num_layers={depths}) with context parallelism (context_parallel_size="
+            f"{config.context_parallel_size}) is not supported: depth-k targets and the step's token counts "
+            "cross context-parallel shards and their exact normalization is not implemented. "
+            "Use --context-parallel-size 1, or train without MTP."
+        )
     if depths and (config.mtp_loss_scaling_factor is None or config.mtp_loss_scaling_factor < 0):
         raise ValueError(
             f"mtp_loss_scaling_factor must be a number >= 0, got {config.mtp_loss_scaling_factor}"

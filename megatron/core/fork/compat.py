@@ -1,0 +1,12 @@
+"""What differs between the carried upstream megatron-core versions, in one place.
+
+Fork-owned modules serve every version in patches/; where upstream's API differs they
+call these adapters instead of testing versions themselves.
+"""
+
+
+def scale_logits(model, logits):
+    """Output-logit scaling of the model (MuP in megatron-core 0.17+; none in 0.16.1), as
+    upstream applies it to main and MTP logits."""
+    scale = getattr(model, "_scale_logits", None)
+    return logits if scale is None else scale(logits)
