@@ -1,24 +1,25 @@
 """Megatron-MTP: exact multi-token-prediction training as a patch series over megatron-core.
 
-This installs the fork-owned trainer package (megatron.training) and the project's
+This installs the fork-owned trainer package (megatron_mtp) and the project's
 dependencies. The patched megatron-core itself is built and installed by
 `tools/fork install` (see README.md): it is upstream source plus patches/, not a
 package published from here.
 """
 
-from setuptools import find_namespace_packages, setup
+from setuptools import find_packages, setup
 
 setup(
     name="megatron-mtp",
     version="0.1.0",
     description="Exact multi-token-prediction (MTP) training for Megatron-LM / megatron-core",
-    python_requires=">=3.10",
-    packages=find_namespace_packages(include=["megatron.training", "megatron.training.*"]),
+    python_requires=">=3.11",  # the tooling uses tomllib; the fork-owned megatron-core modules run on 3.10
+    packages=find_packages(include=["megatron_mtp", "megatron_mtp.*"]),
     install_requires=[
         # The local CPU wheel (2.13.0) satisfies this range; a newer major needs re-validation.
         "torch>=2.6,<2.14",
         "numpy",
         "packaging>=24.2",
+        "typing_extensions",  # megatron-core 0.17+ (and its Python 3.11 patch) import it
         "psutil",  # dist checkpointing
     ],
     extras_require={

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fork_tool import check, install, rebase, series
 from fork_tool.errors import ForkError
-from megatron.training.patched_core import PatchedCoreError, current_upstream_version, series_patches
+from megatron_mtp.patched_core import PatchedCoreError, carried_versions, current_upstream_version, series_patches
 
 
 def cmd_prepare(args) -> int:
@@ -18,6 +18,12 @@ def cmd_prepare(args) -> int:
 
 def cmd_install(args) -> int:
     print(install.install(args.version, copy=args.copy, force=args.force, python=args.python))
+    return 0
+
+
+def cmd_build(args) -> int:
+    for version in carried_versions() if args.all else [args.version]:
+        print(install.build(version, force=args.force, python=args.python))
     return 0
 
 
@@ -79,6 +85,13 @@ def parser() -> argparse.ArgumentParser:
                    help="install a plain copy (default: editable, fork-owned files linked to this checkout)")
     p.add_argument("--force", action="store_true", help="rebuild and reinstall even when up to date")
     p.add_argument("--python", default=sys.executable, help="interpreter of the target environment")
+
+    p = add("build", cmd_build, "Build the patched megatron-core VERSION in .build/install/ (C++ helpers "
+            "compiled in place) without installing it; the test suite imports such builds for every "
+            "carried version. A no-op when that build exists.")
+    p.add_argument("--all", action="store_true", help="every carried version (each series in patches/)")
+    p.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    p.add_argument("--python", default=sys.executable, help="interpreter that compiles the C++ helpers")
 
     p = add("export", cmd_export, "Write the working tree's commits back to patches/ (refresh), or a "
             "self-contained series for users with --for-users DIR.")

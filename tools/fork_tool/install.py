@@ -1,8 +1,11 @@
-"""Build the patched megatron-core from pristine upstream plus the committed series and install it.
+"""Build the patched megatron-core from pristine upstream plus the committed series, and
+install it (`install`) or leave it ready to import from its tree (`build`).
 
-The installed distribution is `megatron-core==<upstream>+mtp.<series digest>`. The
-development install is editable and links megatron/core/fork to this checkout, so
-edits to fork-owned files take effect at once; `--copy` installs a plain copy.
+A build is `megatron-core==<upstream>+mtp.<series digest>` in .build/install/. `install`
+puts it into an environment, editable, with megatron/core/fork linked to this checkout (so
+edits to fork-owned files take effect at once), or as a plain copy (`--copy`). `build`
+compiles its C++ helpers in place and stops there: the test suite imports such trees for
+the carried versions that are not installed (`current` is the installed one).
 """
 
 import os
@@ -15,16 +18,18 @@ from pathlib import Path
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import init_pristine
-from fork_tool.series import BUILD_DIR, FORK_OWNED_REL, PRISTINE_TAG, apply_series
-from megatron.training.patched_core import (
+from fork_tool.series import FORK_OWNED_REL, PRISTINE_TAG, apply_series
+from megatron_mtp.patched_core import (
     FORK_OWNED_DIR,
-    current_upstream_version,
+    INSTALL_DIR,
+    build_tree,
     expected_build_version,
     series_patches,
 )
 
-INSTALL_DIR = BUILD_DIR / "install"
 VERSION_LINE = re.compile(r"^__version__ = .*$", re.M)
+LATER_VERSION_CHANGE = re.compile(r"^(\s+)__version__ \+= .*$", re.M)
+BUILT_MARK = ".fork-build-complete"
 
 
 def installed_state(python: str) -> tuple[str | None, str | None]:
@@ -42,7 +47,7 @@ def installed_state(python: str) -> tuple[str | None, str | None]:
     return version or None, location or None
 
 
-def is_current(python: str, expected: str, copy: bool) -> bool:
+def is_installed(python: str, expected: str, copy: bool) -> bool:
     version, location = installed_state(python)
     if version != expected or location is None:
         return False
@@ -50,8 +55,17 @@ def is_current(python: str, expected: str, copy: bool) -> bool:
     return linked != copy
 
 
-def build_tree(version: str, build_version: str, copy: bool) -> Path:
-    tree = INSTALL_DIR / f"megatron-core-{build_version}"
+def is_built(version: str) -> bool:
+    """The tree of this checkout's build of `version` exists, complete, fork files linked."""
+    tree = build_tree(version)
+    link = tree / FORK_OWNED_REL
+    return (tree / BUILT_MARK).is_file() and link.is_symlink() and link.resolve() == FORK_OWNED_DIR.resolve()
+
+
+def make_tree(version: str, copy: bool) -> Path:
+    """Pristine sdist + `git am` of the series, version stamped, fork-owned files linked or copied."""
+    build_version = expected_build_version(version)
+    tree = build_tree(version)
     shutil.rmtree(tree, ignore_errors=True)
     INSTALL_DIR.mkdir(parents=True, exist_ok=True)
     upstream.unpack(upstream.verified_sdist(version), tree)
@@ -59,11 +73,7 @@ def build_tree(version: str, build_version: str, copy: bool) -> Path:
     report = apply_series(tree, series_patches(version))
     if report and report[-1][1] != "ok":
         raise ForkError(f"patch {report[-1][0]} does not apply to pristine {version}:\n{report[-1][1]}")
-    package_info = tree / "megatron" / "core" / "package_info.py"
-    text, count = VERSION_LINE.subn(f"__version__ = {build_version!r}  # tools/fork install", package_info.read_text())
-    if count != 1:
-        raise ForkError(f"cannot stamp the build version: {package_info} has {count} __version__ lines")
-    package_info.write_text(text)
+    stamp_version(tree / "megatron" / "core" / "package_info.py", build_version)
     target = tree / FORK_OWNED_REL
     if copy:
         shutil.copytree(FORK_OWNED_DIR, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -72,34 +82,69 @@ def build_tree(version: str, build_version: str, copy: bool) -> Path:
     return tree
 
 
-def pip_install(python: str, tree: Path, editable: bool) -> None:
+def stamp_version(package_info: Path, build_version: str) -> None:
+    """The build version as a literal, and nothing that changes it afterwards (0.17+ append
+    the git hash of whatever repository surrounds the tree)."""
+    text, count = VERSION_LINE.subn(f"__version__ = {build_version!r}  # tools/fork install", package_info.read_text())
+    if count != 1:
+        raise ForkError(f"cannot stamp the build version: {package_info} has {count} __version__ lines")
+    text = LATER_VERSION_CHANGE.sub(r"\1pass  # tools/fork install: the version is the build's", text)
+    package_info.write_text(text)
+
+
+def remove_stale_trees(version: str) -> None:
+    """Trees of older builds of `version` (another series digest); other versions' stay."""
+    keep = build_tree(version)
+    for tree in INSTALL_DIR.glob(f"megatron-core-{version}+mtp.*"):
+        if tree != keep:
+            shutil.rmtree(tree, ignore_errors=True)
+
+
+def _build_env(python: str) -> dict:
     # The sdist's setup.py runs `python3 -m pybind11`: the target environment must come first.
-    env = dict(os.environ, PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""))
-    args = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-            "--disable-pip-version-check"]
-    args += ["-e", str(tree), "--config-settings", "editable_mode=compat"] if editable else [str(tree)]
-    result = subprocess.run(args, capture_output=True, text=True, env=env)
+    return dict(os.environ, PATH=str(Path(python).parent) + os.pathsep + os.environ.get("PATH", ""))
+
+
+def _run(args: list, what: str, python: str, cwd: Path | None = None) -> None:
+    result = subprocess.run(args, capture_output=True, text=True, env=_build_env(python), cwd=cwd)
     if result.returncode != 0:
         raise ForkError(
-            "pip could not install the patched megatron-core "
-            "(the environment needs setuptools<80 and pybind11; `bash tools/bootstrap` sets it up):\n"
-            + "\n".join(result.stderr.strip().splitlines()[-15:])
+            f"{what} failed (the environment needs setuptools<80 and pybind11; "
+            "`bash tools/bootstrap` sets it up):\n" + "\n".join(result.stderr.strip().splitlines()[-15:])
         )
 
 
-def install(version: str | None = None, copy: bool = False, force: bool = False,
-            python: str = sys.executable) -> str:
-    version = version or current_upstream_version()
+def pip_install(python: str, tree: Path, editable: bool) -> None:
+    # --ignore-requires-python: megatron-core 0.17+ declares Python >= 3.12, and the series'
+    # compatibility patch makes it run on 3.11 (the suite tests exactly that).
+    args = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+            "--ignore-requires-python", "--disable-pip-version-check"]
+    args += ["-e", str(tree), "--config-settings", "editable_mode=compat"] if editable else [str(tree)]
+    _run(args, "pip install of the patched megatron-core", python)
+
+
+def build(version: str, force: bool = False, python: str = sys.executable) -> str:
+    """The patched tree of `version` with its C++ helpers compiled in place, not installed."""
+    if not force and is_built(version):
+        return f"megatron-core {expected_build_version(version)} is already built in {build_tree(version)}"
+    tree = make_tree(version, copy=False)
+    _run([python, "setup.py", "--quiet", "build_ext", "--inplace"], "building the C++ helpers", python, cwd=tree)
+    (tree / BUILT_MARK).touch()
+    remove_stale_trees(version)
+    return f"built megatron-core {expected_build_version(version)} in {tree}"
+
+
+def install(version: str, copy: bool = False, force: bool = False, python: str = sys.executable) -> str:
     build_version = expected_build_version(version)
-    if not force and is_current(python, build_version, copy):
+    if not force and is_installed(python, build_version, copy):
         return f"megatron-core {build_version} is already installed; nothing to do"
-    tree = build_tree(version, build_version, copy)
+    tree = make_tree(version, copy)
     pip_install(python, tree, editable=not copy)
-    for stale in INSTALL_DIR.iterdir():
-        if stale != tree:
-            shutil.rmtree(stale, ignore_errors=True)
     if copy:
         shutil.rmtree(tree)
-    if not is_current(python, build_version, copy):
+    else:
+        (tree / BUILT_MARK).touch()  # editable: the installed tree is also the build tree
+    remove_stale_trees(version)
+    if not is_installed(python, build_version, copy):
         raise ForkError(f"installed megatron-core does not report {build_version}; see pip's output above")
     return f"installed megatron-core {build_version} ({'copy' if copy else 'editable, fork files linked'})"

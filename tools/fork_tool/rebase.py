@@ -7,7 +7,31 @@ from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine
 from fork_tool.series import PRISTINE_TAG, apply_series, default_workdir, format_series, link_fork_owned
-from megatron.training.patched_core import series_dir, series_patches
+from megatron_mtp.patched_core import series_dir, series_patches
+
+OLD_SERIES_REF = "refs/heads/series-{version}"
+
+
+def old_series_objects(tree: Path, from_version: str, patches: list[Path]) -> None:
+    """Fetch pristine `from_version` with the old series applied into `tree`.
+
+    `git am -3` rebuilds each patch's preimage from the blobs named on its index lines.
+    A patch that touches a file an earlier patch changed names a blob that exists only
+    after the earlier patches, so the whole old series is applied and fetched, not only
+    the pristine tree.
+    """
+    old = tree.parent / f".rebase-base-{from_version}"
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        upstream.unpack(upstream.verified_sdist(from_version), old)
+        init_pristine(old, f"upstream-{from_version}")
+        link_fork_owned(old)
+        report = apply_series(old, patches)
+        if report and report[-1][1] != "ok":
+            raise ForkError(f"the {from_version} series does not apply to its own upstream:\n{report[-1][1]}")
+        git(tree, "fetch", "-q", str(old), f"HEAD:{OLD_SERIES_REF.format(version=from_version)}")
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def rebase(from_version: str, onto: str, sha256: str | None = None, sdist: Path | None = None,
@@ -15,31 +39,25 @@ def rebase(from_version: str, onto: str, sha256: str | None = None, sdist: Path 
            force: bool = False) -> tuple[bool, list[str]]:
     patches = series_patches(from_version)
     tarball = upstream.verified_sdist(onto, sha256=sha256, sdist=sdist)
-    # The 3-way merge needs the blobs the patches were made against: pristine `from_version`.
-    base = upstream.verified_sdist(from_version)
     tree = Path(workdir or default_workdir(onto))
     if tree.exists():
         if not force:
             raise ForkError(f"{tree} already exists; pass --force to replace it")
         shutil.rmtree(tree)
-    old = tree.parent / f".rebase-base-{from_version}"
-    shutil.rmtree(old, ignore_errors=True)
-    upstream.unpack(base, old)
-    init_pristine(old, f"upstream-{from_version}")
     upstream.unpack(tarball, tree)
     init_pristine(tree, PRISTINE_TAG)
-    git(tree, "fetch", "-q", str(old), f"refs/tags/upstream-{from_version}:refs/tags/upstream-{from_version}")
-    shutil.rmtree(old)
+    old_series_objects(tree, from_version, patches)
     link_fork_owned(tree)
 
     report = apply_series(tree, patches, three_way=True)
     lines = [f"rebase of {len(patches)} patch(es) from {from_version} onto {onto} in {tree}"]
     lines += [f"  {name}: {status}" for name, status in report]
+    export = f"tools/fork export --version {onto} --workdir {tree}" + (f" --out {out_dir}" if out_dir else "")
     if report and report[-1][1] != "ok":
         lines += [
             f"Stopped at {report[-1][0]}. Resolve the conflict in {tree}, then run",
             f"  git -C {tree} add <files> && git -C {tree} am --continue",
-            f"for the rest, and `tools/fork export --version {onto} --workdir {tree}` when `git am` is done.",
+            f"for the rest, and `{export}` when `git am` is done.",
         ]
         return False, lines
     out_dir = Path(out_dir or series_dir(onto))

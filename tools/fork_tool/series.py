@@ -7,9 +7,8 @@ from pathlib import Path
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine, is_dirty
-from megatron.training.patched_core import FORK_OWNED_DIR, REPO_ROOT, series_dir, series_patches
+from megatron_mtp.patched_core import BUILD_DIR, FORK_OWNED_DIR, series_dir, series_patches
 
-BUILD_DIR = REPO_ROOT / ".build"
 PRISTINE_TAG = "upstream"
 FORK_OWNED_REL = "megatron/core/fork"
 FORK_OWNED_MESSAGE = """Add the Megatron-MTP fork-owned modules
@@ -20,7 +19,7 @@ into (device selection, SDPA core attention, and the MTP training logic).
 Why: the series keeps hunks in upstream files thin; the logic lives in these
 files, which the fork maintains as plain sources. Apply this patch first.
 
-Upstream status: not upstream.
+Forwarded: not-needed
 """
 
 
@@ -97,11 +96,30 @@ def prepare(version: str, workdir: Path | None = None, force: bool = False,
     return workdir
 
 
+def previous_export(out_dir: Path) -> list[Path]:
+    """The files an earlier export wrote to `out_dir` (its `series` file and the patches it
+    lists). Anything else there was not written by this tool: refuse to write beside it."""
+    if not out_dir.exists():
+        return []
+    series_file = out_dir / "series"
+    listed = series_file.read_text().split() if series_file.is_file() else []
+    ours = [series_file] + [out_dir / name for name in listed] if series_file.is_file() else []
+    foreign = sorted(p.name for p in out_dir.iterdir() if p not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ForkError(
+            f"{out_dir} holds files this tool did not write ({shown}); "
+            "export into an empty or new directory (nothing there was changed)"
+        )
+    return [p for p in ours if p.exists()]
+
+
 def format_series(tree: Path, out_dir: Path, base: str = PRISTINE_TAG) -> list[str]:
-    """Write base..HEAD as numbered patches plus a quilt `series` file; returns the patch names."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("*.patch"):
+    """Write base..HEAD as numbered patches plus a quilt `series` file; returns the patch names.
+    Only files an earlier export wrote are replaced."""
+    for old in previous_export(out_dir):
         old.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
     names = git(tree, "format-patch", "--zero-commit", "--no-signature", "--no-numbered",
                 "--no-color", "-o", str(out_dir), f"{base}..HEAD").stdout.split()
     names = [Path(n).name for n in names]
@@ -131,6 +149,7 @@ def export(version: str, workdir: Path | None = None, out_dir: Path | None = Non
 
 def export_for_users(version: str, out_dir: Path, sdist: Path | None = None) -> list[str]:
     """A self-contained series: a first patch adds the fork-owned files, then the committed series."""
+    previous_export(out_dir)  # refuses, before any work, a directory holding files of others
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         upstream.unpack(upstream.verified_sdist(version, sdist=sdist), tree)

@@ -9,10 +9,10 @@ import tarfile
 from pathlib import Path
 
 from fork_tool.errors import ForkError
-from megatron.training.patched_core import REPO_ROOT, upstream_config
+from megatron_mtp.patched_core import BUILD_DIR, upstream_config
 
 # Downloaded sdists are cached here (MEGATRON_MTP_DOWNLOADS overrides it, e.g. in tests).
-DOWNLOAD_DIR = Path(os.environ.get("MEGATRON_MTP_DOWNLOADS", REPO_ROOT / ".build" / "downloads"))
+DOWNLOAD_DIR = Path(os.environ.get("MEGATRON_MTP_DOWNLOADS", BUILD_DIR / "downloads"))
 
 
 def known_sha256(version: str) -> str:
@@ -39,7 +39,11 @@ def sdist_name(version: str) -> str:
 
 
 def download(version: str) -> Path:
-    """Fetch the sdist with pip (the registry client configured on this machine)."""
+    """Fetch the sdist with pip (the registry client configured on this machine).
+
+    Only the source is fetched, to be patched and verified, so the release's declared
+    Requires-Python does not apply here (megatron-core 0.17+ declares >= 3.12).
+    """
     target = DOWNLOAD_DIR / sdist_name(version)
     if target.is_file():
         return target
@@ -48,20 +52,26 @@ def download(version: str) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-         "--disable-pip-version-check", "-d", str(staging),
+         "--ignore-requires-python", "--disable-pip-version-check", "-d", str(staging),
          f"megatron-core=={version}"],
         capture_output=True, text=True,
     )
     downloaded = staging / sdist_name(version)
     if result.returncode != 0 or not downloaded.is_file():
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         shutil.rmtree(staging, ignore_errors=True)
         raise ForkError(
-            f"could not download the megatron-core {version} sdist (no network, or no such release?): {last}"
+            f"could not download the megatron-core {version} sdist (no network, or no such release?): "
+            + pip_reason(result.stderr)
         )
     downloaded.rename(target)
     shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def pip_reason(stderr: str) -> str:
+    """pip's own explanation: its ERROR lines (the last line alone often drops the reason)."""
+    errors = [line.strip() for line in stderr.splitlines() if line.startswith("ERROR:")]
+    return " ".join(errors) or (stderr.strip().splitlines() or ["pip gave no output"])[-1]
 
 
 def verified_sdist(version: str, sha256: str | None = None, sdist: Path | None = None) -> Path:
