@@ -26,10 +26,10 @@ def main(rounds: int = 10):
     from megatron.core.fork.split_step import SplitStep
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.training.data import rank_microbatches
-    from megatron.training.initialize import initialize_model_parallel
-    from megatron.training.model import build_model
-    from megatron.training.step import global_counts, gpt_forward_step
+    from megatron_mtp.data import rank_microbatches
+    from megatron_mtp.initialize import initialize_model_parallel
+    from megatron_mtp.model import build_model
+    from megatron_mtp.step import global_counts, gpt_forward_step
 
     initialize_model_parallel(1, 1, None, 1234)
     seq, vocab = 128, 4096
@@ -44,7 +44,7 @@ def main(rounds: int = 10):
     microbatches = rank_microbatches(tokens, mask, 2)
 
     def one_step(k):
-        step = SplitStep(chunks, optimizer, gpt_forward_step, seq)
+        step = SplitStep(chunks, optimizer, gpt_forward_step, seq_length=seq, micro_batch_size=2)
         step.begin(global_counts(microbatches))
         per = len(microbatches) // k
         for i in range(0, len(microbatches), per):

@@ -1,18 +1,25 @@
-import subprocess
-import tarfile
+import os
 
 import pytest
 import torch
 
+from megatron_mtp.patched_core import build_tree, carried_versions, expected_build_version, make_upstream_tree
+
+# Every carried upstream version (a series in patches/), newest first. Tests that run
+# megatron-core take a `build` (the version) and launch their bodies on that build.
+BUILDS = carried_versions()
+# tests/in_build runs in its own process per build (tests/test_in_build.py).
+collect_ignore = [] if os.environ.get("MEGATRON_MTP_BUILD") else ["in_build"]
+
 
 def pytest_sessionstart(session):
-    """Every test needs this checkout's patched megatron-core; say how to get it, once."""
-    from megatron.training.patched_core import PatchedCoreError, require_patched_core
-
-    try:
-        require_patched_core()
-    except PatchedCoreError as error:
-        raise pytest.UsageError(str(error))
+    """Every carried version must be built from this checkout's series; say how, once."""
+    missing = [v for v in BUILDS if not (build_tree(v) / "megatron" / "core" / "fork").exists()]
+    if missing:
+        raise pytest.UsageError(
+            f"no build of megatron-core {', '.join(expected_build_version(v) for v in missing)}: "
+            "run `bash tools/bootstrap` (or `tools/fork install && tools/fork build --all`)"
+        )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,21 +31,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def upstream_tree(tmp_path_factory):
-    """Pristine upstream megatron-core plus only patch 0001 (device-neutral execution, which
-    upstream needs to run on CPU and which touches no MTP or normalization code), to import
-    ahead of the installed build (launch(..., pythonpath_first=...))."""
-    from megatron.training.patched_core import FORK_OWNED_DIR, REPO_ROOT, current_upstream_version, series_patches
+@pytest.fixture(scope="module", params=BUILDS, ids=[f"core{v}" for v in BUILDS])
+def build(request) -> str:
+    """The upstream version whose patched build a test module runs on (each carried one)."""
+    return request.param
 
-    version = current_upstream_version()
-    sdist = REPO_ROOT / ".build" / "downloads" / f"megatron_core-{version}.tar.gz"
-    root = tmp_path_factory.mktemp("upstream")
-    with tarfile.open(sdist) as archive:
-        archive.extractall(root, filter="data")
-    (tree,) = root.iterdir()
-    device_patch = series_patches(version)[0]
-    assert "CUDA" in device_patch.name  # the device-neutral patch, and nothing else
-    subprocess.run(["git", "apply", str(device_patch)], cwd=tree, check=True)
-    (tree / "megatron" / "core" / "fork").symlink_to(FORK_OWNED_DIR)
-    return tree
+
+@pytest.fixture(scope="module")
+def upstream_tree(build, tmp_path_factory):
+    """Pristine upstream megatron-core of `build` plus only the patches that make it run here
+    (CPU/gloo, Python 3.11; they touch no MTP or normalization code), to launch bodies on
+    (launch(..., upstream_tree=...))."""
+    return make_upstream_tree(build, tmp_path_factory.mktemp(f"upstream-{build}"))

@@ -1,8 +1,9 @@
-"""tools/fork: the series applies to pristine upstream, export reproduces it byte for byte,
-and every failure the issue names gives a clear error instead of a traceback."""
+"""tools/fork: every carried series applies to its pristine upstream, export reproduces it
+byte for byte, and every failure the issues name gives a clear error instead of a traceback."""
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -10,10 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.patched_core import REPO_ROOT, current_upstream_version, series_dir, series_patches
+from megatron_mtp.patched_core import (
+    BUILD_DIR,
+    REPO_ROOT,
+    carried_versions,
+    current_upstream_version,
+    series_dir,
+    series_patches,
+)
 
-VERSION = current_upstream_version()
-SDIST = REPO_ROOT / ".build" / "downloads" / f"megatron_core-{VERSION}.tar.gz"
+VERSIONS = carried_versions()
+CURRENT = current_upstream_version()
+OLDEST = VERSIONS[-1]
 
 
 def fork(*args, env=None, check_rc=None):
@@ -25,37 +34,50 @@ def fork(*args, env=None, check_rc=None):
     return result
 
 
-@pytest.fixture(scope="module")
-def sdist():
-    if not SDIST.is_file():  # bootstrap downloads it; fetch it if this checkout never installed
-        fork("check", check_rc=0)
-    return SDIST
+def sdist_of(version: str) -> Path:
+    path = BUILD_DIR / "downloads" / f"megatron_core-{version}.tar.gz"
+    if not path.is_file():  # bootstrap downloads them; fetch it if this checkout never built
+        fork("check", "--version", version, check_rc=0)
+    return path
 
 
-def test_check_applies_every_patch_to_pristine_upstream(sdist):
-    result = fork("check", "--sdist", sdist, check_rc=0)
-    for patch in series_patches(VERSION):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_check_applies_every_patch_to_pristine_upstream(version):
+    result = fork("check", "--version", version, "--sdist", sdist_of(version), check_rc=0)
+    for patch in series_patches(version):
         assert f"{patch.name}: ok" in result.stdout
 
 
-def test_prepare_then_export_reproduces_the_committed_series_byte_for_byte(sdist, tmp_path):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_prepare_then_export_reproduces_the_committed_series_byte_for_byte(version, tmp_path):
     tree, out = tmp_path / "tree", tmp_path / "out"
-    fork("prepare", "--workdir", tree, "--sdist", sdist, check_rc=0)
+    fork("prepare", "--version", version, "--workdir", tree, "--sdist", sdist_of(version), check_rc=0)
     commits = subprocess.run(["git", "-C", tree, "rev-list", "--count", "upstream..HEAD"],
                              capture_output=True, text=True).stdout.strip()
-    assert int(commits) == len(series_patches(VERSION))  # one commit per patch
-    fork("export", "--workdir", tree, "--out", out, check_rc=0)
-    committed = series_dir(VERSION)
+    assert int(commits) == len(series_patches(version))  # one commit per patch
+    fork("export", "--version", version, "--workdir", tree, "--out", out, check_rc=0)
+    committed = series_dir(version)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in committed.iterdir())
     for path in out.iterdir():
         assert path.read_bytes() == (committed / path.name).read_bytes(), f"{path.name} drifted"
 
 
-def test_prepare_refuses_a_dirty_working_tree(sdist, tmp_path):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_patch_headers_are_dep3_with_one_author(version):
+    for patch in series_patches(version):
+        text = patch.read_text()
+        header = text[:text.index("\n---\n")]
+        assert "From: Megatron-MTP <megatron-mtp@users.noreply.localhost>" in header, patch.name
+        assert "\nForwarded: " in header, f"{patch.name}: no DEP-3 Forwarded field"
+        added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
+        assert all(len(line) <= 100 for line in added), f"{patch.name}: a line longer than upstream's 100"
+
+
+def test_prepare_refuses_a_dirty_working_tree(tmp_path):
     tree = tmp_path / "tree"
-    fork("prepare", "--workdir", tree, "--sdist", sdist, check_rc=0)
+    fork("prepare", "--workdir", tree, "--sdist", sdist_of(CURRENT), check_rc=0)
     (tree / "megatron" / "core" / "parallel_state.py").write_text("# edited\n")
-    result = fork("prepare", "--workdir", tree, "--sdist", sdist, check_rc=2)
+    result = fork("prepare", "--workdir", tree, "--sdist", sdist_of(CURRENT), check_rc=2)
     assert "uncommitted changes" in result.stderr
     assert (tree / "megatron" / "core" / "parallel_state.py").read_text() == "# edited\n"  # nothing lost
 
@@ -66,16 +88,26 @@ def test_unknown_version_is_a_clear_error():
 
 
 def test_hash_mismatch_is_a_clear_error(tmp_path):
-    fake = tmp_path / f"megatron_core-{VERSION}.tar.gz"
+    fake = tmp_path / f"megatron_core-{CURRENT}.tar.gz"
     fake.write_bytes(b"not the release")
     result = fork("check", "--sdist", fake, check_rc=2)
     assert "sha256 mismatch" in result.stderr
 
 
-def test_no_network_is_a_clear_error(tmp_path):
+def test_no_network_is_a_clear_error_with_pips_reason(tmp_path):
     env = dict(os.environ, MEGATRON_MTP_DOWNLOADS=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS="")
     result = fork("check", env=env, check_rc=2)
     assert "could not download" in result.stderr and "no network" in result.stderr
+    assert "Could not find a version that satisfies the requirement" in result.stderr  # pip's reason, kept
+
+
+def test_a_release_requiring_a_newer_python_downloads(tmp_path):
+    """megatron-core 0.17+ declares Requires-Python >= 3.12; its source is fetched anyway
+    (it is patched, verified and built, not installed as a wheel) and matches the pin."""
+    newest = VERSIONS[0]
+    env = dict(os.environ, MEGATRON_MTP_DOWNLOADS=str(tmp_path))
+    fork("check", "--version", newest, env=env, check_rc=0)
+    assert (tmp_path / f"megatron_core-{newest}.tar.gz").read_bytes() == sdist_of(newest).read_bytes()
 
 
 def _megatron_lm_like_checkout(sdist: Path, root: Path) -> Path:
@@ -86,19 +118,46 @@ def _megatron_lm_like_checkout(sdist: Path, root: Path) -> Path:
     return checkout
 
 
-def test_check_reports_the_patch_and_file_that_do_not_apply_to_a_checkout(sdist, tmp_path):
-    checkout = _megatron_lm_like_checkout(sdist, tmp_path / "lm")
-    fork("check", "--sdist", sdist, "--checkout", checkout, check_rc=0)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_check_reports_the_patch_and_file_that_do_not_apply_to_a_checkout(version, tmp_path):
+    checkout = _megatron_lm_like_checkout(sdist_of(version), tmp_path / "lm")
+    fork("check", "--version", version, "--sdist", sdist_of(version), "--checkout", checkout, check_rc=0)
     target = checkout / "megatron" / "core" / "optimizer" / "grad_scaler.py"
     target.write_text(target.read_text().replace("device='cuda'", "device='cuda:0'"))
-    result = fork("check", "--sdist", sdist, "--checkout", checkout, check_rc=1)
-    first = series_patches(VERSION)[0].name
-    assert f"{first}: FAILED" in result.stdout
+    result = fork("check", "--version", version, "--sdist", sdist_of(version), "--checkout", checkout, check_rc=1)
+    failing = next(p.name for p in series_patches(version) if "grad-scaler" in p.name)
+    assert f"{failing}: FAILED" in result.stdout
     assert "megatron/core/optimizer/grad_scaler.py" in result.stdout
 
 
+def test_check_of_a_checkout_of_another_version_says_so_in_one_line(tmp_path):
+    checkout = _megatron_lm_like_checkout(sdist_of(OLDEST), tmp_path / "lm")
+    result = fork("check", "--version", CURRENT, "--sdist", sdist_of(CURRENT), "--checkout", checkout, check_rc=2)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"is megatron-core {OLDEST}, but this series is for {CURRENT}" in lines[0]
+    assert f"--version {OLDEST}" in lines[0]  # a carried version: the series to use
+
+
+def test_export_for_users_never_deletes_files_it_did_not_write(tmp_path):
+    out = tmp_path / "series"
+    out.mkdir()
+    mine = out / "0001-my-own-work.patch"
+    mine.write_text("a user's patch\n")
+    result = fork("export", "--for-users", out, "--sdist", sdist_of(CURRENT), check_rc=2)
+    assert "did not write" in result.stderr and "0001-my-own-work.patch" in result.stderr
+    assert mine.read_text() == "a user's patch\n" and sorted(p.name for p in out.iterdir()) == [mine.name]
+
+    fresh = tmp_path / "fresh"
+    fork("export", "--for-users", fresh, "--sdist", sdist_of(CURRENT), check_rc=0)
+    names = (fresh / "series").read_text().split()
+    assert len(names) == len(series_patches(CURRENT)) + 1 and "fork-owned" in names[0]
+    fork("export", "--for-users", fresh, "--sdist", sdist_of(CURRENT), check_rc=0)  # its own: replaced
+    assert (fresh / "series").read_text().split() == names
+
+
 def _variant_sdist(sdist: Path, tmp_path: Path, version: str, edit) -> tuple[Path, str]:
-    """Repack the pristine sdist as `version` after `edit(tree_root)` changed some files."""
+    """Repack a pristine sdist as `version` after `edit(tree_root)` changed some files."""
     root = tmp_path / f"src-{version}"
     with tarfile.open(sdist) as archive:
         archive.extractall(root, filter="data")
@@ -110,47 +169,59 @@ def _variant_sdist(sdist: Path, tmp_path: Path, version: str, edit) -> tuple[Pat
     return out, hashlib.sha256(out.read_bytes()).hexdigest()
 
 
-def _prepend_line(path: Path, line: str) -> None:
-    path.write_text(line + "\n" + path.read_text())
+def _replace(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, (path, old)
+    path.write_text(text.replace(old, new))
 
 
-def test_rebase_merges_onto_a_shifted_upstream(sdist, tmp_path):
-    def shift_everything(tree):
-        for rel in ["megatron/core/parallel_state.py", "megatron/core/optimizer/optimizer.py"]:
-            _prepend_line(tree / rel, "# a line added upstream")
+def test_rebase_merges_a_later_patch_to_a_file_an_earlier_one_changed(tmp_path):
+    """The tied-MTP-stage patch edits gpt_model.py after an earlier patch did. Upstream changed
+    a line of its context, so `git am` must 3-way merge it, from the blob that exists only
+    after the earlier patches: the old series' commits have to be there."""
+    patches = series_patches(CURRENT)
+    tied = next(p for p in patches if "tied-MTP" in p.name)
+    earlier = patches[:patches.index(tied)]
+    assert any("megatron/core/models/gpt/gpt_model.py" in p.read_text() for p in earlier)
 
-    new_sdist, digest = _variant_sdist(sdist, tmp_path, "0.16.99", shift_everything)
-    out = tmp_path / "series-0.16.99"
-    result = fork("rebase", "--onto", "0.16.99", "--sdist", new_sdist, "--sha256", digest,
+    def upstream_edit(tree):
+        _replace(tree / "megatron/core/models/gpt/gpt_model.py", "                bias=False,\n",
+                 "                bias=False,  # a comment added upstream\n")
+
+    new_sdist, digest = _variant_sdist(sdist_of(CURRENT), tmp_path, "0.99.1", upstream_edit)
+    out = tmp_path / "series-0.99.1"
+    result = fork("rebase", "--version", CURRENT, "--onto", "0.99.1", "--sdist", new_sdist, "--sha256", digest,
                   "--workdir", tmp_path / "tree", "--out", out, check_rc=0)
     assert "wrote" in result.stdout
-    names = (out / "series").read_text().split()
-    assert names == [p.name for p in series_patches(VERSION)]
+    assert (out / "series").read_text().split() == [p.name for p in patches]
+    assert "a comment added upstream" in (out / tied.name).read_text()  # merged, not replaced
 
 
-def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk(sdist, tmp_path):
+def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk(tmp_path):
     def conflict(tree):
-        path = tree / "megatron/core/optimizer/grad_scaler.py"
-        path.write_text(path.read_text().replace(
-            "self._scale = torch.tensor([initial_scale], dtype=torch.float, device='cuda')",
-            "self._scale = torch.full([1], initial_scale, dtype=torch.float, device='cuda')"))
+        _replace(tree / "megatron/core/optimizer/grad_scaler.py",
+                 "self._scale = torch.tensor([initial_scale], dtype=torch.float, device='cuda')",
+                 "self._scale = torch.full([1], initial_scale, dtype=torch.float, device='cuda')")
 
-    new_sdist, digest = _variant_sdist(sdist, tmp_path, "0.16.98", conflict)
-    result = fork("rebase", "--onto", "0.16.98", "--sdist", new_sdist, "--sha256", digest,
-                  "--workdir", tmp_path / "tree", "--out", tmp_path / "out", check_rc=1)
-    first = series_patches(VERSION)[0].name
-    assert f"{first}: FAILED" in result.stdout
+    new_sdist, digest = _variant_sdist(sdist_of(CURRENT), tmp_path, "0.99.2", conflict)
+    out = tmp_path / "out"
+    result = fork("rebase", "--version", CURRENT, "--onto", "0.99.2", "--sdist", new_sdist, "--sha256", digest,
+                  "--workdir", tmp_path / "tree", "--out", out, check_rc=1)
+    failing = next(p.name for p in series_patches(CURRENT) if "grad-scaler" in p.name)
+    assert f"{failing}: FAILED" in result.stdout
     assert "conflict in megatron/core/optimizer/grad_scaler.py at line" in result.stdout
     assert "am --continue" in result.stdout
-    assert not (tmp_path / "out").exists()
+    assert f"--out {out}" in result.stdout  # the hint exports where the user asked
+    assert not out.exists()
 
 
 def test_every_subcommand_has_help():
-    for command in ["prepare", "install", "export", "check", "rebase"]:
+    for command in ["prepare", "install", "build", "export", "check", "rebase"]:
         result = fork(command, "--help", check_rc=0)
         assert "usage: tools/fork " + command in result.stdout
 
 
-def test_install_is_a_no_op_when_the_build_matches():
-    result = fork("install", check_rc=0)
-    assert "nothing to do" in result.stdout
+def test_install_and_build_are_no_ops_when_the_builds_match():
+    assert "nothing to do" in fork("install", check_rc=0).stdout
+    result = fork("build", "--all", check_rc=0)
+    assert result.stdout.count("already built") == len(VERSIONS)

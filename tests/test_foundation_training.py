@@ -25,16 +25,21 @@ CASES = [
     dict(name="tp2_pp2", tp=2, pp=2, mtp=2),
     dict(name="tp2_pp2_no_mtp", tp=2, pp=2, mtp=0),
     dict(name="dp4_distributed_optimizer", tp=1, pp=1, mtp=2, distributed_optimizer=True),
-    dict(name="pp2_vpp2_dp2_interleaved", tp=1, pp=2, vpp=2, mtp=0),
-    dict(name="pp2_vpp2_dp2_interleaved_mtp", tp=1, pp=2, vpp=2, mtp=2),
+    # Interleaved schedules with micro-batches of 1: 4 (DP=2) or 8 (TP=2) micro-batches per
+    # rank, i.e. several micro-batch groups of PP=2 (one group hid a p2p defect).
+    dict(name="pp2_vpp2_dp2_interleaved", tp=1, pp=2, vpp=2, mtp=0, micro_batch=1),
+    dict(name="pp2_vpp2_dp2_interleaved_mtp", tp=1, pp=2, vpp=2, mtp=2, micro_batch=1),
+    dict(name="tp2_pp2_vpp2_interleaved_mtp", tp=2, pp=2, vpp=2, mtp=2, micro_batch=1),
 ]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(build, tmp_path_factory):
     ckpt_root = str(tmp_path_factory.mktemp("ckpt"))
-    (single,) = launch("tests.bodies.foundation:reference_suite", 1, {"ckpt_root": ckpt_root}, timeout=600)
-    layouts = launch("tests.bodies.foundation:layouts", 4, {"ckpt_root": ckpt_root, "cases": CASES}, timeout=900)
+    (single,) = launch("tests.bodies.foundation:reference_suite", 1, {"ckpt_root": ckpt_root}, timeout=600,
+                       build=build)
+    layouts = launch("tests.bodies.foundation:layouts", 4, {"ckpt_root": ckpt_root, "cases": CASES}, timeout=900,
+                     build=build)
     return single, layouts
 
 
@@ -87,6 +92,29 @@ def test_checkpoint_resume_is_exact(runs):
     assert resume["optimizer_tensor_count"][0] == resume["optimizer_tensor_count"][1] > 0
     assert resume["optimizer_max_diff"] == 0.0
     assert resume["resumed"] == resume["continued"]
+
+
+def test_isolation_is_a_training_choice_not_a_shape(runs):
+    """Checkpoints written with --mtp-detach-heads load with and without it (model and
+    optimizer state), and the other way round; before, loading failed."""
+    single, _ = runs
+    results = single["reference"]["isolation_is_not_a_shape"]
+    assert len(results) == 8 and all(results.values()), results
+
+
+def test_loading_into_another_model_shape_is_refused_naming_the_differences(runs):
+    single, _ = runs
+    refused = single["reference"]["shape_mismatch"]
+    expected = {
+        "depths": "mtp_num_layers: checkpoint 2, model 1",
+        "repeated": "mtp_use_repeated_layer: checkpoint False, model True",
+        "tied": "share_embeddings_and_output_weights: checkpoint False, model True",
+        "no_mtp": "mtp_num_layers: checkpoint 2, model 0",
+        "hidden": "hidden_size: checkpoint 32, model 64",
+    }
+    for name, text in expected.items():
+        assert refused[name]["message"] is not None and text in refused[name]["message"], (name, refused[name])
+        assert refused[name]["unchanged"], name
 
 
 def test_sdpa_attention_matches_upstream_local_attention(runs):

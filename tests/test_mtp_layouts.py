@@ -12,15 +12,25 @@ from tests.harness import launch
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
+# Model setups, each run on every layout (kwargs of tests.bodies.tiny_gpt.Setup).
+SETUPS = {
+    "attached_D2": dict(mtp_num_layers=2),
+    "isolated_D2_repeated": dict(mtp_num_layers=2, mtp_detach_heads=True, mtp_use_repeated_layer=True),
+    "isolated_D3": dict(mtp_num_layers=3, mtp_detach_heads=True),
+    # Tied: under PP the MTP stage holds the embedding copy that also serves as output weight.
+    "attached_D2_tied": dict(mtp_num_layers=2, tied=True),
+}
 LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), dict(name="tp2_pp2", tp=2, pp=2),
            dict(name="dp4_distributed_optimizer", tp=1, pp=1, distributed_optimizer=True)]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(build, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("mtp-ckpt"))
-    (reference,) = launch("tests.bodies.mtp_layouts:reference", 1, {"ckpt_root": root}, timeout=600)
-    ranks = launch("tests.bodies.mtp_layouts:layouts", 4, {"ckpt_root": root, "layouts": LAYOUTS}, timeout=600)
+    (reference,) = launch("tests.bodies.mtp_layouts:reference", 1, {"ckpt_root": root, "setups": SETUPS},
+                          timeout=600, build=build)
+    ranks = launch("tests.bodies.mtp_layouts:layouts", 4, {"ckpt_root": root, "layouts": LAYOUTS, "setups": SETUPS},
+                   timeout=600, build=build)
     return reference, ranks
 
 
@@ -29,8 +39,6 @@ def rel(a, b):
 
 
 def cases():
-    from tests.bodies.mtp_layouts import SETUPS
-
     return [(layout["name"], setup) for layout in LAYOUTS for setup in SETUPS]
 
 

@@ -14,9 +14,10 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def suite(build, tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("mtp-model"))
-    (result,) = launch("tests.bodies.mtp_model:model_suite", 1, {"ckpt_dir": ckpt_dir}, timeout=900)
+    (result,) = launch("tests.bodies.mtp_model:model_suite", 1, {"ckpt_dir": ckpt_dir}, timeout=900,
+                       build=build)
     return result
 
 
@@ -63,3 +64,8 @@ def test_bad_input_is_refused_with_the_fix(suite):
 def test_repeated_layer_gradient_after_checkpoint_resume(suite):
     for mode, error in suite["repeated_after_resume"].items():
         assert error <= TOL, (mode, error)
+
+
+def test_zero_mtp_depths_trains_as_no_mtp(suite):
+    """TransformerConfig(mtp_num_layers=0) is upstream's "no MTP"; it used to divide by zero."""
+    assert suite["zero_depths"] == {"same_loss": True, "same_grads": True}

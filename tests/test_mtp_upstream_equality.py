@@ -1,14 +1,15 @@
-"""Isolation off, the fork's MTP forward equals pristine upstream megatron-core 0.16.1.
+"""Isolation off, the fork's MTP forward equals pristine upstream megatron-core, for every
+carried version.
 
-Upstream side: the pinned sdist plus only patch 0001 (device-neutral execution, without
-which upstream cannot run on CPU; it does not touch MTP), imported ahead of the installed
-build. Per-position MTP losses of every depth and all logits must match to 1e-6.
+Upstream side: the pinned sdist plus only the patches without which it cannot run here
+(CPU/gloo, Python 3.11; they do not touch MTP). Per-position cross-entropy of every depth
+and of the main head, and all logits, must match to 1e-6.
 """
 
 import pytest
 import torch
 
-from megatron.training.patched_core import REPO_ROOT
+from megatron_mtp.patched_core import build_tree
 from tests.harness import launch
 
 pytestmark = pytest.mark.slow
@@ -16,19 +17,18 @@ CASES = [(1, False), (2, True), (3, False)]
 
 
 @pytest.fixture(scope="module")
-def captured(upstream_tree, tmp_path_factory):
+def captured(build, upstream_tree, tmp_path_factory):
     out = tmp_path_factory.mktemp("captured")
     (mine,) = launch("tests.bodies.upstream_equality:capture_cases", 1,
-                     dict(out_dir=str(out), side="ours", cases=CASES))
+                     dict(out_dir=str(out), side="ours", cases=CASES), build=build)
     (upstream,) = launch("tests.bodies.upstream_equality:capture_cases", 1,
-                         dict(out_dir=str(out), side="upstream", cases=CASES),
-                         pythonpath_first=str(upstream_tree), check_build=False)
+                         dict(out_dir=str(out), side="upstream", cases=CASES), upstream_tree=upstream_tree)
     return out, mine, upstream
 
 
-def test_each_side_ran_its_own_megatron_core(captured, upstream_tree):
+def test_each_side_ran_its_own_megatron_core(captured, build, upstream_tree):
     _, mine, upstream = captured
-    assert mine["core"].startswith(str(REPO_ROOT / ".build" / "install"))
+    assert mine["core"].startswith(str(build_tree(build)))
     assert upstream["core"].startswith(str(upstream_tree))
 
 

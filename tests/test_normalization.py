@@ -21,19 +21,21 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ckpt_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("norm"))
+def ckpt_root(build, tmp_path_factory):
+    return str(tmp_path_factory.mktemp(f"norm-{build}"))
 
 
 @pytest.fixture(scope="module")
-def single(ckpt_root):
-    (result,) = launch("tests.bodies.normalization:single_process", 1, {"ckpt_root": ckpt_root}, timeout=900)
+def single(build, ckpt_root):
+    (result,) = launch("tests.bodies.normalization:single_process", 1, {"ckpt_root": ckpt_root}, timeout=900,
+                       build=build)
     return result
 
 
 @pytest.fixture(scope="module")
-def layouts(single, ckpt_root):
-    return launch("tests.bodies.normalization:parallel_layouts", 4, {"ckpt_root": ckpt_root}, timeout=900)
+def layouts(build, single, ckpt_root):
+    return launch("tests.bodies.normalization:parallel_layouts", 4, {"ckpt_root": ckpt_root}, timeout=900,
+                  build=build)
 
 
 def step_cases(single):
@@ -45,6 +47,13 @@ def test_every_cut_of_the_step_matches_the_reference(single):
     assert len(cases) == 7 * 6  # 7 (level, isolation, counts) modes x 6 (micro-batch, chunks) cuts
     bad = {k: v["rel"] for k, v in cases.items() if not v["rel"] < TOL}
     assert not bad, bad
+
+
+def test_dict_microbatches_are_opaque_to_the_step(single):
+    """Micro-batches as dicts (RL frameworks): the step takes the schedule's shapes from its
+    constructor, never from inside a micro-batch."""
+    for mode in ("detach0", "detach1"):
+        assert single[f"dict_microbatches_{mode}"] < TOL
 
 
 def test_metrics_do_not_depend_on_the_cut(single):
@@ -112,7 +121,7 @@ def test_upstream_default_mode_is_not_invariant(layouts, ckpt_root, upstream_tre
     """The same data, weights and DP=4 cut through pristine upstream's default mode: its MTP
     gradients are far from the reference that the fork matches above."""
     ranks = launch("tests.bodies.normalization:upstream_default_mode", 4, {"ckpt_root": ckpt_root},
-                   timeout=600, pythonpath_first=str(upstream_tree), check_build=False)
+                   timeout=600, upstream_tree=upstream_tree)
     assert ranks[0]["core"].startswith(str(upstream_tree))
     assert ranks[0]["finite"]
     assert ranks[0]["rel_mtp"] > 0.1, ranks[0]

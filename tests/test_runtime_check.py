@@ -5,26 +5,33 @@ import sys
 
 import pytest
 
-from megatron.training import patched_core
-from megatron.training.patched_core import PatchedCoreError, REPO_ROOT
+from megatron_mtp import patched_core
+from megatron_mtp.patched_core import PatchedCoreError, REPO_ROOT
 
 
 def test_installed_build_matches_this_checkout():
-    patched_core.require_patched_core()  # the suite's own environment
+    patched_core.require_patched_core()  # the suite's own environment: `current`, installed
 
 
 def test_mismatched_build_names_the_fix(monkeypatch):
-    monkeypatch.setattr(patched_core, "installed_core_version", lambda: "0.16.1")
+    monkeypatch.setattr(patched_core, "imported_core_version", lambda: "0.19.2")
     with pytest.raises(PatchedCoreError) as error:
         patched_core.require_patched_core()
     message = str(error.value)
-    assert "megatron-core 0.16.1 is installed" in message
+    assert "megatron-core 0.19.2 is imported" in message
     assert patched_core.expected_build_version() in message
     assert "tools/fork install" in message
 
 
+def test_another_carried_version_names_its_build_command(monkeypatch):
+    other = next(v for v in patched_core.carried_versions() if v != patched_core.current_upstream_version())
+    monkeypatch.setattr(patched_core, "imported_core_version", lambda: other)
+    with pytest.raises(PatchedCoreError, match=f"tools/fork build --version {other}"):
+        patched_core.require_patched_core(other)
+
+
 def test_missing_core_names_the_fix(monkeypatch):
-    monkeypatch.setattr(patched_core, "installed_core_version", lambda: None)
+    monkeypatch.setattr(patched_core, "imported_core_version", lambda: None)
     with pytest.raises(PatchedCoreError, match="no megatron-core is installed.*tools/fork install"):
         patched_core.require_patched_core()
 
@@ -46,8 +53,8 @@ def test_series_digest_follows_the_patch_contents(tmp_path, monkeypatch):
 def test_trainer_stops_before_training_on_a_wrong_build(tmp_path):
     """The entry point itself refuses, with the fix, and exits non-zero without a traceback."""
     probe = (
-        "import sys, megatron.training.patched_core as p\n"
-        "p.installed_core_version = lambda: '0.16.1'\n"
+        "import sys, megatron_mtp.patched_core as p\n"
+        "p.imported_core_version = lambda: '0.19.2'\n"
         "sys.argv = ['pretrain_gpt_mtp.py']\n"
         "import runpy\n"
         "runpy.run_path('pretrain_gpt_mtp.py', run_name='__main__')\n"

@@ -3,7 +3,7 @@
 import torch
 
 from megatron.core import parallel_state
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel
 
@@ -53,7 +53,61 @@ def reference(ckpt_root: str) -> dict:
         results["bf16_mtp2"] = _train(setup, chunks, optimizer, 0, STEPS)
 
         results["resume"] = resume_exactly(ckpt_root)
+        results["isolation_is_not_a_shape"] = isolation_is_not_a_shape(ckpt_root)
+        results["shape_mismatch"] = shape_mismatch_is_refused(ckpt_root)
     return results
+
+
+def isolation_is_not_a_shape(ckpt_root: str) -> dict:
+    """Model and optimizer state saved with isolation on (or off) load bit-exactly with it
+    on and off (spec section 9), for 1 and 2 depths, after a step (optimizer state exists)."""
+    out = {}
+    for depths in (1, 2):
+        for saved_detached in (True, False):
+            saved_setup = Setup(mtp_num_layers=depths, mtp_detach_heads=saved_detached)
+            chunks, optimizer, _ = build(saved_setup)
+            _train(saved_setup, chunks, optimizer, 0, 1)
+            path = f"{ckpt_root}/iso_D{depths}_{int(saved_detached)}"
+            save_checkpoint(path, chunks, optimizer)
+            params, optimizer_state = _flat_params(chunks), _optimizer_tensors(optimizer)
+            for load_detached in (True, False):
+                torch.manual_seed(1000 + depths)
+                load_setup = Setup(mtp_num_layers=depths, mtp_detach_heads=load_detached)
+                fresh, fresh_optimizer, _ = build(load_setup)
+                load_checkpoint(path, fresh, fresh_optimizer)
+                loaded = _flat_params(fresh)
+                loaded_optimizer = _optimizer_tensors(fresh_optimizer)
+                _train(load_setup, fresh, fresh_optimizer, 1, 1)  # and trains on
+                out[f"D{depths}/saved{int(saved_detached)}/loaded{int(load_detached)}"] = (
+                    sorted(loaded) == sorted(params)
+                    and all(torch.equal(loaded[k], params[k]) for k in params)
+                    and len(loaded_optimizer) == len(optimizer_state) > 0
+                    and all(torch.equal(a, b) for a, b in zip(loaded_optimizer, optimizer_state))
+                )
+    return out
+
+
+def shape_mismatch_is_refused(ckpt_root: str) -> dict:
+    """A checkpoint of 2 distinct, untied MTP depths, loaded into other shapes: refused before
+    any tensor is read, naming each difference."""
+    saved = Setup(mtp_num_layers=2)
+    chunks, optimizer, _ = build(saved)
+    save_checkpoint(f"{ckpt_root}/shape", chunks, optimizer)
+    out = {}
+    for name, kwargs in {"depths": dict(mtp_num_layers=1), "repeated": dict(mtp_num_layers=2, mtp_use_repeated_layer=True),
+                         "tied": dict(mtp_num_layers=2, tied=True), "no_mtp": dict(mtp_num_layers=0),
+                         "hidden": dict(mtp_num_layers=2, hidden_size=64)}.items():
+        torch.manual_seed(5)
+        other, other_optimizer, _ = build(Setup(**kwargs))
+        before = _flat_params(other)
+        try:
+            load_checkpoint(f"{ckpt_root}/shape", other, other_optimizer)
+            message = None
+        except ValueError as error:
+            message = str(error)
+        after = _flat_params(other)
+        out[name] = {"message": message, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+    return out
 
 
 def resume_exactly(ckpt_root: str) -> dict:
@@ -85,11 +139,13 @@ def resume_exactly(ckpt_root: str) -> dict:
 
 
 def layouts(ckpt_root: str, cases: list[dict]) -> dict:
-    """Each case: tp, pp, vpp, mtp, distributed_optimizer; loads the reference's initial weights."""
+    """Each case: tp, pp, vpp, mtp, distributed_optimizer, micro_batch; loads the reference's
+    initial weights. (The reference's micro-batch size differs: the step is exact however cut.)"""
     results = {}
     for case in cases:
         with model_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp")):
-            setup = Setup(mtp_num_layers=case["mtp"], distributed_optimizer=case.get("distributed_optimizer", False))
+            setup = Setup(mtp_num_layers=case["mtp"], distributed_optimizer=case.get("distributed_optimizer", False),
+                          micro_batch=case.get("micro_batch", Setup.micro_batch))
             chunks, optimizer, _ = build(setup, vpp=case.get("vpp"))
             load_checkpoint(f"{ckpt_root}/init_mtp{case['mtp']}", chunks)
             results[case["name"]] = {

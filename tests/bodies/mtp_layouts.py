@@ -8,18 +8,9 @@ and MTP group norms, the loss and the per-depth MTP sums.
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel
-
-SETUPS = {
-    "attached_D2": dict(mtp_num_layers=2),
-    "isolated_D2_repeated": dict(mtp_num_layers=2, mtp_detach_heads=True, mtp_use_repeated_layer=True),
-    "isolated_D3": dict(mtp_num_layers=3, mtp_detach_heads=True),
-    # Tied: under PP the MTP stage holds the embedding copy that also serves as output weight.
-    "attached_D2_tied": dict(mtp_num_layers=2, tied=True),
-}
-
 
 def global_name(chunk, name: str) -> str:
     """Local parameter name with the decoder layer index made global (pipeline offset)."""
@@ -90,10 +81,10 @@ def one_step(setup: Setup, chunks, optimizer, one_process: bool = False) -> dict
     return result
 
 
-def reference(ckpt_root: str) -> dict:
+def reference(ckpt_root: str, setups: dict) -> dict:
     out = {}
     with model_parallel():
-        for name, kwargs in SETUPS.items():
+        for name, kwargs in setups.items():
             setup = Setup(**kwargs)
             chunks, optimizer, _ = build(setup)
             save_checkpoint(f"{ckpt_root}/{name}", chunks)
@@ -101,12 +92,12 @@ def reference(ckpt_root: str) -> dict:
     return out
 
 
-def layouts(ckpt_root: str, layouts: list[dict]) -> dict:
+def layouts(ckpt_root: str, layouts: list[dict], setups: dict) -> dict:
     out = {}
     for layout in layouts:
         distributed_optimizer = layout.get("distributed_optimizer", False)
         with model_parallel(tp=layout["tp"], pp=layout["pp"]):
-            for name, kwargs in SETUPS.items():
+            for name, kwargs in setups.items():
                 setup = Setup(**kwargs, distributed_optimizer=distributed_optimizer)
                 chunks, optimizer, _ = build(setup)
                 load_checkpoint(f"{ckpt_root}/{name}", chunks)

@@ -1,6 +1,7 @@
 """Model-level MTP checks (one process): the patched GPTModel against the plain-PyTorch
 reference of tests/reference/gpt_mtp.py on the same weights and data."""
 
+import dataclasses
 import itertools
 
 import torch
@@ -9,9 +10,9 @@ from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.model import build_gpt
+from megatron_mtp.model import build_gpt
 from tests.harness.layout import model_parallel
-from tests.reference.gpt_mtp import ReferenceGPT
+from tests.reference.gpt_mtp import ReferenceGPT, mtp_inner_layer_name
 
 VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, LAMBDA = 48, 32, 4, 2, 2, 12, 0.3
 
@@ -112,9 +113,10 @@ def run_megatron(model, input_ids, labels, mask, segments):
 
 
 def reference_for(model, depths, tied, repeated, detach):
-    ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, depths, groups=GROUPS, tied=tied,
-                       repeated=repeated, detach_heads=detach, mtp_loss_scaling_factor=LAMBDA)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, depths, groups=GROUPS, tied=tied,
+                       repeated=repeated, detach_heads=detach, mtp_loss_scaling_factor=LAMBDA,
+                       mtp_inner_name=mtp_inner_layer_name(state))
     ref.load_state_dict(state, strict=True)
     return ref
 
@@ -227,10 +229,9 @@ def refusals() -> dict:
             lambda: model(input_ids, positions, None, labels=labels, loss_mask=mask[:, :-1]))
         messages["statistics_untouched"] = STEP_STATISTICS.local_sums() is None
 
-        from megatron.core.fork.mtp import isolation
-
         model.output_layer.bias = torch.nn.Parameter(torch.zeros(VOCAB))
-        messages["trainable_bias"] = error_of(lambda: isolation.setup_model(model))
+        messages["trainable_bias"] = error_of(
+            lambda: model(input_ids, positions, None, labels=labels, loss_mask=mask))
     return messages
 
 
@@ -263,8 +264,25 @@ def labels_derived_from_input_ids() -> dict:
         }
 
 
+def zero_depths_is_no_mtp() -> dict:
+    """mtp_num_layers=0 (valid upstream: no MTP) trains exactly as mtp_num_layers=None."""
+    out = {}
+    with model_parallel():
+        runs = []
+        for depths in (0, None):
+            torch.manual_seed(13)
+            config = dataclasses.replace(make_config(0), mtp_num_layers=depths)  # validated again
+            runs.append(run_megatron(build_gpt(config, VOCAB, SEQ), *padded_batch()))
+        zero, none = runs
+        out["same_loss"] = bool(torch.equal(zero["main_ce"], none["main_ce"]))
+        out["same_grads"] = sorted(zero["grads"]) == sorted(none["grads"]) and all(
+            torch.equal(zero["grads"][n], none["grads"][n]) for n in none["grads"])
+    return out
+
+
 def model_suite(ckpt_dir: str) -> dict:
     return {
+        "zero_depths": zero_depths_is_no_mtp(),
         "repeated_after_resume": repeated_layer_after_resume(ckpt_dir),
         "matrix": reference_matrix(),
         "isolation": isolation_leaves_the_backbone_alone(),
@@ -276,7 +294,7 @@ def model_suite(ckpt_dir: str) -> dict:
 def repeated_layer_after_resume(ckpt_dir: str) -> dict:
     """Repeated mode after a dist-checkpoint round trip (upstream issue #6965: one depth's
     gradient overwrote another's after resume): still the sum of all depths' terms."""
-    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
 
     out = {}
     with model_parallel():

@@ -11,14 +11,14 @@ from megatron.core.fork.normalization import StepCounts, active
 from megatron.core.fork.split_step import SplitStep
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron.training.data import rank_microbatches
-from megatron.training.model import build_model
-from megatron.training.step import global_counts, gpt_forward_step
+from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
+from megatron_mtp.data import rank_microbatches
+from megatron_mtp.model import build_model
+from megatron_mtp.step import global_counts, gpt_forward_step
 from tests.bodies.mtp_layouts import gathered_grad_norms
 from tests.bodies.mtp_model import max_rel as tensor_rel
 from tests.harness.layout import model_parallel
-from tests.reference.gpt_mtp import ReferenceGPT
+from tests.reference.gpt_mtp import ReferenceGPT, mtp_inner_layer_name
 
 VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, DEPTHS, BATCH = 48, 32, 4, 2, 2, 12, 2, 8
 
@@ -41,7 +41,8 @@ def batch(kind: str = "uneven"):
 
 def reference_grads(state: dict, tokens, mask, level: str, detach: bool, lam: float) -> dict:
     ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, DEPTHS, groups=GROUPS, tied=False,
-                       detach_heads=detach, mtp_loss_scaling_factor=lam)
+                       detach_heads=detach, mtp_loss_scaling_factor=lam,
+                       mtp_inner_name=mtp_inner_layer_name(state))
     ref.load_state_dict({k: v for k, v in state.items() if not k.endswith("_extra_state")})
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     _, main, per_depth = ref.losses(inputs, labels, mask)
@@ -81,11 +82,20 @@ def local_grads(chunks) -> dict:
     return {n: p.main_grad.detach().float().clone() for n, p in chunks[0].module.named_parameters()}
 
 
+def dict_forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    return gpt_forward_step(iter([(batch["tokens"], batch["loss_mask"])]), model)
+
+
 def run_step(chunks, optimizer, tokens, mask, micro_batch: int, n_chunks: int, level: str,
-             counts_up_front: bool, capture_grads: bool = True) -> dict:
+             counts_up_front: bool, capture_grads: bool = True, as_dicts: bool = False) -> dict:
     """One split step over this rank's share; gradients captured just before the update."""
     microbatches = rank_microbatches(tokens, mask, micro_batch)
-    step = SplitStep(chunks, optimizer, lambda it, m: gpt_forward_step(it, m, level), SEQ, main_loss=level)
+    forward_step = gpt_forward_step
+    if as_dicts:  # as RL frameworks pass them: the step never looks inside a micro-batch
+        microbatches = [{"tokens": t, "loss_mask": m} for t, m in microbatches]
+        forward_step = dict_forward_step
+    step = SplitStep(chunks, optimizer, forward_step, seq_length=SEQ, micro_batch_size=micro_batch, main_loss=level)
     captured = {}
     original = optimizer.step
 
@@ -97,7 +107,7 @@ def run_step(chunks, optimizer, tokens, mask, micro_batch: int, n_chunks: int, l
 
     optimizer.step = capturing_step
     try:
-        step.begin(global_counts(microbatches) if counts_up_front else None)
+        step.begin(global_counts(rank_microbatches(tokens, mask, micro_batch)) if counts_up_front else None)
         per_chunk = -(-len(microbatches) // n_chunks)
         for i in range(0, len(microbatches), per_chunk):
             step.accumulate(microbatches[i:i + per_chunk])
@@ -135,6 +145,11 @@ def single_process(ckpt_root: str) -> dict:
                               f"mbs{micro_batch}/chunks{n_chunks}"
                         out[key] = {"rel": max_rel(got.pop("grads"), want), "metrics": _metrics(got)}
                         got.pop("norms")
+            # Dict micro-batches (as RL frameworks pass them), sequence-level, streaming.
+            load_checkpoint(f"{ckpt_root}/init_detach{int(detach)}", chunks)
+            got = run_step(chunks, optimizer, tokens, mask, 2, 2, "sequence", detach is False, as_dicts=True)
+            out[f"dict_microbatches_detach{int(detach)}"] = max_rel(
+                got["grads"], torch.load(f"{ckpt_root}/ref_detach{int(detach)}_sequence.pt"))
         out["refusal"] = refusal()
         out["zero_tokens"] = zero_token_step()
         out["lambda"] = isolation_and_lambda(tokens, mask)
@@ -153,7 +168,7 @@ def refusal() -> dict:
     grads_before = local_grads(chunks)
     params_before = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
     hooks_before = (config.finalize_model_grads_func, config.no_sync_func, config.grad_sync_func)
-    step = SplitStep(chunks, optimizer, lambda it, m: gpt_forward_step(it, m, "sequence"), SEQ, main_loss="sequence")
+    step = SplitStep(chunks, optimizer, gpt_forward_step, seq_length=SEQ, micro_batch_size=2, main_loss="sequence")
     message = None
     try:
         step.begin(None)
@@ -226,7 +241,7 @@ def abort_restores(tokens, mask) -> dict:
     scale = MTPLossAutoScaler.main_loss_backward_scale
     params = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
     microbatches = rank_microbatches(tokens, mask, 2)
-    step = SplitStep(chunks, optimizer, lambda it, m: gpt_forward_step(it, m, "token"), SEQ)
+    step = SplitStep(chunks, optimizer, gpt_forward_step, seq_length=SEQ, micro_batch_size=2)
     step.begin(StepCounts(**vars(global_counts(microbatches))))
     step.accumulate(microbatches[:2])
     try:
@@ -247,7 +262,7 @@ def abort_restores(tokens, mask) -> dict:
     def failing_forward(it, model):
         raise RuntimeError("data loader failed")
 
-    broken = SplitStep(chunks, optimizer, failing_forward, SEQ)
+    broken = SplitStep(chunks, optimizer, failing_forward, seq_length=SEQ, micro_batch_size=2)
     broken.begin(None)
     try:
         broken.accumulate(microbatches)

@@ -1,6 +1,6 @@
 """A tiny GPT trained through megatron-core's own stack, for any TP x PP x VPP x DP layout.
 
-Model, step and checkpointing are the trainer's (megatron.training). The data here is
+Model, step and checkpointing are the trainer's (megatron_mtp). The data here is
 made to be hard to get right: one deterministic global batch per step with holes in
 the loss mask and very uneven valid-token counts across samples (sample 1 keeps only
 3 targets), so that a layout that normalized per micro-batch or per rank would differ
@@ -14,9 +14,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.data import rank_microbatches
-from megatron.training.model import build_model
-from megatron.training.step import train_step as trainer_step
+from megatron_mtp.data import rank_microbatches
+from megatron_mtp.model import build_model
+from megatron_mtp.step import train_step as trainer_step
 
 
 

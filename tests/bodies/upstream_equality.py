@@ -1,9 +1,9 @@
 """Isolation off: the fork's MTP forward (per-position logits and losses) equals upstream's.
 
 `capture` runs in two processes on identical weights and data: one with this checkout's
-patched megatron-core, one with pristine 0.16.1 plus only the device-neutral patch 0001
-(which upstream needs to run on CPU and which does not touch MTP). Both build upstream's
-own local layer spec.
+patched megatron-core, one with pristine upstream of the same version plus only the
+patches that make it run here (CPU/gloo, Python 3.11; they do not touch MTP). Both build
+upstream's own local layer spec.
 """
 
 import torch
@@ -49,15 +49,17 @@ def capture(out_file: str, weights_file: str, save_weights: bool, depths: int, t
         model.load_state_dict(torch.load(weights_file, weights_only=False))
         model.train()
 
-        terms, logits = [], []
-        scale = config.mtp_loss_scaling_factor / depths
-        original = multi_token_prediction.MTPLossAutoScaler.apply  # bound classmethod
+        # Per-position CE of every loss the model computes (depths 1..D, then the main head),
+        # before any masking or normalization: those differ between the two sides on purpose.
+        cross_entropies, logits = [], []
+        compute_loss = model.compute_language_model_loss
 
-        def recording_apply(hidden, loss):
-            terms.append((loss.detach() / scale).tolist())
-            return original(hidden, loss)
+        def recording_loss(labels, logits_):
+            loss = compute_loss(labels, logits_)
+            cross_entropies.append(loss.detach().tolist())
+            return loss
 
-        multi_token_prediction.MTPLossAutoScaler.apply = staticmethod(recording_apply)
+        model.compute_language_model_loss = recording_loss
         hook = model.output_layer.register_forward_hook(
             lambda m, a, out: logits.append(out[0].detach().transpose(0, 1).tolist()))
         # Upstream's loss tracker keeps a tensor sized for the first D it saw in this process.
@@ -67,7 +69,7 @@ def capture(out_file: str, weights_file: str, save_weights: bool, depths: int, t
         try:
             main = model(input_ids, positions, None, labels=labels, loss_mask=mask)
         finally:
-            del multi_token_prediction.MTPLossAutoScaler.apply  # back to autograd.Function's
             hook.remove()
+        terms = cross_entropies[:depths]
         result = {"mtp_losses": terms, "logits": logits, "main": main.detach().tolist()}
         torch.save(result, out_file)

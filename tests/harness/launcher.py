@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from megatron_mtp.patched_core import REPO_ROOT, build_tree, current_upstream_version
+
 # After the first rank fails, the others usually block in a collective: give them a
 # moment to report their own errors, then kill them.
 GRACE_AFTER_FAILURE_S = 5.0
@@ -50,19 +51,26 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def launch(body: str, world_size: int, args: dict | None = None, timeout: float = 300.0,
-           tmp_dir: Path | None = None, use_gpus: bool = False, pythonpath_first: str | None = None,
-           check_build: bool = True) -> list:
+           tmp_dir: Path | None = None, use_gpus: bool = False, build: str | None = None,
+           upstream_tree: Path | None = None) -> list:
     """Run `body` ("package.module:function") on every rank; return each rank's return value.
 
     The body is called as function(**args) after torch.distributed (gloo) is up; it sets
     up whatever model-parallel layouts it needs (see tests.harness.layout). Ranks run on
-    the CPU with gloo unless `use_gpus` (one GPU per rank, NCCL). `pythonpath_first` puts
-    another megatron-core tree ahead of the installed one (then pass check_build=False).
+    the CPU with gloo unless `use_gpus` (one GPU per rank, NCCL). They import this
+    checkout's patched megatron-core of upstream version `build` (default: `current`),
+    which they check before running the body, or, with `upstream_tree`, that other
+    megatron-core tree (pristine upstream for comparisons; not checked).
     """
+    if upstream_tree is not None:
+        pythonpath_first, check_version = str(upstream_tree), None
+    else:
+        check_version = build or current_upstream_version()
+        pythonpath_first = str(build_tree(check_version))
     with tempfile.TemporaryDirectory(dir=tmp_dir) as scratch:
         scratch = Path(scratch)
         spec = scratch / "spec.json"
-        spec.write_text(json.dumps({"body": body, "args": args or {}, "check_build": check_build}))
+        spec.write_text(json.dumps({"body": body, "args": args or {}, "build": check_version}))
         port = free_port()
         procs, logs = [], []
         for rank in range(world_size):

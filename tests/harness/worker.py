@@ -24,10 +24,10 @@ def main(spec_path: str, result_path: str) -> int:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             backend = "nccl"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-        if spec.get("check_build", True):
-            from megatron.training.patched_core import require_patched_core
+        if spec["build"] is not None:
+            from megatron_mtp.patched_core import require_patched_core
 
-            require_patched_core()
+            require_patched_core(spec["build"])
         module_name, function_name = spec["body"].split(":")
         body = getattr(importlib.import_module(module_name), function_name)
         outcome = {"ok": True, "result": body(**spec["args"])}

@@ -81,17 +81,18 @@ class Decoder(nn.Module):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, hidden, heads, groups, ffn):
+    def __init__(self, hidden, heads, groups, ffn, inner_name):
         super().__init__()
         self.enorm = nn.LayerNorm(hidden, eps=1e-5)
         self.hnorm = nn.LayerNorm(hidden, eps=1e-5)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.transformer_layer = TransformerLayer(hidden, heads, groups, ffn)
+        self.inner_name = inner_name
+        setattr(self, inner_name, TransformerLayer(hidden, heads, groups, ffn))
         self.final_layernorm = nn.LayerNorm(hidden, eps=1e-5)
 
     def forward(self, embedded, hidden, rope, segments):
         u = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.final_layernorm(self.transformer_layer(u, rope, segments))
+        return self.final_layernorm(getattr(self, self.inner_name)(u, rope, segments))
 
 
 class Embedding(nn.Module):
@@ -101,9 +102,15 @@ class Embedding(nn.Module):
 
 
 class MTPBlock(nn.Module):
-    def __init__(self, layers, hidden, heads, groups, ffn):
+    def __init__(self, layers, hidden, heads, groups, ffn, inner_name):
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(hidden, heads, groups, ffn) for _ in range(layers))
+        self.layers = nn.ModuleList(MTPLayer(hidden, heads, groups, ffn, inner_name) for _ in range(layers))
+
+
+def mtp_inner_layer_name(state_dict) -> str:
+    """The MTP layer's transformer layer is `transformer_layer` in megatron-core 0.16 and
+    `mtp_model_layer` from 0.17 on; the reference takes the name of the weights it loads."""
+    return "mtp_model_layer" if any(".mtp_model_layer." in k for k in state_dict) else "transformer_layer"
 
 
 def positions_within_segments(segments):
@@ -141,7 +148,8 @@ def shift_left(tensor, k, segments):
 
 class ReferenceGPT(nn.Module):
     def __init__(self, vocab, hidden, heads, layers, mtp_depths, groups=None, ffn=None,
-                 tied=False, repeated=False, detach_heads=False, mtp_loss_scaling_factor=0.1):
+                 tied=False, repeated=False, detach_heads=False, mtp_loss_scaling_factor=0.1,
+                 mtp_inner_name="transformer_layer"):
         super().__init__()
         groups, ffn = groups or heads, ffn or 4 * hidden
         self.heads, self.hidden, self.depths = heads, hidden, mtp_depths
@@ -153,7 +161,7 @@ class ReferenceGPT(nn.Module):
             self.output_layer = nn.Module()
             self.output_layer.weight = nn.Parameter(torch.empty(vocab, hidden))
         if mtp_depths:
-            self.mtp = MTPBlock(1 if repeated else mtp_depths, hidden, heads, groups, ffn)
+            self.mtp = MTPBlock(1 if repeated else mtp_depths, hidden, heads, groups, ffn, mtp_inner_name)
 
     def output_weight(self):
         return self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
