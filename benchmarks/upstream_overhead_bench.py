@@ -27,46 +27,12 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-
-SHAPE = dict(vocab=8192, hidden=256, heads=8, layers=4, seq=256, batch=4)
-
-
-def build_and_batch(depths: int):
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
-    dist.init_process_group("gloo")
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_mtp.initialize import initialize_model_parallel
-    from megatron_mtp.model import build_gpt
-
-    initialize_model_parallel(1, 1, None, 1234)
-    config = TransformerConfig(num_layers=SHAPE["layers"], hidden_size=SHAPE["hidden"],
-                               num_attention_heads=SHAPE["heads"], mtp_num_layers=depths,
-                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                               calculate_per_token_loss=True)
-    torch.manual_seed(0)
-    model = build_gpt(config, SHAPE["vocab"], SHAPE["seq"])
-    tokens = torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"] + 1),
-                           generator=torch.Generator().manual_seed(1))
-    return model, tokens
-
-
-def step(model, tokens) -> None:
-    import torch
-
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(inputs.size(1)).unsqueeze(0).expand_as(inputs)
-    mask = torch.ones_like(labels, dtype=torch.float)
-    model.zero_grad(set_to_none=True)
-    out = model(inputs, positions, None, labels=labels, loss_mask=mask)
-    (out * mask).sum().backward()
-
+from benchmarks.common import SHAPE, build, peak_step_memory_mib, setup_process, step  # noqa: E402
 
 def worker(depths: int) -> None:
     """Answer "step" with one step's seconds, until "quit"."""
-    model, tokens = build_and_batch(depths)
+    setup_process()
+    model, tokens = build(depths)
     step(model, tokens)  # warm-up
     print("ready", flush=True)
     for line in sys.stdin:
@@ -78,18 +44,8 @@ def worker(depths: int) -> None:
 
 
 def peak_memory(depths: int) -> None:
-    """Peak of live CPU tensor memory during one step (after a warm-up step), from the
-    allocations and frees that torch.profiler records: deterministic, unlike resident memory."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
-
-    model, tokens = build_and_batch(depths)
-    step(model, tokens)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        step(model, tokens)
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
-    print(max(sum(categories) for categories in sizes) / 2**20)
+    setup_process()
+    print(peak_step_memory_mib(*build(depths)))
 
 
 def side_env(tree: Path) -> dict:

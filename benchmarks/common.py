@@ -1,0 +1,62 @@
+"""What the benchmarks share: the model shape, one process's gloo world, one training step of
+a micro-batch, and the peak of live tensor memory during a step."""
+
+import os
+
+SHAPE = dict(vocab=8192, hidden=256, heads=8, layers=4, seq=256, batch=4)
+
+
+def setup_process() -> None:
+    """A gloo world of one process with megatron-core's parallel state (TP = PP = 1)."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
+    dist.init_process_group("gloo")
+    from megatron_mtp.initialize import initialize_model_parallel
+
+    initialize_model_parallel(1, 1, None, 1234)
+
+
+def build(depths: int, detach: bool = False, repeated: bool = False):
+    """GPT of SHAPE with `depths` MTP depths (SDPA layer spec, fixed seed) and a batch of tokens."""
+    import torch
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_mtp.model import build_gpt
+
+    config = TransformerConfig(num_layers=SHAPE["layers"], hidden_size=SHAPE["hidden"],
+                               num_attention_heads=SHAPE["heads"], mtp_num_layers=depths or None,
+                               mtp_detach_heads=detach, mtp_use_repeated_layer=repeated,
+                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                               calculate_per_token_loss=True)
+    torch.manual_seed(0)
+    model = build_gpt(config, SHAPE["vocab"], SHAPE["seq"])
+    tokens = torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"] + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return model, tokens
+
+
+def step(model, tokens) -> None:
+    """Forward and backward of one micro-batch, every position valid."""
+    import torch
+
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.size(1)).unsqueeze(0).expand_as(inputs)
+    mask = torch.ones_like(labels, dtype=torch.float)
+    model.zero_grad(set_to_none=True)
+    out = model(inputs, positions, None, labels=labels, loss_mask=mask)
+    (out * mask).sum().backward()
+
+
+def peak_step_memory_mib(model, tokens) -> float:
+    """Peak of live CPU tensor memory during one step (after a warm-up step), from every
+    allocation and free that torch.profiler records: deterministic, unlike resident memory."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    step(model, tokens)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step(model, tokens)
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    return max(sum(categories) for categories in sizes) / 2**20
