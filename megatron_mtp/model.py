@@ -36,8 +36,8 @@ def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: i
         transformer_layer_spec=layer_spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
-        # Rotary, as in DeepSeek-V3. (Learned absolute position embeddings are duplicated
-        # on an MTP stage without the embedding and upstream 0.16.1 cannot checkpoint that.)
+        # Rotary by default, as in DeepSeek-V3. (Learned absolute positions with MTP under
+        # pipeline parallelism are refused: the MTP stage's copy would not stay in sync.)
         position_embedding_type=position_embedding_type,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -49,14 +49,15 @@ def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: i
 
 def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                 use_distributed_optimizer: bool = False, use_transformer_engine: bool = False,
-                share_embeddings_and_output_weights: bool = False):
+                share_embeddings_and_output_weights: bool = False, position_embedding_type: str = "rope"):
     """One DDP-wrapped GPTModel per virtual pipeline stage; sets the config's schedule hooks."""
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         model = build_gpt(config, vocab_size, max_sequence_length, use_transformer_engine,
                           vp_stage=vp_stage if vpp else None,
-                          share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+                          share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                          position_embedding_type=position_embedding_type)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:

@@ -1,9 +1,10 @@
 """MTP gradients, group norms and metrics are the same on TP=2, PP=2 (MTP on the last
-stage) and DP=2 layouts as in one process (spec section 4's invariance, model side).
+stage) and DP=2 layouts as in one process (spec section 4's invariance, model side):
+every copy of every parameter's full gradient, the group norms, loss and per-depth sums.
 
 Data: loss-mask holes and very uneven valid-token counts across samples and therefore
-across data-parallel ranks. Tolerance: relative 1e-5 (float32 round-off; measured
-<= 2e-7 on parameter gradients); valid, correct and chain-correct counts exact.
+across data-parallel ranks. Tolerance: relative 1e-5 of each parameter's largest gradient
+magnitude (float32 round-off); valid, correct and chain-correct counts exact.
 """
 
 import pytest
@@ -47,10 +48,8 @@ def test_layout_matches_one_process(runs, layout, setup):
     reference, ranks = runs
     want = reference[setup]
     for got in (rank[f"{layout}/{setup}"] for rank in ranks):
-        if got["param_grad_norms"] is not None:  # None: sharded by the distributed optimizer
-            assert sorted(got["param_grad_norms"]) == sorted(want["param_grad_norms"])
-            for name, norm in want["param_grad_norms"].items():
-                assert rel(got["param_grad_norms"][name], norm) < TOL, name
+        if got["grads_rel"] is not None:  # None: sharded by the distributed optimizer
+            assert got["grads_rel"] < TOL, got["grads_rel"]
         assert got["grad norms"].keys() == want["grad norms"].keys()
         for group, norm in want["grad norms"].items():
             assert rel(got["grad norms"][group], norm) < TOL, group

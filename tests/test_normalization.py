@@ -4,12 +4,16 @@ plain-PyTorch reference of the spec objective on the whole global batch.
 Launch 1 (one process): chunks 1/2/4, micro-batch sizes 1/2/4, token- and sequence-level
 main loss x isolation on/off x counts up front or streaming, the refused combination,
 zero-token steps, lambda independence of the main norm, fp16 loss scaling and overflow,
-abort. Launch 2 (four processes): DP=4 (very uneven valid tokens per rank, and a rank with
-none), TP=2 x DP=2, PP=2 x DP=2. Launch 3: pristine upstream's default mode on DP=4, to
-show what the exact normalization fixes.
+abort. Launches 2 and 3 (four and two processes), every copy of every parameter's full
+gradient: DP=4 (very uneven valid tokens per rank, and a rank with none), TP=2 x DP=2 with
+and without sequence parallelism, TP=2 with it, PP=2 x DP=2, and interleaved PP=2 x VPP=2
+alone, with DP=2 and with TP=2, over several micro-batch groups; learned absolute
+positions with MTP under PP refused on every rank. Launch 4: pristine upstream's default
+mode on DP=4, to show what the exact normalization fixes.
 
 Tolerance: relative 1e-5 of each parameter's largest gradient magnitude (float32
-round-off; measured <= 1.4e-6); fp16 group-norm ratios within 1e-2 of 1.
+round-off; measured <= 1.4e-6 in one process, <= 9.5e-7 over the layouts); fp16
+group-norm ratios within 1e-2 of 1.
 """
 
 import pytest
@@ -18,6 +22,12 @@ from tests.harness import launch
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
+# (name, TP, PP, VPP, sequence parallel, chunks per step). Interleaved layouts take each
+# rank's micro-batches (of 1) in one chunk: several micro-batch groups of PP=2 per call.
+FOUR_RANK_LAYOUTS = [("dp4", 1, 1, None, False, 2), ("tp2_dp2", 2, 1, None, False, 2),
+                     ("pp2_dp2", 1, 2, None, False, 2), ("tp2_dp2_sp", 2, 1, None, True, 2),
+                     ("dp2_pp2_vpp2", 1, 2, 2, False, 1), ("tp2_pp2_vpp2", 2, 2, 2, False, 1)]
+TWO_RANK_LAYOUTS = [("pp2_vpp2", 1, 2, 2, False, 1), ("tp2_sp", 2, 1, None, True, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +44,16 @@ def single(build, ckpt_root):
 
 @pytest.fixture(scope="module")
 def layouts(build, single, ckpt_root):
-    return launch("tests.bodies.normalization:parallel_layouts", 4, {"ckpt_root": ckpt_root}, timeout=900,
-                  build=build)
+    """Every rank's results of the four-rank layouts and of the two-rank ones, and the
+    learned-absolute refusals of both worlds."""
+    four = launch("tests.bodies.normalization:parallel_layouts_and_refusals", 4,
+                  {"ckpt_root": ckpt_root, "layouts": FOUR_RANK_LAYOUTS,
+                   "refusal_layouts": [("pp2_dp2", 1, 2), ("tp2_pp2", 2, 2), ("dp4", 1, 1)]},
+                  timeout=900, build=build)
+    two = launch("tests.bodies.normalization:parallel_layouts_and_refusals", 2,
+                 {"ckpt_root": ckpt_root, "layouts": TWO_RANK_LAYOUTS, "refusal_layouts": [("pp2", 1, 2)]},
+                 timeout=900, build=build)
+    return four, two
 
 
 def step_cases(single):
@@ -104,17 +122,40 @@ def test_abort_restores_everything(single):
 
 
 def test_parallel_layouts_match_the_reference(layouts):
-    results = layouts[0]
-    assert len(results) == 11 + 7 + 7
-    for rank in layouts:
-        for key, value in rank.items():
+    """Full gradients of every parameter copy in every layout: DP=4 (uneven tokens, a rank
+    with none), TP=2 x DP=2 with and without sequence parallelism, PP=2 x DP=2, and
+    interleaved PP=2 x VPP=2 alone, with DP=2 and with TP=2 over several micro-batch groups."""
+    four, two = layouts
+    assert len(four[0]["layouts"]) == 11 + 5 * 7 and len(two[0]["layouts"]) == 2 * 7
+    for rank in four + two:
+        for key, value in rank["layouts"].items():
             assert value["finite"], key
-            assert value["norms_rel"] < TOL, (key, value["norms_rel"])
-            if value["full_rel"] is not None:
-                assert value["full_rel"] < TOL, (key, value["full_rel"])
-    tokens = [rank["dp4/detach0/token/upfront/uneven"]["local_tokens"] for rank in layouts]
+            assert value["full_rel"] < TOL, (key, value["full_rel"])
+    tokens = [rank["layouts"]["dp4/detach0/token/upfront/uneven"]["local_tokens"] for rank in four]
     assert max(tokens) >= 3 * min(tokens)  # really uneven
-    assert [rank["dp4/detach0/token/upfront/rank0-empty"]["local_tokens"] for rank in layouts][0] == 0
+    assert [rank["layouts"]["dp4/detach0/token/upfront/rank0-empty"]["local_tokens"] for rank in four][0] == 0
+
+
+def test_every_copy_of_a_replicated_parameter_is_compared(layouts):
+    """Guards the comparison: TP ranks' norm replicas and both word-embedding copies under PP
+    are each checked against the reference, not one of them."""
+    four, two = layouts
+    copies = four[0]["layouts"]["tp2_pp2_vpp2/detach0/token/upfront/uneven"]["copies"]
+    assert copies["embedding.word_embeddings.weight"] == 2  # first stage and the MTP stage
+    assert copies["decoder.final_layernorm.weight"] == 2  # one per TP rank
+    assert copies["decoder.layers.0.self_attention.linear_qkv.weight"] == 1  # TP shards joined
+    assert two[0]["layouts"]["tp2_sp/detach1/token/upfront/uneven"]["copies"]["mtp.layers.0.enorm.weight"] == 2
+
+
+def test_learned_absolute_positions_with_mtp_under_pp_are_refused_on_every_rank(layouts):
+    four, two = layouts
+    for rank in four + two:
+        refusals = rank["refusals"]
+        for name in ("pp2_dp2", "tp2_pp2", "pp2"):
+            if name in refusals:
+                assert "learned absolute position embeddings under pipeline parallelism" in refusals[name]
+                assert "rope" in refusals[name]
+    assert four[0]["refusals"]["dp4"] is None  # one stage: built
 
 
 def test_upstream_default_mode_is_not_invariant(layouts, ckpt_root, upstream_tree):

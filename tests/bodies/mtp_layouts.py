@@ -1,53 +1,16 @@
 """MTP across parallel layouts: TP=2, PP=2 (MTP on the last stage) and DP=2 against one process.
 
-Compared after one step: every parameter's gradient norm (by global name; TP shards are
-recombined, replicas across DP and embedding copies across stages taken once), the main
-and MTP group norms, the loss and the per-depth MTP sums.
+Compared after one step: every copy of every parameter's full gradient (TP shards joined,
+each TP replica, both word-embedding copies under PP; tests.bodies.full_grads) against the
+one-process run's, the main and MTP group norms, the loss and the per-depth MTP sums.
 """
 
-import torch.distributed as dist
+import torch
 
-from megatron.core import parallel_state
 from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
+from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel
-
-def global_name(chunk, name: str) -> str:
-    """Local parameter name with the decoder layer index made global (pipeline offset)."""
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        layer = chunk.module.decoder.layers[int(parts[2])]
-        parts[2] = str(layer.layer_number - 1)
-    return ".".join(parts)
-
-
-def grad_square_norms(chunks) -> dict:
-    """{global name: (squared norm of this rank's gradient, split across TP)} after a step's backward."""
-    out = {}
-    for chunk in chunks:
-        for name, param in chunk.module.named_parameters():
-            grad = param.main_grad
-            out[global_name(chunk, name)] = (float(grad.double().pow(2).sum()),
-                                             bool(getattr(param, "tensor_model_parallel", False)))
-    return out
-
-
-def gathered_grad_norms(chunks) -> dict:
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(), grad_square_norms(chunks))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    combined = {}
-    for pp, tp, dp, norms in sorted(everyone, key=lambda e: (e[0], e[1], e[2])):
-        if dp != 0:
-            continue
-        for name, (square, split) in norms.items():
-            first_pp, total = combined.get(name, (pp, 0.0))
-            if first_pp != pp:
-                continue  # a copy on a later stage (embedding for MTP): already counted
-            if split or tp == 0:
-                combined[name] = (pp, total + square)
-    return {name: total ** 0.5 for name, (_, total) in combined.items()}
 
 
 def group_norms_of_grads(chunks) -> dict:
@@ -60,11 +23,15 @@ def group_norms_of_grads(chunks) -> dict:
 
 
 def one_step(setup: Setup, chunks, optimizer, one_process: bool = False) -> dict:
+    """One training step; the full gradients ("grads", not with the distributed optimizer)
+    captured after finalize, before the optimizer clips and steps."""
+    distributed_optimizer = setup.distributed_optimizer
     captured = {}
     original_step = optimizer.step
 
     def step_after_capture():
-        captured["grads"] = gathered_grad_norms(chunks)  # gradients are final (finalize ran)
+        if not distributed_optimizer:  # (its gradients are reduce-scattered: shards only)
+            captured["grads"] = gathered_full_grads(chunks)  # final: finalize ran
         if one_process:
             captured["before_clip"] = group_norms_of_grads(chunks)
         outcome = original_step()
@@ -75,7 +42,7 @@ def one_step(setup: Setup, chunks, optimizer, one_process: bool = False) -> dict
     optimizer.step = step_after_capture
     result = train_step(setup, chunks, optimizer, 0)
     optimizer.step = original_step
-    result["param_grad_norms"] = captured["grads"]
+    result["grads"] = captured.get("grads")
     if one_process:
         result["independent_group_norms"] = {k: captured[k] for k in ("before_clip", "after_clip")}
     return result
@@ -89,6 +56,8 @@ def reference(ckpt_root: str, setups: dict) -> dict:
             chunks, optimizer, _ = build(setup)
             save_checkpoint(f"{ckpt_root}/{name}", chunks)
             out[name] = one_step(setup, chunks, optimizer, one_process=True)
+            torch.save({n: copies[0] for n, copies in out[name].pop("grads").items()},
+                       f"{ckpt_root}/{name}-grads.pt")
     return out
 
 
@@ -102,9 +71,9 @@ def layouts(ckpt_root: str, layouts: list[dict], setups: dict) -> dict:
                 chunks, optimizer, _ = build(setup)
                 load_checkpoint(f"{ckpt_root}/{name}", chunks)
                 result = one_step(setup, chunks, optimizer)
-                if distributed_optimizer:
-                    # Gradients are reduce-scattered: each rank holds only its shard, so only
-                    # the optimizer's group norms (over all shards) are comparable.
-                    result["param_grad_norms"] = None
+                grads = result.pop("grads")
+                # With the distributed optimizer only the group norms (over all shards) compare.
+                result["grads_rel"] = None if grads is None else \
+                    max_rel_to_reference(grads, torch.load(f"{ckpt_root}/{name}-grads.pt"))
                 out[f"{layout['name']}/{name}"] = result
     return out

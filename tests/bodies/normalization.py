@@ -15,12 +15,12 @@ from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.data import rank_microbatches
 from megatron_mtp.model import build_model
 from megatron_mtp.step import global_counts, gpt_forward_step
-from tests.bodies.mtp_layouts import gathered_grad_norms
+from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.bodies.mtp_model import max_rel as tensor_rel
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import ReferenceGPT, mtp_inner_layer_name
 
-VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, DEPTHS, BATCH = 48, 32, 4, 2, 2, 12, 2, 8
+VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, DEPTHS, BATCH = 48, 32, 4, 2, 4, 12, 2, 8
 
 
 def batch(kind: str = "uneven"):
@@ -61,7 +61,9 @@ def reference_grads(state: dict, tokens, mask, level: str, detach: bool, lam: fl
 
 
 def build(detach: bool, lam: float = 0.3, fp16: bool = False, clip_grad: float = 1e9,
-          loss_scale: float | None = None, vpp=None):
+          loss_scale: float | None = None, sequence_parallel: bool = False,
+          position_embedding_type: str = "rope"):
+    """Model chunks (one per virtual stage of the current layout) and optimizer."""
     dtype = torch.float16 if fp16 else torch.float32
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
@@ -70,8 +72,11 @@ def build(detach: bool, lam: float = 0.3, fp16: bool = False, clip_grad: float =
         params_dtype=dtype, pipeline_dtype=dtype, calculate_per_token_loss=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
     )
-    chunks = build_model(config, VOCAB, SEQ, share_embeddings_and_output_weights=False)
+    chunks = build_model(config, VOCAB, SEQ, share_embeddings_and_output_weights=False,
+                         position_embedding_type=position_embedding_type)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=clip_grad, fp16=fp16, params_dtype=dtype,
                         initial_loss_scale=loss_scale, loss_scale_window=1000, hysteresis=1), chunks)
@@ -102,7 +107,7 @@ def run_step(chunks, optimizer, tokens, mask, micro_batch: int, n_chunks: int, l
     def capturing_step():
         if capture_grads:
             captured["grads"] = local_grads(chunks)
-            captured["norms"] = gathered_grad_norms(chunks)
+            captured["full_grads"] = gathered_full_grads(chunks)
         return original()
 
     optimizer.step = capturing_step
@@ -144,7 +149,7 @@ def single_process(ckpt_root: str) -> dict:
                         key = f"detach{int(detach)}/{level}/{'upfront' if up_front else 'streaming'}/" \
                               f"mbs{micro_batch}/chunks{n_chunks}"
                         out[key] = {"rel": max_rel(got.pop("grads"), want), "metrics": _metrics(got)}
-                        got.pop("norms")
+                        got.pop("full_grads")
             # Dict micro-batches (as RL frameworks pass them), sequence-level, streaming.
             load_checkpoint(f"{ckpt_root}/init_detach{int(detach)}", chunks)
             got = run_step(chunks, optimizer, tokens, mask, 2, 2, "sequence", detach is False, as_dicts=True)
@@ -159,7 +164,7 @@ def single_process(ckpt_root: str) -> dict:
 
 
 def _metrics(result: dict) -> dict:
-    return {k: v for k, v in result.items() if k not in ("grads", "norms")}
+    return {k: v for k, v in result.items() if k not in ("grads", "full_grads")}
 
 
 def refusal() -> dict:
@@ -276,22 +281,14 @@ def abort_restores(tokens, mask) -> dict:
     return clean
 
 
-def reference_param_norms(want: dict) -> dict:
-    return {name: float(g.double().pow(2).sum() ** 0.5) for name, g in want.items()}
-
-
-def norms_rel(got: dict, want: dict) -> float:
-    if sorted(got) != sorted(want):
-        return float("inf")
-    return max(abs(got[n] - want[n]) / max(want[n], 1e-12) for n in want)
-
-
-def parallel_layouts(ckpt_root: str) -> dict:
-    """4 ranks: DP=4, TP=2 x DP=2 and PP=2 x DP=2 against the single-process reference."""
+def parallel_layouts(ckpt_root: str, layouts: list) -> dict:
+    """Each layout (name, TP, PP, VPP, sequence parallel, chunks per step) against the
+    single-process reference: every copy of every parameter's full gradient (all TP shards,
+    stages, virtual chunks, both word-embedding copies), micro-batches of 1."""
     out = {}
-    layouts = [("dp4", 1, 1), ("tp2_dp2", 2, 1), ("pp2_dp2", 1, 2)]
-    for name, tp, pp in layouts:
-        with model_parallel(tp=tp, pp=pp):
+    for name, tp, pp, vpp, sequence_parallel, n_chunks in layouts:
+        with model_parallel(tp=tp, pp=pp, vpp=vpp):
+            dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
             for detach in (False, True):
                 for level, up_front, kind in (("token", True, "uneven"), ("token", False, "uneven"),
                                               ("sequence", True, "uneven"), ("sequence", False, "uneven"),
@@ -300,23 +297,41 @@ def parallel_layouts(ckpt_root: str) -> dict:
                                                                      and not detach):
                         continue  # (the refused combination is tested in one process)
                     tokens, mask = batch(kind)
-                    chunks, optimizer, _ = build(detach)
+                    chunks, optimizer, _ = build(detach, sequence_parallel=sequence_parallel)
                     load_checkpoint(f"{ckpt_root}/init_detach{int(detach)}", chunks)
-                    got = run_step(chunks, optimizer, tokens, mask, 1, 2, level, up_front)
+                    got = run_step(chunks, optimizer, tokens, mask, 1, n_chunks, level, up_front)
                     if kind == "uneven":
                         want = torch.load(f"{ckpt_root}/ref_detach{int(detach)}_{level}.pt")
                     else:
                         state = torch.load(f"{ckpt_root}/state_detach{int(detach)}.pt")
                         want = reference_grads(state, tokens, mask, level, detach, 0.3)
                     key = f"{name}/detach{int(detach)}/{level}/{'upfront' if up_front else 'streaming'}/{kind}"
-                    grads = got.pop("grads")
+                    full = got.pop("full_grads")
                     out[key] = {
-                        "norms_rel": norms_rel(got.pop("norms"), reference_param_norms(want)),
-                        "full_rel": max_rel(grads, want) if tp == pp == 1 else None,
-                        "finite": all(torch.isfinite(g).all().item() for g in grads.values()),
-                        "local_tokens": int(mask[parallel_state.get_data_parallel_rank() * (BATCH // parallel_state.get_data_parallel_world_size()):][:BATCH // parallel_state.get_data_parallel_world_size()].sum()),
+                        "full_rel": max_rel_to_reference(full, want),
+                        "copies": {n: len(copies) for n, copies in full.items()},
+                        "finite": all(torch.isfinite(g).all().item() for copies in full.values() for g in copies),
+                        "local_tokens": int(mask[dp_rank * (BATCH // dp):(dp_rank + 1) * (BATCH // dp)].sum()),
                         "metrics": _metrics(got),
                     }
+    return out
+
+
+def parallel_layouts_and_refusals(ckpt_root: str, layouts: list, refusal_layouts: list) -> dict:
+    return {"layouts": parallel_layouts(ckpt_root, layouts),
+            "refusals": learned_absolute_positions_under_pp(refusal_layouts)}
+
+
+def learned_absolute_positions_under_pp(layouts: list) -> dict:
+    """MTP with learned absolute positions: refused on every rank under PP, built without."""
+    out = {}
+    for name, tp, pp in layouts:
+        with model_parallel(tp=tp, pp=pp):
+            try:
+                build(False, position_embedding_type="learned_absolute")
+                out[name] = None
+            except ValueError as error:
+                out[name] = str(error)
     return out
 
 

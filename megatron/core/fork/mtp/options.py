@@ -27,3 +27,21 @@ def validate_mtp_options(config) -> None:
         raise ValueError(
             f"mtp_loss_scaling_factor must be a number >= 0, got {config.mtp_loss_scaling_factor}"
         )
+
+
+def validate_mtp_model(config, position_embedding_type: str) -> None:
+    """Refuse model layouts whose copies of MTP's shared parameters would not stay in sync;
+    called by GPTModel on every rank with the same arguments, before any module is built.
+
+    The MTP block embeds tokens on its own (last) pipeline stage, so that stage holds a copy
+    of the embedding. The word embedding's copies are initialized and reduced together;
+    a learned absolute position embedding's are not (and cannot be checkpointed)."""
+    if (config.mtp_num_layers or 0) and position_embedding_type == "learned_absolute" \
+            and config.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"MTP (mtp_num_layers={config.mtp_num_layers}) with learned absolute position embeddings under "
+            f"pipeline parallelism (pipeline_model_parallel_size={config.pipeline_model_parallel_size}) is not "
+            "supported: the MTP stage's copy of the position embedding would not be kept in sync with the "
+            "first stage's. Use rotary positions (position_embedding_type='rope', --position-embedding-type "
+            "rope, as DeepSeek-V3) or pipeline_model_parallel_size=1."
+        )

@@ -1,0 +1,72 @@
+"""Every rank's gradients reassembled into full tensors by global parameter name.
+
+After a step's finalize_model_grads, each rank holds the reduced gradient of its own
+parameters: tensor-parallel shards (split along `partition_dim`), replicas of the others
+(one per TP rank, e.g. norms, which sequence parallelism reduces over TP), one pipeline
+stage's decoder layers (local indices), and, for MTP on the last stage, a second copy of
+the word embedding. `gathered_full_grads` returns, for each global name, every copy of
+its full gradient that the layout holds (TP shards concatenated in TP-rank order, one
+entry per replica and per stage holding it), taken from data-parallel rank 0 (DP replicas
+are equal after the reduce). Every copy must equal the reference's gradient.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def global_name(model, name: str) -> str:
+    """Local parameter name with the decoder layer index made global (PP and VPP offsets)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def _local_pieces(chunks) -> list:
+    pieces = []
+    for chunk in chunks:
+        for name, param in chunk.module.named_parameters():
+            split = bool(getattr(param, "tensor_model_parallel", False))
+            pieces.append((global_name(chunk.module, name), split, getattr(param, "partition_dim", 0),
+                           param.main_grad.detach().float().cpu()))
+    return pieces
+
+
+def gathered_full_grads(chunks) -> dict:
+    """{global name: [full gradient of each copy]}, the same on every rank."""
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(), _local_pieces(chunks))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    stages = {}
+    for pp, dp, tp, pieces in everyone:
+        if dp == 0:
+            stages.setdefault(pp, {})[tp] = pieces
+    full = {}
+    for pp in sorted(stages):
+        by_tp = [stages[pp][tp] for tp in sorted(stages[pp])]
+        for i, (name, split, dim, _) in enumerate(by_tp[0]):
+            shards = [pieces[i][3] for pieces in by_tp]
+            assert all(pieces[i][0] == name for pieces in by_tp), "TP ranks disagree on the parameters"
+            if split:
+                full.setdefault(name, []).append(torch.cat(shards, dim=dim))
+            else:
+                full.setdefault(name, []).extend(shards)
+    return full
+
+
+def max_rel_to_reference(full: dict, reference: dict) -> float:
+    """Largest deviation of any copy from the reference gradient, relative to the reference's
+    largest magnitude; infinite if a parameter is missing, extra, or of another shape."""
+    if sorted(full) != sorted(reference):
+        return float("inf")
+    worst = 0.0
+    for name, want in reference.items():
+        for got in full[name]:
+            if got.shape != want.shape:
+                return float("inf")
+            error = ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
+            worst = max(worst, error if error == error else float("inf"))
+    return worst
