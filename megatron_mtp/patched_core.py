@@ -22,10 +22,10 @@ FORK_OWNED_DIR = REPO_ROOT / "megatron" / "core" / "fork"
 BUILD_DIR = REPO_ROOT / ".build"
 INSTALL_DIR = BUILD_DIR / "install"
 SERIES_PREFIX = "megatron-core-"
-# Patches that only make upstream run here (CPU/gloo, Python 3.11), named by their subject's
+# Patches that only make upstream run here (CPU/gloo, Python 3.11, from the sdist), by subject
 # prefix. They come first in every series; pristine upstream plus these is the baseline that
 # comparisons with upstream use, since pristine upstream cannot run on a CPU-only machine.
-RUNTIME_ONLY_PATCHES = ("Run-on-CPU", "Python-3.11")
+RUNTIME_ONLY_PATCHES = ("Run-on-CPU", "Run-from-the-sdist", "Python-3.11")
 
 
 class PatchedCoreError(RuntimeError):

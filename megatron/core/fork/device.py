@@ -77,3 +77,30 @@ def legacy_type(tensor: torch.Tensor) -> str:
     if not torch.cuda.is_available() and tensor.device.type == "cpu":
         return name.replace("torch.", "torch.cuda.", 1)
     return name
+
+
+def device_count() -> int:
+    """Compute devices this process can use: its CUDA devices, or the CPU (one)."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def new_stream():
+    """A new stream on the compute device (a CPU stream runs in order, like no stream)."""
+    if torch.cuda.is_available():
+        return torch.cuda.Stream()
+    return torch.cpu.Stream()
+
+
+def use_stream(stream):
+    """Context manager making `stream` current on the compute device."""
+    if torch.cuda.is_available():
+        return torch.cuda.stream(stream)
+    return torch.cpu.stream(stream)
+
+
+def empty_cache() -> None:
+    """Release cached device memory; the CPU allocator has no cache to release."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
