@@ -1,165 +1,144 @@
-"""Pretrain a GPT with DeepSeek-V3-style multi-token prediction on the patched megatron-core.
+"""Pretrain a GPT with DeepSeek-V3-style multi-token prediction on Megatron-LM's training loop.
 
-    torchrun --nproc-per-node 2 pretrain_gpt_mtp.py                 # embedded default
-    torchrun --nproc-per-node 4 pretrain_gpt_mtp.py --tensor-model-parallel-size 2 \
-        --pipeline-model-parallel-size 2 --mtp-num-layers 2 --train-iters 50
+    torchrun --nproc-per-node 2 pretrain_gpt_mtp.py        # embedded default: tiny GPT, D = 2, CPU or GPU
+    torchrun --nproc-per-node 8 pretrain_gpt_mtp.py --data-path data/corpus_text_document \\
+        --num-layers 24 --hidden-size 2048 ... --mtp-num-layers 1    # every Megatron-LM flag
 
-With no data arguments it trains a tiny byte-level GPT on an embedded text (the Zen of
-Python), so it runs on a new machine with nothing downloaded. Runs on CPU (gloo) and on
-GPUs (NCCL; Transformer Engine layers with --transformer-impl transformer_engine).
+Like Megatron-LM's pretrain_gpt.py, this script provides the model, the datasets and the
+forward step and calls megatron.training.pretrain(), which provides the flags, schedules,
+evaluation, checkpointing (--save-interval, resume), --exit-signal-handler,
+--exit-duration-in-mins and TensorBoard/W&B logging. The patch series makes every step
+the spec's objective (counts up front, one normalization, separate MTP clipping under
+--mtp-detach-heads) and logs per-depth MTP metrics. With no data flag it trains on the
+embedded default corpus (the Python Language Reference's topics, tokenized as bytes).
+This script adds one flag, --main-loss-level {token,sequence}; datasets written by
+tools/preprocess_data.py carry their vocabulary, which --data-path takes from them.
 """
 
-import argparse
 import sys
-import time
-import warnings
+from functools import partial
 
 import torch
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--seq-length", type=int, default=64)
-    g.add_argument("--mtp-num-layers", type=int, default=1, help="MTP depths D (0 disables MTP)")
-    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="lambda of the MTP loss")
-    g.add_argument("--mtp-detach-heads", action="store_true",
-                   help="isolate the MTP heads: no MTP gradient reaches the backbone, embedding or output "
-                        "weight (depth chain stays connected); MTP parameters get their own grad norm")
-    g.add_argument("--mtp-use-repeated-layer", action="store_true",
-                   help="apply one MTP layer (mtp.layers.0) at every depth")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--main-loss-level", choices=["token", "sequence"], default="token",
-                   help="main loss: mean over valid tokens of the step, or mean over valid sequences of "
-                        "each sequence's token mean (the MTP term is always normalized by the token count)")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="local: megatron-core layers with SDPA attention (any device)")
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=4)
-    g.add_argument("--global-batch-size", type=int, default=16)
-    g.add_argument("--train-iters", type=int, default=50)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=5)
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", help="directory to write a dist checkpoint to at the end")
-    g.add_argument("--load", help="directory of a dist checkpoint to start from")
-    args = p.parse_args(argv)
-    if args.mtp_num_layers < 0:
-        p.error("--mtp-num-layers must be >= 0")
-    if args.num_layers_per_virtual_pipeline_stage:
-        per_stage, remainder = divmod(args.num_layers, args.pipeline_model_parallel_size)
-        if remainder or per_stage % args.num_layers_per_virtual_pipeline_stage:
-            p.error("--num-layers must split evenly into pipeline stages and virtual stages")
-    return args
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """GPTModel with its MTP block on the last stage: Transformer Engine layers, or megatron-core's
+    local layers with SDPA core attention (any device, packed rows)."""
+    from megatron.core.fork.specs import get_gpt_layer_sdpa_spec
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+        get_gpt_mtp_block_spec,
+    )
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    use_te = args.transformer_impl == "transformer_engine"
+    layer_spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_sdpa_spec()
+    mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+                if args.mtp_num_layers else None)
+    return GPTModel(
+        config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection,
+    )
 
 
-def format_log_line(iteration: int, total: int, result: dict, seconds_per_iter: float) -> str:
-    parts = [f"iteration {iteration:5d}/{total}", f"lm loss {result['lm loss']:.4f}"]
-    depth = 1
-    while f"mtp_{depth} loss" in result:
-        parts.append(f"mtp_{depth} loss {result[f'mtp_{depth} loss']:.4f} "
-                     f"acc {result[f'mtp_{depth} acceptance']:.3f} "
-                     f"chain {result[f'mtp_{depth} chain acceptance']:.3f}")
-        depth += 1
-    if depth > 1:
-        parts.append(f"accepted length (incl. bonus) {result['expected accepted length (incl. bonus token)']:.3f}")
-    parts.append(f"grad norm {result['grad norm']:.3f}")
-    if "mtp grad norm" in result:
-        parts.append(f"mtp grad norm {result['mtp grad norm']:.3f}")
-    if result["skipped"]:
-        parts.append("step skipped (overflow)")
-    parts += [f"tokens {result['tokens']}", f"{seconds_per_iter:.3f} s/iter"]
-    return " | ".join(parts)
+def datasets_provider(train_valid_test_num_samples, vp_stage=None):
+    """megatron-core's GPT datasets (blends and splits by --data-path / --split), or mock data."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(dataset_type, train_valid_test_num_samples, lambda: True, config).build()
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
-    from megatron_mtp.patched_core import PatchedCoreError, require_patched_core
+def get_batch(data_iterator, vp_stage=None):
+    """This rank's micro-batch: read on tensor-parallel rank 0, broadcast to the others;
+    nothing on pipeline stages that neither embed nor compute a loss."""
+    from megatron.core import parallel_state
+    from megatron.core.fork import device as compute_device
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+    from megatron.core.utils import get_batch_on_this_tp_rank
+    from megatron.training import get_args
 
-    try:
-        require_patched_core()
-    except PatchedCoreError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
-    import torch.distributed as dist
-
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
-    from megatron_mtp.data import BYTE_VOCAB_SIZE, embedded_corpus, global_batch, rank_microbatches
-    from megatron_mtp.initialize import initialize_distributed
-    from megatron_mtp.model import build_model
-    from megatron_mtp.step import train_step
-
-    vpp = None
-    if args.num_layers_per_virtual_pipeline_stage:
-        vpp = args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
-    initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, vpp, args.seed)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        mtp_num_layers=args.mtp_num_layers or None,
-        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
-        mtp_detach_heads=args.mtp_detach_heads,
-        mtp_use_repeated_layer=args.mtp_use_repeated_layer,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        bf16=args.bf16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
+    args = get_args()
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    mtp_here = mtp_on_this_rank(mtp_num_layers=args.mtp_num_layers, ignore_virtual=False, vp_stage=vp_stage)
+    if not (first or last or mtp_here):
+        return None, None, None, None
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        batch = {key: (value.to(compute_device.current_device()) if torch.is_tensor(value) else value)
+                 for key, value in next(data_iterator).items()}
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
+        broadcast_group=parallel_state.get_tensor_model_parallel_group(), cp_size=1, tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, mtp_on_this_rank=mtp_here,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp,
-        calculate_per_token_loss=True,
+        is_pipeline_first_stage=first, is_pipeline_last_stage=last,
     )
-    chunks = build_model(config, BYTE_VOCAB_SIZE, args.seq_length,
-                         use_distributed_optimizer=args.use_distributed_optimizer,
-                         use_transformer_engine=args.transformer_impl == "transformer_engine",
-                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad, bf16=args.bf16,
-                        params_dtype=dtype, use_distributed_optimizer=args.use_distributed_optimizer),
-        chunks,
-    )
-    if args.load:
-        load_checkpoint(args.load, chunks, optimizer)
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"]
 
-    corpus = embedded_corpus()
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        print(f"training a {args.num_layers}-layer GPT with {args.mtp_num_layers} MTP depth(s) on "
-              f"{dist.get_world_size()} rank(s) (TP={args.tensor_model_parallel_size}, "
-              f"PP={args.pipeline_model_parallel_size}), {corpus.numel()}-token embedded corpus", flush=True)
-    start = time.perf_counter()
-    for step in range(args.train_iters):
-        tokens, loss_mask = global_batch(corpus, args.global_batch_size, args.seq_length, args.seed, step)
-        result = train_step(chunks, optimizer, rank_microbatches(tokens, loss_mask, args.micro_batch_size),
-                            args.seq_length, main_loss_level=args.main_loss_level)
-        if rank0 and (step % args.log_interval == 0 or step == args.train_iters - 1):
-            print(format_log_line(step + 1, args.train_iters, result, (time.perf_counter() - start) / (step + 1)),
-                  flush=True)
-    if args.save:
-        save_checkpoint(args.save, chunks, optimizer)
-        if rank0:
-            print(f"saved checkpoint to {args.save}")
-    dist.barrier()
-    dist.destroy_process_group()
+
+def loss_func(loss_mask, output_tensor):
+    """The exact main loss at the step's level (megatron.core.fork.normalization.main_loss),
+    reported as [sum, count] so that upstream's loop reduces it into the exact mean."""
+    from megatron.core.fork.normalization import main_loss
+
+    loss, count, report = main_loss(output_tensor, loss_mask)
+    main_sum = report["main loss sums"][0]
+    return loss, count, {"lm loss": torch.stack([main_sum, count.to(main_sum.dtype)])}
+
+
+def forward_step(data_iterator, model):
+    from megatron.core.utils import get_attr_wrapped_model
+
+    tokens, labels, loss_mask, position_ids = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def main() -> int:
+    from megatron_mtp import launch
+
+    args = launch.arguments()
+    if args is None:
+        return 2
+    from megatron.core.enums import ModelType
+    from megatron.core.fork.trainer import checkpoint, exact_step
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    exact_step.enable(args.main_loss_level)
+    datasets_provider.is_distributed = True
+    try:
+        pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
+                 forward_step, model_provider=model_provider)
+    except checkpoint.CheckpointError as error:  # raised alike on every rank: one line, not a traceback each
+        launch.fail(error)
+        return 1
     return 0
 
 

@@ -23,7 +23,11 @@ setup(
         "psutil",  # dist checkpointing
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # tools/preprocess_data.py with a tokenizer.json or a SentencePiece model
+        "data": ["tokenizers>=0.20", "sentencepiece>=0.2"],
+        # --tensorboard-dir and --wandb-project of pretrain_gpt_mtp.py
+        "logging": ["tensorboard>=2.16", "wandb>=0.17"],
+        "test": ["pytest>=8", "tokenizers>=0.20", "sentencepiece>=0.2", "tensorboard>=2.16", "wandb>=0.17"],
         # GPU only, never needed on CPU. NVIDIA apex is built from source (see README);
         # the PyPI package named `apex` is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.6"],

@@ -12,7 +12,7 @@ def setup_process() -> None:
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
     dist.init_process_group("gloo")
-    from megatron_mtp.initialize import initialize_model_parallel
+    from megatron_mtp.library.initialize import initialize_model_parallel
 
     initialize_model_parallel(1, 1, None, 1234)
 
@@ -22,7 +22,7 @@ def build(depths: int, detach: bool = False, repeated: bool = False):
     import torch
 
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_mtp.model import build_gpt
+    from megatron_mtp.library.model import build_gpt
 
     config = TransformerConfig(num_layers=SHAPE["layers"], hidden_size=SHAPE["hidden"],
                                num_attention_heads=SHAPE["heads"], mtp_num_layers=depths or None,

@@ -26,10 +26,10 @@ def main(rounds: int = 10):
     from megatron.core.fork.split_step import SplitStep
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_mtp.data import rank_microbatches
-    from megatron_mtp.initialize import initialize_model_parallel
-    from megatron_mtp.model import build_model
-    from megatron_mtp.step import global_counts, gpt_forward_step
+    from megatron_mtp.library.batches import rank_microbatches
+    from megatron_mtp.library.initialize import initialize_model_parallel
+    from megatron_mtp.library.model import build_model
+    from megatron_mtp.library.step import global_counts, gpt_forward_step
 
     initialize_model_parallel(1, 1, None, 1234)
     seq, vocab = 128, 4096

@@ -3,7 +3,7 @@
 import torch
 
 from megatron.core import parallel_state
-from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
+from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel
 

@@ -6,9 +6,9 @@ import torch
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron_mtp.data import BYTE_VOCAB_SIZE, embedded_corpus, global_batch, rank_microbatches
-from megatron_mtp.model import build_model
-from megatron_mtp.step import train_step
+from megatron_mtp.library.batches import BYTE_VOCAB_SIZE, embedded_corpus, global_batch, rank_microbatches
+from megatron_mtp.library.model import build_model
+from megatron_mtp.library.step import train_step
 from tests.harness.layout import model_parallel
 
 

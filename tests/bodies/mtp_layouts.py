@@ -7,7 +7,7 @@ one-process run's, the main and MTP group norms, the loss and the per-depth MTP 
 
 import torch
 
-from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
+from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel

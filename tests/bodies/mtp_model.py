@@ -10,7 +10,7 @@ from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron_mtp.model import build_gpt
+from megatron_mtp.library.model import build_gpt
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import ReferenceGPT, mtp_inner_layer_name
 
@@ -294,7 +294,7 @@ def model_suite(ckpt_dir: str) -> dict:
 def repeated_layer_after_resume(ckpt_dir: str) -> dict:
     """Repeated mode after a dist-checkpoint round trip (upstream issue #6965: one depth's
     gradient overwrote another's after resume): still the sum of all depths' terms."""
-    from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 
     out = {}
     with model_parallel():

@@ -11,10 +11,10 @@ from megatron.core.fork.normalization import StepCounts, active
 from megatron.core.fork.split_step import SplitStep
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron_mtp.checkpointing import load_checkpoint, save_checkpoint
-from megatron_mtp.data import rank_microbatches
-from megatron_mtp.model import build_model
-from megatron_mtp.step import global_counts, gpt_forward_step
+from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
+from megatron_mtp.library.batches import rank_microbatches
+from megatron_mtp.library.model import build_model
+from megatron_mtp.library.step import global_counts, gpt_forward_step
 from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.bodies.mtp_model import max_rel as tensor_rel
 from tests.harness.layout import model_parallel

@@ -14,9 +14,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron_mtp.data import rank_microbatches
-from megatron_mtp.model import build_model
-from megatron_mtp.step import train_step as trainer_step
+from megatron_mtp.library.batches import rank_microbatches
+from megatron_mtp.library.model import build_model
+from megatron_mtp.library.step import train_step as trainer_step
 
 
 

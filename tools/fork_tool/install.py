@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from packaging.version import Version
+
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import init_pristine
@@ -49,7 +51,8 @@ def installed_state(python: str) -> tuple[str | None, str | None]:
 
 def is_installed(python: str, expected: str, copy: bool) -> bool:
     version, location = installed_state(python)
-    if version != expected or location is None:
+    # pip reports the normalized version: a digest like 055... loses its leading zero.
+    if version is None or Version(version) != Version(expected) or location is None:
         return False
     linked = Path(location).resolve() == FORK_OWNED_DIR.resolve()
     return linked != copy

@@ -93,6 +93,15 @@ class StepNormalization:
 
 
 _ACTIVE: StepNormalization | None = None
+_DEFAULT_LEVEL = TOKEN  # of main_loss when no step is active (evaluation)
+
+
+def set_default_level(level: str) -> None:
+    """The main-loss level outside steps (evaluation); a trainer sets it to its steps' level."""
+    global _DEFAULT_LEVEL
+    if level not in MAIN_LOSS_LEVELS:
+        raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {level!r}")
+    _DEFAULT_LEVEL = level
 
 
 def active() -> StepNormalization | None:
@@ -120,11 +129,11 @@ def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
 
     Returns (backward tensor, count, report): the raw main-loss sum at the active step's
     level (token: sum of masked CE; sequence: sum over sequences with valid targets of
-    their token mean; token when no step is active, e.g. evaluation) times the step's main
+    their token mean; outside a step, e.g. in evaluation, the default level) times the step's main
     scale, the micro-batch's main count, and the sums that reduce exactly into metrics:
     [main sum, valid tokens, valid sequences].
     """
-    level = _ACTIVE.main_loss if _ACTIVE is not None else TOKEN
+    level = _ACTIVE.main_loss if _ACTIVE is not None else _DEFAULT_LEVEL
     mask = loss_mask.reshape(loss_mask.size(0), -1).float()
     losses = per_token_loss.float().reshape(mask.shape) * mask
     per_sequence_tokens = mask.sum(dim=1)

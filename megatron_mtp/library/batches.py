@@ -1,9 +1,9 @@
-"""The embedded default data set: byte-level tokens of a text every Python ships.
+"""Global batches for library use: byte-level tokens of a short text every Python ships.
 
-`pretrain_gpt_mtp.py` trains on it when no data path is given, so the main job runs
-on a new machine with nothing downloaded. Each step draws a deterministic global
-batch (seeded by the step number), and every data-parallel rank takes its own
-contiguous slice of it, cut into micro-batches.
+Each step draws a deterministic global batch (seeded by the step number), and every
+data-parallel rank takes its own contiguous slice of it, cut into micro-batches. (The
+trainer's embedded default data set is megatron_mtp.data.embedded: a larger text, written
+as an indexed data set for upstream's GPTDataset.)
 """
 
 import ast

@@ -1,0 +1,9 @@
+"""The MTP-exact steps and metrics of Megatron-LM's own training loop (megatron.training,
+shipped in the megatron-core sdist from 0.17 on). megatron.training calls these from a few
+hooks (patch "MTP: exact steps and metrics in megatron.training"); nothing here runs in
+megatron-core without it.
+
+- exact_step: each step is the spec's objective, with counts up front (spec section 4).
+- metrics: per-depth MTP metrics for the console, TensorBoard and W&B, with counters that
+  span steps and survive a checkpoint.
+"""

@@ -1,0 +1,148 @@
+"""What megatron.training's checkpoints carry for MTP training, and how they are committed
+and checked (spec section 9).
+
+``state`` goes into every checkpoint beside upstream's entries: the model's shape
+(megatron.core.fork.model_shape) and the metric counters that span steps. On load,
+``check`` refuses a checkpoint of another shape before any tensor is read, naming each
+difference (with --finetune the MTP depths may differ: heads can be added to, or dropped
+from, a pretrained backbone), and ``restore`` continues the counters.
+
+A checkpoint becomes the one to resume from when the tracker file names its iteration;
+``write_tracker`` replaces that file atomically, so a save killed at any moment leaves the
+tracker naming the previous, complete checkpoint. ``verify`` reads what a load reads first
+(tracker, metadata, common state, the tensor files' extents) and names the file that is
+missing, truncated or unreadable, before anything is built.
+"""
+
+import json
+import os
+import pickle
+import tempfile
+
+import torch
+
+from megatron.core.fork.model_shape import check_same_shape, model_shape
+from megatron.core.fork.trainer import metrics
+from megatron.core.msc_utils import MultiStorageClientFeature, maybe_msc
+
+KEY = "mtp_training"
+MTP_FIELDS = ("mtp_num_layers", "mtp_use_repeated_layer")
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into this run; the message names why."""
+
+
+def state(model) -> dict:
+    return {"model_shape": model_shape(model[0]), "metrics": metrics.state_dict()}
+
+
+def check(common_state: dict, model, finetune: bool) -> None:
+    """Raise CheckpointError if the checkpoint's model shape differs from `model`'s."""
+    saved = (common_state or {}).get(KEY)
+    if saved is None:
+        return  # not written by this trainer: upstream's own argument checks apply
+    current = model_shape(model[0])
+    saved_shape = dict(saved["model_shape"])
+    if finetune:
+        for field in MTP_FIELDS:
+            saved_shape[field] = current[field]
+    try:
+        check_same_shape(saved_shape, current)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+
+
+def restore(common_state: dict) -> None:
+    metrics.load_state_dict(((common_state or {}).get(KEY) or {}).get("metrics"))
+
+
+def write_tracker(path: str, text: str) -> None:
+    """Write the tracker file so that it holds either its old or its new text, never a part."""
+    if MultiStorageClientFeature.is_enabled():  # object stores replace an object whole
+        with maybe_msc.open(path, "w") as file:
+            file.write(text)
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    directory_descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_descriptor)  # the rename itself survives a crash
+    finally:
+        os.close(directory_descriptor)
+
+
+def tracked_iteration(load_dir: str) -> int | None:
+    """The iteration the tracker names (None: no tracker, a fresh start; 0: a release)."""
+    tracker = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as file:
+        text = file.read().strip()
+    if text == "release":
+        return 0
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: the checkpoint tracker holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def checkpoint_directory(load_dir: str, iteration: int) -> str:
+    name = "release" if iteration == 0 else f"iter_{iteration:07d}"
+    return os.path.join(load_dir, name)
+
+
+def verify(load_dir: str, step: int | None = None) -> str | None:
+    """Check the checkpoint a run would resume from (the tracked one, or `step`); return its
+    directory (None: nothing to resume), or raise CheckpointError naming the bad file."""
+    iteration = step if step is not None else tracked_iteration(load_dir)
+    if iteration is None:
+        return None
+    directory = checkpoint_directory(load_dir, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: no such checkpoint directory (named by "
+                              f"{'--ckpt-step' if step is not None else os.path.join(load_dir, TRACKER)})")
+    metadata = os.path.join(directory, "metadata.json")
+    if os.path.isfile(metadata):
+        _read(metadata, lambda path: json.load(open(path)))
+        _verify_torch_dist(directory)
+    return directory
+
+
+def _read(path: str, reader):
+    try:
+        return reader(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing from the checkpoint") from None
+    except Exception as error:  # any parse failure means the file is damaged
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise CheckpointError(f"{path}: unreadable ({reason[:200]})") from None
+
+
+def _verify_torch_dist(directory: str) -> None:
+    """Every tensor file is as long as the index says, and the common state loads."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    index = os.path.join(directory, ".metadata")
+    storage = _read(index, lambda path: pickle.load(open(path, "rb"))).storage_data or {}
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing from the checkpoint")
+        size = os.path.getsize(path)
+        if size < length:
+            raise CheckpointError(f"{path}: truncated ({size} bytes, the checkpoint's index needs {length})")
+    _read(directory, load_common_state_dict)

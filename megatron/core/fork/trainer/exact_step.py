@@ -1,0 +1,143 @@
+"""One step of megatron.training's loop as the spec's objective (spec section 4).
+
+``train_step`` calls ``begin`` before its forward/backward and ``end`` after the optimizer
+step. ``begin`` draws the step's micro-batches from the data iterator(s) up front and
+all-reduces the step's counts once: valid next-token targets and sequences with at least
+one, counted where each sample's loss mask is read (tensor-parallel rank 0 of the last
+pipeline stage, every data-parallel rank its own share). Those counts become the step's
+normalization (megatron.core.fork.normalization): the main loss and every MTP depth are
+seeded with their exact global scales, and finalize_model_grads runs without a token
+count, so it divides by nothing more. The step is then exact for token- and
+sequence-level main losses, isolation on and off, every DP/TP/PP/VPP layout and
+micro-batch count, which upstream's per-token mode is not for MTP (issue #7452).
+
+``end`` restores the config, reduces the step's MTP sums (one collective) and hands them,
+with the MTP gradient norm, to the metrics (megatron.core.fork.trainer.metrics). Exact
+steps are on once the trainer calls ``enable`` (its loss function must then be
+normalization.main_loss); otherwise the steps are upstream's and only the metrics come
+from here, so Megatron-LM's own pretrain_gpt.py keeps working with the series applied.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.fork import device as compute_device
+from megatron.core.fork import normalization
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.fork.split_step import last_stage_sum
+from megatron.core.fork.trainer import metrics
+from megatron.core.rerun_state_machine import RerunDataIterator
+from megatron.core.utils import get_model_config
+
+
+def loss_mask_of(batch) -> torch.Tensor:
+    """The loss mask of a micro-batch as megatron-core's GPT datasets yield it."""
+    return batch["loss_mask"]
+
+
+class _Step:
+    def __init__(self, config, counts):
+        self.config = config
+        self.counts = counts  # None: the step is not normalized here (exact steps off)
+        self.finalize = config.finalize_model_grads_func
+
+
+_main_loss_level: str | None = None  # set by enable(): exact steps on
+_current: _Step | None = None
+
+
+def enable(main_loss_level: str) -> None:
+    """Make every step exact; the trainer's loss function must be normalization.main_loss.
+    Without this, steps are upstream's and only the MTP metrics come from here."""
+    global _main_loss_level
+    if main_loss_level not in normalization.MAIN_LOSS_LEVELS:
+        raise ValueError(f"main loss level must be one of {normalization.MAIN_LOSS_LEVELS}, got {main_loss_level!r}")
+    _main_loss_level = main_loss_level
+    normalization.set_default_level(main_loss_level)
+
+
+def _prefetch(data_iterator, num_microbatches: int):
+    """The step's micro-batches of each iterator (one per virtual stage, or one)."""
+    if data_iterator is None:
+        return None
+    if isinstance(data_iterator, list):
+        return [_prefetch(it, num_microbatches) for it in data_iterator]
+    return [next(data_iterator) for _ in range(num_microbatches)]
+
+
+def _replayable(batches):
+    if batches is None:
+        return None
+    if batches and isinstance(batches[0], list):
+        return [RerunDataIterator(iter(b)) for b in batches]
+    return RerunDataIterator(iter(batches))
+
+
+def _local_counts(batches) -> torch.Tensor:
+    """[tokens, sequences] of this rank's micro-batches if it is the rank that counts."""
+    counts = torch.zeros(2, dtype=torch.float64, device=compute_device.current_device())
+    counting = (parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.is_pipeline_last_stage(ignore_virtual=True))
+    if counting and batches:
+        for batch in batches[-1] if isinstance(batches[0], list) else batches:
+            mask = loss_mask_of(batch)
+            per_sequence = mask.reshape(mask.size(0), -1).to(counts.device).sum(dim=1)
+            counts += torch.stack([per_sequence.sum(), (per_sequence > 0).sum()]).double()
+    return counts
+
+
+def _finalize_without_count(finalize):
+    def finalize_exactly(model, num_tokens=None, **kwargs):
+        finalize(model, None, **kwargs)  # seeded up front: nothing left to divide
+    return finalize_exactly
+
+
+def begin(model, data_iterator, num_microbatches: int):
+    """Start a step: returns the data iterator(s) the step's schedule reads from."""
+    global _current
+    end()  # a step that exited early (rerun, signal) leaves nothing behind
+    config = get_model_config(model[0])
+    STEP_STATISTICS.reset()
+    if _main_loss_level is None:
+        _current = _Step(config, None)
+        return data_iterator
+    batches = _prefetch(data_iterator, num_microbatches)
+    counts = _local_counts(batches)
+    dist.all_reduce(counts)  # one small all-reduce: each sample is counted by exactly one rank
+    tokens, sequences = (int(round(x)) for x in counts.tolist())
+    step_counts = normalization.StepCounts(tokens=tokens, sequences=sequences)
+    normalization.activate(normalization.StepNormalization(
+        _main_loss_level, bool(config.mtp_detach_heads), step_counts))
+    _current = _Step(config, step_counts)
+    config.finalize_model_grads_func = _finalize_without_count(_current.finalize)
+    return _replayable(batches)
+
+
+def end(optimizer=None, update_successful: bool = False) -> None:
+    """Close the step: config restored, MTP sums and norms handed to the metrics."""
+    global _current
+    if _current is None:
+        return
+    step, _current = _current, None
+    if step.counts is not None:
+        step.config.finalize_model_grads_func = step.finalize
+        normalization.deactivate()
+    if optimizer is None:
+        return
+    norms = getattr(optimizer, "grad_norms_by_group", {}) if update_successful else {}
+    metrics.record_step(step.counts, reduced_mtp_sums(step.config), norms.get("mtp"))
+
+
+def reduced_mtp_sums(config) -> torch.Tensor | None:
+    """The MTP sums recorded since the last reset, summed over data-parallel ranks and made
+    known to every rank (one collective; every rank must call it); None without MTP."""
+    depths = config.mtp_num_layers or 0
+    if not depths:
+        return None
+    local = STEP_STATISTICS.local_sums()
+    if local is None:
+        local = torch.zeros(depths, 4, dtype=torch.float64, device=compute_device.current_device())
+    sums = last_stage_sum(local.flatten()).view(depths, 4)
+    STEP_STATISTICS.reset()
+    return sums

@@ -1,0 +1,123 @@
+"""Per-depth MTP metrics of megatron.training's loop: console, TensorBoard and W&B (spec 7).
+
+Each step hands its exactly reduced per-depth sums (CE, valid, correct, chain-correct;
+megatron.core.fork.mtp.statistics) to ``record_step``. The console line and the
+TensorBoard/W&B scalars of a log interval are ratios of the interval's sums (token-weighted
+over all its steps, not a mean of per-step ratios): ``mtp_k loss``, ``mtp_k acceptance``,
+``mtp_k chain acceptance``, ``expected accepted length (incl. bonus token)``, plus ``mtp
+grad norm``, tokens/s and the ETA. Sums since the start of training (the cumulative
+acceptance) are part of the checkpoint (``state_dict``), so they continue across a resume.
+"""
+
+import time
+
+import torch
+
+from megatron.core.fork.mtp.statistics import metrics_from_sums
+
+EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"
+
+
+class _Tracker:
+    def __init__(self):
+        self.interval = None  # [D, 4] sums since the last log line
+        self.cumulative = None  # [D, 4] sums since the start of training (checkpointed)
+        self.tokens = 0
+        self.mtp_grad_norms = []
+        self.interval_start = time.perf_counter()
+        self.iterations = 0
+
+    def record(self, counts, sums, mtp_grad_norm) -> None:
+        if sums is not None:
+            sums = sums.detach().double().cpu()
+            self.interval = sums.clone() if self.interval is None else self.interval + sums
+            self.cumulative = sums.clone() if self.cumulative is None else self.cumulative + sums
+        if counts is not None:
+            self.tokens += counts.tokens
+        if mtp_grad_norm is not None:
+            self.mtp_grad_norms.append(float(mtp_grad_norm))
+        self.iterations += 1
+
+    def text(self, iteration: int, train_iters: int | None, writer=None, wandb_writer=None,
+             close_interval: bool = True) -> str:
+        """The log interval's console text. Closing the interval writes its scalars and starts
+        the next one; upstream's extra line after the first iteration of a run leaves it open."""
+        seconds = time.perf_counter() - self.interval_start
+        values = {}
+        if self.interval is not None:
+            values.update(metrics_from_sums(self.interval))
+            for name, value in metrics_from_sums(self.cumulative).items():
+                if "acceptance" in name or name == EXPECTED_LENGTH:
+                    values[f"{name} (cumulative)"] = value
+        if self.mtp_grad_norms:
+            values["mtp grad norm"] = self.mtp_grad_norms[-1]
+        if self.tokens and seconds > 0:
+            values["tokens per second"] = self.tokens / seconds
+        text = _console(values, self.interval.size(0) if self.interval is not None else 0)
+        if self.iterations and train_iters:
+            remaining = (train_iters - iteration) * seconds / self.iterations
+            text += f" ETA: {time.strftime('%H:%M:%S', time.gmtime(max(remaining, 0)))} |"
+        if close_interval:
+            _write(values, iteration, writer, wandb_writer)
+            self.interval, self.tokens, self.mtp_grad_norms, self.iterations = None, 0, [], 0
+            self.interval_start = time.perf_counter()
+        return text
+
+
+def _console(values: dict, depths: int) -> str:
+    text = ""
+    for k in range(1, depths + 1):
+        text += (f" mtp_{k} loss: {values[f'mtp_{k} loss']:.6E} | mtp_{k} acceptance:"
+                 f" {values[f'mtp_{k} acceptance']:.4f} | mtp_{k} chain acceptance:"
+                 f" {values[f'mtp_{k} chain acceptance']:.4f} |")
+    if depths:
+        text += f" {EXPECTED_LENGTH}: {values[EXPECTED_LENGTH]:.4f} |"
+    if "mtp grad norm" in values:
+        text += f" mtp grad norm: {values['mtp grad norm']:.3f} |"
+    if "tokens per second" in values:
+        text += f" tokens/s: {values['tokens per second']:.1f} |"
+    return text
+
+
+def _write(values: dict, iteration: int, writer, wandb_writer, suffix: str = "") -> None:
+    scalars = {f"{name}{suffix}": value for name, value in values.items() if not name.endswith(" tokens")}
+    if writer is not None:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+    if wandb_writer is not None:
+        wandb_writer.log(scalars, iteration)
+
+
+_TRACKER = _Tracker()
+
+
+def record_step(counts, sums, mtp_grad_norm) -> None:
+    """One step's global counts (or None), its reduced MTP sums [D, 4] (or None) and the
+    MTP group's gradient norm (or None)."""
+    _TRACKER.record(counts, sums, mtp_grad_norm)
+
+
+def log_string(iteration: int, train_iters: int | None, writer=None, wandb_writer=None,
+               close_interval: bool = True) -> str:
+    """Console text of the interval since it was last closed; closing it writes its scalars."""
+    return _TRACKER.text(iteration, train_iters, writer, wandb_writer, close_interval)
+
+
+def evaluation_string(sums, iteration: int, writer=None, wandb_writer=None, suffix: str = "") -> str:
+    """Console text and scalars of an evaluation's reduced MTP sums."""
+    if sums is None:
+        return ""
+    values = metrics_from_sums(sums.detach().double().cpu())
+    _write(values, iteration, writer, wandb_writer, suffix=f" validation{suffix}")
+    return _console(values, sums.size(0))
+
+
+def state_dict() -> dict:
+    """The counters that span steps, for the checkpoint."""
+    cumulative = _TRACKER.cumulative
+    return {"cumulative_sums": None if cumulative is None else cumulative.tolist()}
+
+
+def load_state_dict(state: dict | None) -> None:
+    cumulative = (state or {}).get("cumulative_sums")
+    _TRACKER.cumulative = None if cumulative is None else torch.tensor(cumulative, dtype=torch.float64)

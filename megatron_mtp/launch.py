@@ -1,0 +1,207 @@
+"""Arguments of pretrain_gpt_mtp.py: Megatron-LM's flags, this script's defaults, and checks
+that fail before anything is built, in one line (not one traceback per rank).
+
+- On a machine without CUDA the defaults select what runs there (local layers, no fused
+  CUDA kernels, CPU initialization, gloo).
+- With no data flag the run is the embedded default: a tiny GPT with 2 MTP depths on the
+  embedded corpus (megatron_mtp.data.embedded), saving to runs/default.
+- A dataset written by tools/preprocess_data.py names its vocabulary: the run takes it
+  (NullTokenizer of that size and end-of-document id) or refuses a contradicting one.
+"""
+
+import argparse
+import linecache
+import os
+import sys
+
+from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
+from megatron_mtp.data.indexed import DatasetError, check_dataset, read_metadata
+
+DATA_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--valid-data-path", "--test-data-path",
+              "--data-args-path", "--per-split-data-args-path")
+EMBEDDED_DEFAULTS = dict(
+    num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, max_position_embeddings=128,
+    micro_batch_size=8, global_batch_size=16, train_iters=300, lr=3e-3, min_lr=3e-4,
+    lr_decay_style="cosine", lr_warmup_iters=20, weight_decay=0.01, clip_grad=1.0,
+    mtp_num_layers=2, mtp_loss_scaling_factor=0.3, eval_interval=100, eval_iters=4, log_interval=10,
+    save="runs/default", save_interval=100, split="98,2,0",
+)
+CPU_DEFAULTS = dict(
+    transformer_impl="local", use_cpu_initialization=True, apply_rope_fusion=False,
+    bias_dropout_fusion=False, bias_gelu_fusion=False, masked_softmax_fusion=False,
+    no_persist_layer_norm=True, gradient_accumulation_fusion=False, distributed_backend="gloo",
+)
+
+
+class ArgumentError(ValueError):
+    pass
+
+
+def _provider(defaults: dict):
+    def add(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group("Megatron-MTP")
+        group.add_argument("--main-loss-level", choices=["token", "sequence"], default="token",
+                           help="main loss: mean over the step's valid tokens, or mean over its valid "
+                                "sequences of each sequence's token mean (MTP is always normalized by the "
+                                "token count)")
+        parser.set_defaults(**defaults)
+        return parser
+    return add
+
+
+def _given(flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in sys.argv[1:])
+
+
+def _defaults(on_cpu: bool, embedded: bool) -> dict:
+    # Megatron-LM 0.19's loop needs an evaluation interval even without evaluation; 1000 was
+    # its default before the flag lost it.
+    defaults = dict(calculate_per_token_loss=True, position_embedding_type="rope", eval_interval=1000)
+    if on_cpu:
+        defaults.update(CPU_DEFAULTS)
+    if embedded:
+        defaults.update(EMBEDDED_DEFAULTS, data_path=[str(corpus_prefix(default_cache_dir()))])
+    return defaults
+
+
+def _vocabulary_from_data(args, defaults: dict) -> None:
+    """Tokenizer defaults from the datasets' metadata; a contradiction is an error."""
+    prefixes = [p for p in (args.data_path or []) if not _is_weight(p)]
+    found = {}
+    for prefix in prefixes:
+        check_dataset(prefix)
+        metadata = read_metadata(prefix)
+        if metadata is not None:
+            found[prefix] = (metadata["vocab_size"], metadata["eod_id"], metadata["tokenizer"])
+    if not found:
+        return
+    if len(set(v[:2] for v in found.values())) > 1:
+        raise ArgumentError("the datasets were written with different tokenizers: " + "; ".join(
+            f"{p}: {t} (vocabulary {v}, end of document {e})" for p, (v, e, t) in found.items()))
+    vocab_size, eod_id, tokenizer = next(iter(found.values()))
+    if _given("--vocab-size") and args.vocab_size != vocab_size:
+        raise ArgumentError(f"--vocab-size {args.vocab_size} does not match the dataset's tokenizer {tokenizer} "
+                            f"(vocabulary {vocab_size}); drop --vocab-size or preprocess with the intended tokenizer")
+    if _given("--tokenizer-type") and args.tokenizer_type != "NullTokenizer":
+        raise ArgumentError(f"the dataset is already tokenized by {tokenizer}; --tokenizer-type "
+                            f"{args.tokenizer_type} would not match its ids (drop --tokenizer-type)")
+    defaults.update(tokenizer_type="NullTokenizer", vocab_size=vocab_size, null_tokenizer_eod_id=eod_id)
+
+
+def _is_weight(item: str) -> bool:
+    try:
+        float(item)
+        return True
+    except ValueError:
+        return False
+
+
+def _check(args) -> None:
+    """What Megatron-LM would assert on every rank (or not check at all), in one message."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        value = getattr(args, name)
+        if value is None or value < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    for name in ("train_iters", "global_batch_size", "save_interval", "eval_interval", "log_interval"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.lr is None:
+        raise ArgumentError("give --lr (the peak learning rate)")
+    if args.train_iters is None and args.train_samples is None:
+        raise ArgumentError("give --train-iters (or --train-samples)")
+    if args.eval_iters is not None and args.eval_iters < 0:
+        raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if world % (tp * pp * cp):
+        raise ArgumentError(f"world size {world} is not a multiple of TP x PP x CP = {tp} x {pp} x {cp}")
+    dp = world // (tp * pp * cp)
+    if args.num_attention_heads % tp:
+        raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if groups and groups % tp:
+        raise ArgumentError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
+                            f"--pipeline-model-parallel-size {pp}")
+    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    decay = args.lr_decay_iters or args.train_iters
+    if decay is not None and args.lr_warmup_iters >= decay:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below the decay length "
+                            f"(--lr-decay-iters, else --train-iters) {decay}")
+    if args.save is not None and args.save_interval is None:
+        raise ArgumentError("--save needs --save-interval N (a checkpoint every N iterations; "
+                            "one is also written when training ends)")
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 exclude each other; choose one")
+    depths = args.mtp_num_layers or 0
+    if not depths and (args.mtp_detach_heads or args.mtp_use_repeated_layer):
+        flag = "--mtp-detach-heads" if args.mtp_detach_heads else "--mtp-use-repeated-layer"
+        raise ArgumentError(f"{flag} needs MTP depths: give --mtp-num-layers D >= 1 or drop {flag}")
+    if depths and cp > 1:
+        raise ArgumentError("MTP with context parallelism is not supported yet: use --context-parallel-size 1")
+    if depths and pp > 1 and args.position_embedding_type == "learned_absolute":
+        raise ArgumentError("MTP under pipeline parallelism needs --position-embedding-type rope "
+                            "(a learned absolute position embedding would be duplicated out of sync)")
+    if args.load is not None and not os.path.isdir(args.load) and not args.save == args.load:
+        raise ArgumentError(f"--load {args.load}: no such directory")
+    if args.load is not None and os.path.isdir(args.load):
+        from megatron.core.fork.trainer import checkpoint
+
+        checkpoint.verify(args.load, args.ckpt_step)  # names a damaged file before anything is built
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if text:
+        return text
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    if frame is None:
+        return "Megatron-LM refused the arguments"
+    filename = frame.tb_frame.f_code.co_filename
+    statement = linecache.getline(filename, frame.tb_lineno).strip()
+    return f"Megatron-LM refused the arguments: {statement} ({filename.rsplit('/', 1)[-1]}:{frame.tb_lineno})"
+
+
+def fail(error: BaseException) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_gpt_mtp.py: error: {_one_line(error)}", file=sys.stderr, flush=True)
+
+
+def arguments():
+    """Megatron-LM's parsed and validated arguments with this script's defaults; None (after
+    one error line) if they are refused."""
+    from megatron_mtp.patched_core import PatchedCoreError, require_patched_core
+
+    try:
+        require_patched_core()
+    except PatchedCoreError as error:
+        fail(error)
+        return None
+    import torch
+
+    from megatron.core.fork.trainer import checkpoint
+    from megatron.training.arguments import parse_and_validate_args, parse_args
+
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM's TP check; moot on CPU
+    embedded = not any(_given(flag) for flag in DATA_FLAGS)
+    try:
+        defaults = _defaults(on_cpu, embedded)
+        args = parse_args(_provider(defaults))
+        _vocabulary_from_data(args, defaults)
+        args = parse_args(_provider(defaults))
+        _check(args)
+        return parse_and_validate_args(_provider(defaults))
+    except (ArgumentError, DatasetError, checkpoint.CheckpointError, AssertionError, ValueError,
+            TypeError) as error:
+        fail(error)
+        return None

@@ -1,0 +1,37 @@
+"""Small text corpora for trainer tests, written as jsonl and preprocessed like a user's.
+
+Paragraphs of the Python Language Reference (shipped with CPython) make documents of
+very uneven length: with --eod-mask-loss every end-of-document target is masked, so the
+loss masks have holes at irregular places and the micro-batches of a step hold different
+numbers of valid tokens, which is what exact normalization must get right.
+"""
+
+import json
+from pathlib import Path
+
+from megatron_mtp.data.embedded import documents
+
+
+def paragraphs(limit: int | None = None) -> list[str]:
+    found = [p.strip() for text in documents() for p in text.split("\n\n") if 5 <= len(p.strip()) <= 400]
+    return found[:limit]
+
+
+def sentences(limit: int | None = None) -> list[str]:
+    """Shorter documents still (3 to 80 characters): a 64-token sample holds several."""
+    found = [s.strip() for p in paragraphs() for s in p.replace("\n", " ").split(". ") if 3 <= len(s.strip()) <= 80]
+    return found[:limit]
+
+
+def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
+    path.write_text("".join(json.dumps({key: text, "id": i}) + "\n" for i, text in enumerate(texts)))
+    return path
+
+
+def preprocess(jsonl: Path, prefix: Path, tokenizer: str = "bytes", *extra: str) -> Path:
+    """tools/preprocess_data.py in this process; returns the dataset prefix."""
+    from tools.preprocess_data import main
+
+    code = main(["--input", str(jsonl), "--output-prefix", str(prefix), "--tokenizer", tokenizer, *extra])
+    assert code == 0, f"preprocess_data exited with {code}"
+    return prefix

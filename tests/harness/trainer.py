@@ -1,0 +1,164 @@
+"""Run pretrain_gpt_mtp.py as a user does (torchrun, CPU, gloo) and read what it leaves.
+
+`train` starts torchrun in its own process group with a free port and a deadline, kills
+the whole group on timeout (nothing is left behind) and returns the run: its exit
+status, its output, the console's iteration and validation lines parsed into numbers.
+`scalars` reads a TensorBoard log directory; `checkpoint_tensors` reads every tensor of
+a torch_dist checkpoint (model and optimizer) in this process, for bit-exact comparisons.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.harness.launcher import REPO_ROOT, free_port
+
+# A small model that trains in well under a second per step on one CPU core per rank.
+TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0")
+ITERATION = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|(.*)$")
+VALIDATION = re.compile(r"validation.* loss at iteration (\d+) \|(.*)$")
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    iterations: dict = field(default_factory=dict)  # iteration -> {"lm loss": ..., ...}
+    validations: dict = field(default_factory=dict)
+
+    def errors(self) -> list[str]:
+        """The script's own one-line errors."""
+        return [line for line in self.output.splitlines() if line.startswith("pretrain_gpt_mtp.py: error:")]
+
+    def tail(self, lines: int = 60) -> str:
+        """The script's errors, then the output's last lines (torchrun's own report cut off)."""
+        kept = [line for line in self.output.splitlines() if "warn" not in line.lower()]
+        if any("ChildFailedError" in line for line in kept):
+            kept = kept[:next(i for i, line in enumerate(kept) if line.startswith("Traceback")
+                              or "ChildFailedError" in line)]
+        return "\n".join(self.errors() + ["..."] + kept[-lines:])
+
+
+def _fields(text: str) -> dict:
+    values = {}
+    # Fields end with "|"; what follows the last one is another print that lost its line break.
+    for part in text.rsplit("|", 1)[0].split("|"):
+        name, sep, value = part.rpartition(":")
+        if not sep:
+            continue
+        name = name.strip()
+        if name.endswith(" value"):  # validation lines: "lm loss value: ..."
+            name = name[: -len(" value")]
+        try:
+            values[name] = float(value.strip())
+        except ValueError:
+            pass
+    return values
+
+
+def parse(output: str) -> tuple[dict, dict]:
+    iterations, validations = {}, {}
+    for line in output.splitlines():
+        if match := ITERATION.search(line):
+            iterations[int(match.group(1))] = _fields(match.group(2))
+        elif match := VALIDATION.search(line):
+            validations[int(match.group(1))] = _fields(match.group(2))
+    return iterations, validations
+
+
+def torchrun_command(nproc: int, *args: str, script: str = "pretrain_gpt_mtp.py",
+                     rank_logs: Path | None = None) -> list[str]:
+    """torchrun on this machine; with `rank_logs`, each rank's output also goes to a file there
+    (the metrics lines come from the last rank, and ranks' prints interleave in the console)."""
+    logs = [f"--log-dir={rank_logs}", "--tee=3"] if rank_logs else []
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", *logs, script, *args]
+
+
+def start(nproc: int, *args: str, env: dict | None = None, cwd: Path = REPO_ROOT, log: Path | None = None,
+          script: str = "pretrain_gpt_mtp.py") -> tuple[subprocess.Popen, Path]:
+    """torchrun in its own process group, output to `log`; for tests that signal the run."""
+    log = log or Path(tempfile.mkstemp(prefix="trainer-", suffix=".log")[1])
+    environment = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                       **(env or {}))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(torchrun_command(nproc, *args, script=script, rank_logs=rank_logs(log)), cwd=cwd,
+                                env=environment, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def rank_logs(log: Path) -> Path:
+    return log.with_name(log.name + ".ranks")
+
+
+def last_rank_output(log: Path) -> str:
+    """The stdout of the highest local rank (the last pipeline stage's last tensor rank)."""
+    files = sorted(rank_logs(log).glob("*/attempt_*/*/stdout.log"), key=lambda p: int(p.parent.name))
+    return files[-1].read_text(errors="replace") if files else ""
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float) -> Run:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise AssertionError(f"torchrun timed out after {timeout}s:\n{Run(-9, log.read_text()).tail()}") from None
+    kill_group(proc)  # a worker that outlived torchrun
+    iterations, validations = parse(last_rank_output(log))
+    return Run(proc.returncode, log.read_text(errors="replace"), iterations, validations)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def train(nproc: int, *args: str, timeout: float = 300, check: bool = True, env: dict | None = None,
+          cwd: Path = REPO_ROOT, script: str = "pretrain_gpt_mtp.py") -> Run:
+    """Run to the end; with `check`, a non-zero exit fails the test with the output's tail."""
+    with tempfile.TemporaryDirectory() as scratch:
+        proc, log = start(nproc, *args, env=env, cwd=cwd, log=Path(scratch) / "run.log", script=script)
+        run = finish(proc, log, timeout)
+    if check and run.returncode != 0:
+        raise AssertionError(f"pretrain_gpt_mtp.py exited with {run.returncode}:\n{run.tail()}")
+    return run
+
+
+def scalars(logdir: Path) -> dict:
+    """{tag: {step: value}} of every scalar in a TensorBoard log directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: {event.step: event.value for event in accumulator.Scalars(tag)}
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def checkpoint_tensors(directory: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint directory (iter_NNNNNNN), by key."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        converted = Path(scratch) / "state.pt"
+        dcp_to_torch_save(str(directory), str(converted))
+        state = torch.load(converted, weights_only=False)
+
+    def flatten(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from flatten(value, f"{prefix}{key}.")
+            elif torch.is_tensor(value):
+                yield f"{prefix}{key}", value
+
+    return dict(flatten(state))
