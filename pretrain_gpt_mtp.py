@@ -139,6 +139,13 @@ def main() -> int:
     except checkpoint.CheckpointError as error:  # raised alike on every rank: one line, not a traceback each
         launch.fail(error)
         return 1
+    except AssertionError as error:
+        if not str(error).startswith("OptimizerParamScheduler"):
+            raise
+        launch.fail(f"{error} (the checkpoint's learning-rate schedule differs from this run's: resume with "
+                    "its values, or add --override-opt_param-scheduler to take this run's, or "
+                    "--use-checkpoint-opt_param-scheduler to keep the checkpoint's)")
+        return 1
     return 0
 
 

@@ -10,6 +10,8 @@ that fail before anything is built, in one line (not one traceback per rank).
 """
 
 import argparse
+import contextlib
+import io
 import linecache
 import os
 import sys
@@ -156,7 +158,7 @@ def _check(args) -> None:
         checkpoint.verify(args.load, args.ckpt_step)  # names a damaged file before anything is built
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException | str) -> str:
     text = " ".join(str(error).split())
     if text:
         return text
@@ -170,7 +172,7 @@ def _one_line(error: BaseException) -> str:
     return f"Megatron-LM refused the arguments: {statement} ({filename.rsplit('/', 1)[-1]}:{frame.tb_lineno})"
 
 
-def fail(error: BaseException) -> None:
+def fail(error: BaseException | str) -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"pretrain_gpt_mtp.py: error: {_one_line(error)}", file=sys.stderr, flush=True)
 
@@ -194,14 +196,23 @@ def arguments():
     if on_cpu:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM's TP check; moot on CPU
     embedded = not any(_given(flag) for flag in DATA_FLAGS)
+    # argparse's own errors (an unknown flag, a bad value) print usage and exit: on rank 0 only.
+    quiet = contextlib.redirect_stderr(io.StringIO()) if os.environ.get("RANK", "0") != "0" \
+        else contextlib.nullcontext()
     try:
-        defaults = _defaults(on_cpu, embedded)
-        args = parse_args(_provider(defaults))
-        _vocabulary_from_data(args, defaults)
-        args = parse_args(_provider(defaults))
+        with quiet:
+            defaults = _defaults(on_cpu, embedded)
+            args = parse_args(_provider(defaults))
+            _vocabulary_from_data(args, defaults)
+            args = parse_args(_provider(defaults))
         _check(args)
-        return parse_and_validate_args(_provider(defaults))
+        with quiet:
+            return parse_and_validate_args(_provider(defaults))
     except (ArgumentError, DatasetError, checkpoint.CheckpointError, AssertionError, ValueError,
             TypeError) as error:
         fail(error)
         return None
+    except SystemExit as exit:
+        if not exit.code:
+            raise  # --help
+        return None  # argparse has printed its message

@@ -24,6 +24,7 @@ TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0")
 ITERATION = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|(.*)$")
 VALIDATION = re.compile(r"validation.* loss at iteration (\d+) \|(.*)$")
+ERROR = re.compile(r"^(?:\[default\d+\]:)?(pretrain_gpt_mtp\.py: error: .*)$", re.MULTILINE)
 
 
 @dataclass
@@ -34,8 +35,8 @@ class Run:
     validations: dict = field(default_factory=dict)
 
     def errors(self) -> list[str]:
-        """The script's own one-line errors."""
-        return [line for line in self.output.splitlines() if line.startswith("pretrain_gpt_mtp.py: error:")]
+        """The script's own one-line errors (without torchrun's "[defaultN]:" prefix)."""
+        return [match.group(1) for match in ERROR.finditer(self.output)]
 
     def tail(self, lines: int = 60) -> str:
         """The script's errors, then the output's last lines (torchrun's own report cut off)."""

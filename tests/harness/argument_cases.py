@@ -1,0 +1,35 @@
+"""Run pretrain_gpt_mtp.py's argument handling on many command lines in one process.
+
+    python -m tests.harness.argument_cases < cases.json > results.json
+
+Each case is {"argv": [...], "env": {...}}; each result says whether the arguments were
+accepted and what the script printed on stderr. Parsing needs no distributed start-up,
+so one process checks every refusal (a real launch per case would cost seconds each).
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+
+def run(case: dict) -> dict:
+    from megatron_mtp import launch
+
+    saved_env = dict(os.environ)
+    os.environ.update(case.get("env", {}))
+    sys.argv = ["pretrain_gpt_mtp.py", *case["argv"]]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            accepted = launch.arguments() is not None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+    lines = [line for line in stderr.getvalue().splitlines() if line.strip() and "warn" not in line.lower()]
+    return {"accepted": accepted, "stderr": lines}
+
+
+if __name__ == "__main__":
+    print(json.dumps([run(case) for case in json.load(sys.stdin)]))

@@ -1,0 +1,217 @@
+"""pretrain_gpt_mtp.py under faults and bad input.
+
+- Bad input fails before anything is built, in one line: every refusal is checked in one
+  process (tests/harness/argument_cases.py), and once under torchrun with two ranks, where
+  the line must appear once, with no traceback from any rank.
+- SIGTERM to the training processes saves a checkpoint and exits with status 0; the run
+  resumes from it.
+- kill -9 during a save (after the tensor files, before the tracker names them; and
+  inside the tracker's replacement) leaves the previous checkpoint named and loadable, and
+  the run resumes from it to the end.
+- Resuming into another model shape is refused, naming each difference; isolation on or
+  off is not a shape (the same checkpoint, optimizer included, loads either way).
+- A damaged checkpoint (truncated tensor file, unreadable index, garbage in the tracker)
+  is named in one line.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.harness.corpora import paragraphs, preprocess, write_jsonl
+from tests.harness.launcher import REPO_ROOT
+from tests.harness.trainer import TINY, finish, last_rank_output, start, train
+
+pytestmark = pytest.mark.slow
+
+RUN = TINY + ("--lr", "1e-3", "--mtp-num-layers", "2")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return preprocess(write_jsonl(root / "paragraphs.jsonl", paragraphs()), root / "paragraphs")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(dataset, tmp_path_factory):
+    """A run of 4 iterations saved at 2 and 4."""
+    root = tmp_path_factory.mktemp("checkpoint")
+    train(2, *RUN, "--data-path", str(dataset), "--train-iters", "4", "--save", str(root), "--save-interval", "2")
+    return root
+
+
+def tracked(directory) -> str:
+    return (directory / "latest_checkpointed_iteration.txt").read_text().strip()
+
+
+# ---------------------------------------------------------------- bad input
+
+def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
+    """(argv, environment, what the one-line error must say)"""
+    other_tokenizer = tmp_path / "other"
+    shutil.copy(f"{dataset}.bin", f"{other_tokenizer}.bin")
+    shutil.copy(f"{dataset}.idx", f"{other_tokenizer}.idx")
+    metadata = json.loads(open(f"{dataset}.json").read())
+    metadata.update(tokenizer="other/tokenizer.json", vocab_size=32000, eod_id=2)
+    open(f"{other_tokenizer}.json", "w").write(json.dumps(metadata))
+    truncated = tmp_path / "truncated"
+    shutil.copy(f"{dataset}.idx", f"{truncated}.idx")
+    shutil.copy(f"{dataset}.json", f"{truncated}.json")
+    with open(f"{dataset}.bin", "rb") as source, open(f"{truncated}.bin", "wb") as target:
+        target.write(source.read()[:1000])
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    distcp = sorted((damaged / "iter_0000004").glob("*.distcp"))[-1]
+    with open(distcp, "r+b") as file:
+        file.truncate(100)
+    unreadable = tmp_path / "unreadable"
+    shutil.copytree(checkpoint, unreadable)
+    (unreadable / "iter_0000002" / ".metadata").write_bytes(b"not a pickle")
+    garbage = tmp_path / "garbage"
+    shutil.copytree(checkpoint, garbage)
+    (garbage / "latest_checkpointed_iteration.txt").write_text("")
+    data = [*TINY, "--data-path", str(dataset), "--lr", "1e-3", "--train-iters", "4"]
+    one, two, three = {"WORLD_SIZE": "1", "RANK": "0"}, {"WORLD_SIZE": "2", "RANK": "0"}, {"WORLD_SIZE": "3", "RANK": "0"}
+    return [
+        ([*data, "--num-attention-heads", "3", "--tensor-model-parallel-size", "2"], two,
+         "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
+        ([*data, "--global-batch-size", "6", "--micro-batch-size", "4"], one,
+         "--global-batch-size 6 is not a multiple of --micro-batch-size 4 x data-parallel size 1"),
+        ([*data, "--global-batch-size", "8", "--micro-batch-size", "2"], three,
+         "--global-batch-size 8 is not a multiple of --micro-batch-size 2 x data-parallel size 3"),
+        ([*data, "--tensor-model-parallel-size", "2"], three,
+         "world size 3 is not a multiple of TP x PP x CP = 2 x 1 x 1"),
+        ([*data, "--train-iters", "0"], one, "--train-iters must be a positive integer, got 0"),
+        ([*data, "--train-iters", "-5"], one, "--train-iters must be a positive integer, got -5"),
+        ([*data, "--micro-batch-size", "0"], one, "--micro-batch-size must be a positive integer, got 0"),
+        ([*data, "--hidden-size", "-64"], one, "--hidden-size must be a positive integer, got -64"),
+        ([*data, "--eval-iters", "-1"], one, "--eval-iters must be >= 0, got -1"),
+        ([*data, "--fp16", "--bf16"], one, "--fp16 and --bf16 exclude each other"),
+        ([*data, "--mtp-num-layers", "0", "--mtp-detach-heads"], one, "--mtp-detach-heads needs MTP depths"),
+        ([*data, "--mtp-num-layers", "0", "--mtp-use-repeated-layer"], one,
+         "--mtp-use-repeated-layer needs MTP depths"),
+        ([*data, "--mtp-num-layers", "1", "--context-parallel-size", "2"], two,
+         "MTP with context parallelism is not supported yet"),
+        ([*data, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--position-embedding-type",
+          "learned_absolute"], two, "MTP under pipeline parallelism needs --position-embedding-type rope"),
+        ([*data, "--lr-warmup-iters", "10"], one, "--lr-warmup-iters 10 must be below the decay length"),
+        ([*TINY, "--data-path", str(dataset), "--train-iters", "4"], one, "give --lr"),
+        ([*data, "--save", str(tmp_path / "new")], one, "--save needs --save-interval"),
+        ([*data, "--load", str(tmp_path / "nowhere")], one, f"--load {tmp_path / 'nowhere'}: no such directory"),
+        ([*data, "--data-path", str(tmp_path / "missing")], one,
+         f"missing {tmp_path / 'missing'}.bin"),
+        ([*data, "--data-path", str(truncated)], one,
+         f"{truncated}.bin holds 1000 bytes"),
+        ([*data, "--vocab-size", "1000"], one, "--vocab-size 1000 does not match the dataset's tokenizer bytes"),
+        ([*data, "--data-path", "0.5", str(dataset), "0.5", str(other_tokenizer)], one, "the datasets were written with different tokenizers"),
+        ([*data, "--load", str(damaged)], one, f"{distcp}: truncated"),
+        ([*data, "--load", str(unreadable), "--ckpt-step", "2"], one,
+         f"{unreadable / 'iter_0000002' / '.metadata'}: unreadable"),
+        ([*data, "--load", str(garbage)], one,
+         f"{garbage / 'latest_checkpointed_iteration.txt'}: the checkpoint tracker holds ''"),
+    ]
+
+
+def test_bad_input_is_refused_in_one_line_before_anything_is_built(dataset, checkpoint, tmp_path):
+    cases = refusals(dataset, checkpoint, tmp_path)
+    control = {"argv": [*TINY, "--data-path", str(dataset), "--lr", "1e-3", "--train-iters", "4"],
+               "env": {"WORLD_SIZE": "1", "RANK": "0"}}
+    given = [{"argv": argv, "env": env} for argv, env, _ in cases] + [control]
+    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(given),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.splitlines()[-1])
+    assert outcomes[-1]["accepted"], outcomes[-1]  # the driver itself accepts good arguments
+    for (argv, env, expected), outcome in zip(cases, outcomes):
+        errors = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        assert not outcome["accepted"] and len(errors) == 1, (argv, outcome)
+        assert expected in errors[0], (expected, errors[0])
+        assert not any("Traceback" in line for line in outcome["stderr"]), outcome
+
+
+def test_under_torchrun_a_refusal_is_one_line_from_one_rank(dataset):
+    run = train(2, *RUN, "--data-path", str(dataset), "--train-iters", "4", "--num-attention-heads", "3",
+                "--tensor-model-parallel-size", "2", check=False, timeout=120)
+    assert run.returncode != 0
+    assert len(run.errors()) == 1, run.output[-3000:]
+    assert "is not divisible by --tensor-model-parallel-size 2" in run.errors()[0]
+    assert "[rank" not in run.output  # no rank's traceback
+
+
+# ---------------------------------------------------------------- signals and kills
+
+def wait_for_iteration(proc, log, iteration: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if f"iteration {iteration:8d}/" in last_rank_output(log):
+            return
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no iteration {iteration} within {timeout}s")
+
+
+def test_sigterm_saves_and_exits_zero_then_the_run_resumes(dataset, tmp_path):
+    save = tmp_path / "run"
+    args = (*RUN, "--data-path", str(dataset), "--save", str(save), "--save-interval", "10000",
+            "--exit-signal-handler")
+    proc, log = start(2, *args, "--train-iters", "100000", log=tmp_path / "run.log")
+    wait_for_iteration(proc, log, 3)
+    workers = psutil.Process(proc.pid).children()
+    assert len(workers) == 2
+    for worker in workers:  # what a scheduler does: every training process gets the signal
+        worker.send_signal(signal.SIGTERM)
+    run = finish(proc, log, timeout=120)
+    assert run.returncode == 0, run.tail()
+    assert "exiting program after receiving SIGTERM" in run.output
+    stopped = int(tracked(save))
+    assert stopped >= 3 and (save / f"iter_{stopped:07d}").is_dir()
+
+    resumed = train(2, *args, "--train-iters", "100000", "--load", str(save), "--exit-interval", str(stopped + 2))
+    assert sorted(resumed.iterations) == [stopped + 1, stopped + 2], resumed.tail()
+
+    changed = train(2, *args, "--train-iters", "50", "--load", str(save), check=False)
+    assert changed.returncode != 0 and len(changed.errors()) == 1, changed.tail()
+    assert "do not match" in changed.errors()[0] and "--override-opt_param-scheduler" in changed.errors()[0]
+    assert "[rank" not in changed.output
+
+
+@pytest.mark.parametrize("moment", ["after-tensor-files", "replacing-tracker"])
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint(moment, dataset, tmp_path):
+    save = tmp_path / "run"
+    args = (*RUN, "--data-path", str(dataset), "--save", str(save), "--save-interval", "2", "--train-iters", "6")
+    killed = train(2, *args, script="tests/harness/kill_during_save.py", check=False,
+                   env={"KILL_DURING_SAVE": moment, "KILL_AT_ITERATION": "4"})
+    assert killed.returncode != 0
+    assert "killed during the save of iteration 4" in killed.output, killed.tail()
+    assert tracked(save) == "2"  # the tracker still names the previous, complete checkpoint
+
+    resumed = train(2, *args, "--load", str(save))
+    assert sorted(resumed.iterations) == [3, 4, 5, 6], resumed.tail()
+    assert tracked(save) == "6"
+
+
+# ---------------------------------------------------------------- shape and damage
+
+def test_resuming_into_another_shape_is_refused_naming_each_difference(dataset, checkpoint):
+    run = train(2, *RUN, "--data-path", str(dataset), "--train-iters", "6", "--load", str(checkpoint),
+                "--mtp-num-layers", "3", "--mtp-use-repeated-layer", check=False)
+    assert run.returncode != 0
+    (error,) = run.errors()
+    assert "mtp_num_layers: checkpoint 2, model 3" in error and "mtp_use_repeated_layer: checkpoint False, " \
+        "model True" in error, error
+    assert "[rank" not in run.output
+
+
+def test_isolation_is_not_a_shape(dataset, checkpoint):
+    run = train(2, *RUN, "--data-path", str(dataset), "--train-iters", "4", "--load", str(checkpoint),
+                "--ckpt-step", "2", "--mtp-detach-heads")
+    assert sorted(run.iterations) == [3, 4] and "mtp grad norm" in run.iterations[4], run.tail()
