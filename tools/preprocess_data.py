@@ -16,7 +16,12 @@ import json
 import multiprocessing
 import sys
 import time
+import warnings
 from pathlib import Path
+
+# megatron-core warns at import about optional GPU packages (Apex, Transformer Engine) that
+# writing a dataset never uses.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -60,40 +65,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _write_documents(args, writer: IndexedWriter) -> list[str]:
+    """Tokenize every line into `writer` (in `--workers` processes); the lines skipped."""
+    start, skipped = time.perf_counter(), []
+    pool = None
+    with open(args.input, encoding="utf-8") as lines:
+        numbered = enumerate(lines, start=1)
+        if args.workers == 1:
+            _init_worker(args.tokenizer, args.eod_token, args.json_key)
+            results = map(_encode, numbered)
+        else:
+            pool = multiprocessing.Pool(args.workers, _init_worker, (args.tokenizer, args.eod_token, args.json_key))
+            results = pool.imap(_encode, numbered, chunksize=64)  # in order: the output is deterministic
+        try:
+            for number, ids, problem in results:
+                if problem:
+                    skipped.append(f"line {number}: {problem}")
+                elif ids is not None:
+                    writer.add(ids)
+                    if writer.documents % args.log_interval == 0:
+                        rate = writer.documents / (time.perf_counter() - start)
+                        print(f"{writer.documents} documents, {writer.tokens} tokens ({rate:.0f} docs/s)",
+                              file=sys.stderr, flush=True)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+    if writer.documents == 0:
+        raise DatasetError(f"{args.input} holds no document with a string field {args.json_key!r}")
+    return skipped
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    start = time.perf_counter()
     try:
         if not args.input.is_file():
             raise DatasetError(f"input {args.input} does not exist")
         tokenizer = load_tokenizer(args.tokenizer, args.eod_token)  # fails here, before any work
         writer = IndexedWriter(args.output_prefix, tokenizer.info)
-        start, skipped = time.perf_counter(), []
-        with open(args.input, encoding="utf-8") as lines:
-            numbered = enumerate(lines, start=1)
-            if args.workers == 1:
-                _init_worker(args.tokenizer, args.eod_token, args.json_key)
-                results = map(_encode, numbered)
-                pool = None
-            else:
-                pool = multiprocessing.Pool(args.workers, _init_worker, (args.tokenizer, args.eod_token, args.json_key))
-                results = pool.imap(_encode, numbered, chunksize=64)
-            try:
-                for number, ids, problem in results:
-                    if problem:
-                        skipped.append(f"line {number}: {problem}")
-                    elif ids is not None:
-                        writer.add(ids)
-                        if writer.documents % args.log_interval == 0:
-                            rate = writer.documents / (time.perf_counter() - start)
-                            print(f"{writer.documents} documents, {writer.tokens} tokens ({rate:.0f} docs/s)",
-                                  file=sys.stderr, flush=True)
-            finally:
-                if pool is not None:
-                    pool.close()
-                    pool.join()
-        if writer.documents == 0:
-            raise DatasetError(f"{args.input} holds no document with a string field {args.json_key!r}")
-        metadata = writer.finish()
+        try:
+            skipped = _write_documents(args, writer)
+            metadata = writer.finish()
+        except BaseException:
+            writer.abort()  # no partial files left behind
+            raise
     except (TokenizerError, DatasetError, UnicodeDecodeError) as error:
         print(f"preprocess_data: error: {error}", file=sys.stderr)
         return 2

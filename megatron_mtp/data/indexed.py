@@ -45,6 +45,11 @@ class IndexedWriter:
         self.documents += 1
         self.tokens += len(ids)
 
+    def abort(self) -> None:
+        """Remove the partial files (an interrupted or failed run leaves no debris)."""
+        for suffix in (".bin", ".idx", ".json"):
+            Path(f"{self.partial}{suffix}").unlink(missing_ok=True)
+
     def finish(self) -> dict:
         self.builder.finalize(f"{self.partial}.idx")
         metadata = {"tokenizer": self.tokenizer.name, "vocab_size": self.tokenizer.vocab_size,

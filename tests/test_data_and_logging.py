@@ -1,0 +1,179 @@
+"""Data in, metrics out: tools/preprocess_data.py, blends, splits, mock data, evaluation,
+and the console, TensorBoard and W&B (offline) metrics of a pretrain_gpt_mtp.py run.
+
+Tokenizers are trained here from the test corpus (a Hugging Face BPE tokenizer.json and a
+SentencePiece model), so nothing is downloaded; the ids a dataset holds must be exactly
+the tokenizer's ids of each document followed by its end-of-document id.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+
+from tests.harness.corpora import paragraphs, write_jsonl
+from tests.harness.launcher import REPO_ROOT
+from tests.harness.trainer import TINY, scalars, train
+
+
+def preprocess(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/preprocess_data.py", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def documents_of(prefix: Path) -> list[list[int]]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(prefix))
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
+    texts = paragraphs(400)
+    root = tmp_path_factory.mktemp("jsonl")
+    lines = [json.dumps({"body": t}) for t in texts[:200]] + ["not json", json.dumps({"title": "no body"}), ""] + \
+        [json.dumps({"body": t}) for t in texts[200:]]
+    path = root / "corpus.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(corpus, tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus[1], trainer)
+    path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(corpus, tmp_path_factory) -> Path:
+    import sentencepiece
+
+    root = tmp_path_factory.mktemp("spm")
+    (root / "text.txt").write_text("\n".join(corpus[1]))
+    sentencepiece.SentencePieceTrainer.train(input=str(root / "text.txt"), model_prefix=str(root / "spm"),
+                                             vocab_size=300, model_type="bpe", minloglevel=2)
+    return root / "spm.model"
+
+
+def test_bytes_with_a_configurable_key_skipped_lines_and_several_workers(corpus, tmp_path):
+    path, texts = corpus
+    one = preprocess("--input", str(path), "--output-prefix", str(tmp_path / "one"), "--tokenizer", "bytes",
+                     "--json-key", "body")
+    assert one.returncode == 0, one.stderr
+    assert "wrote" in one.stdout and f"{len(texts)} documents" in one.stdout
+    assert "skipped 2 line(s): line 201: not JSON" in one.stdout and "line 202: no string field 'body'" in one.stdout
+    two = preprocess("--input", str(path), "--output-prefix", str(tmp_path / "two"), "--tokenizer", "bytes",
+                     "--json-key", "body", "--workers", "2", "--log-interval", "100")
+    assert two.returncode == 0, two.stderr
+    assert "100 documents" in two.stderr  # progress
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"one{suffix}").read_bytes() == (tmp_path / f"two{suffix}").read_bytes()
+    metadata = json.loads((tmp_path / "one.json").read_text())
+    assert (metadata["tokenizer"], metadata["vocab_size"], metadata["eod_id"]) == ("bytes", 257, 256)
+    assert documents_of(tmp_path / "one") == [list(t.encode()) + [256] for t in texts]
+
+
+def test_a_local_tokenizer_json(corpus, tokenizer_json, tmp_path):
+    from tokenizers import Tokenizer
+
+    path, texts = corpus
+    result = preprocess("--input", str(path), "--output-prefix", str(tmp_path / "hf"), "--tokenizer",
+                        str(tokenizer_json), "--json-key", "body", "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    eod = tokenizer.token_to_id("</s>")
+    metadata = json.loads((tmp_path / "hf.json").read_text())
+    assert (metadata["vocab_size"], metadata["eod_id"]) == (tokenizer.get_vocab_size(), eod)
+    assert documents_of(tmp_path / "hf") == [tokenizer.encode(t, add_special_tokens=False).ids + [eod]
+                                             for t in texts]
+
+
+def test_a_sentencepiece_model(corpus, sentencepiece_model, tmp_path):
+    import sentencepiece
+
+    path, texts = corpus
+    result = preprocess("--input", str(path), "--output-prefix", str(tmp_path / "spm"), "--tokenizer",
+                        str(sentencepiece_model), "--json-key", "body")
+    assert result.returncode == 0, result.stderr
+    model = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    metadata = json.loads((tmp_path / "spm.json").read_text())
+    assert (metadata["vocab_size"], metadata["eod_id"]) == (model.get_piece_size(), model.eos_id())
+    assert documents_of(tmp_path / "spm") == [model.encode(t) + [model.eos_id()] for t in texts]
+
+
+def test_bad_input_is_one_line_and_leaves_no_files(corpus, tmp_path):
+    path, _ = corpus
+    not_a_tokenizer = tmp_path / "broken.json"
+    not_a_tokenizer.write_text("{}")
+    cases = [
+        (("--input", str(tmp_path / "none.jsonl"), "--tokenizer", "bytes"), "does not exist"),
+        (("--input", str(path), "--tokenizer", str(tmp_path / "missing.json")), "neither 'bytes' nor an existing file"),
+        (("--input", str(path), "--tokenizer", str(not_a_tokenizer)), "is not a readable tokenizer.json"),
+        (("--input", str(path), "--tokenizer", "bytes", "--json-key", "nothing"), "no document with a string field"),
+    ]
+    for args, expected in cases:
+        result = preprocess(*args, "--output-prefix", str(tmp_path / "out"))
+        assert result.returncode == 2, (args, result.stderr)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("preprocess_data: error: ") and expected in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.json"]
+
+
+@pytest.mark.slow
+def test_training_on_a_blend_reports_every_metric_to_console_tensorboard_and_wandb(corpus, tokenizer_json,
+                                                                                  tmp_path):
+    path, texts = corpus
+    for name, part in (("first", texts[:250]), ("second", texts[250:])):
+        write_jsonl(tmp_path / f"{name}.jsonl", part)
+        result = preprocess("--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix", str(tmp_path / name),
+                            "--tokenizer", str(tokenizer_json))
+        assert result.returncode == 0, result.stderr
+    run = train(2, *TINY, "--lr", "1e-3", "--train-iters", "4", "--mtp-num-layers", "2", "--mtp-detach-heads",
+                "--data-path", "0.7", str(tmp_path / "first"), "0.3", str(tmp_path / "second"),
+                "--split", "90,5,5", "--eval-interval", "2", "--eval-iters", "2",
+                "--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "megatron-mtp-test",
+                "--wandb-exp-name", "blend", "--wandb-save-dir", str(tmp_path / "wandb"),
+                env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert "vocab (size: 400)" in run.output  # the tokenizer.json's vocabulary, from the dataset
+    line = run.iterations[4]
+    for field in ("lm loss", "mtp_1 loss", "mtp_2 loss", "mtp_1 acceptance", "mtp_2 chain acceptance",
+                  "expected accepted length (incl. bonus token)", "grad norm", "mtp grad norm", "learning rate",
+                  "tokens/s"):
+        assert field in line, (field, sorted(line))
+    assert "ETA: " in run.output
+    assert 0 < line["expected accepted length (incl. bonus token)"] - 1 <= 2
+    for iteration in (2, 4):  # evaluation reports the MTP metrics too
+        validation = run.validations[iteration]
+        assert {"lm loss", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance"} <= set(validation), validation
+
+    tags = scalars(tmp_path / "tb")
+    for tag in ("lm loss", "grad-norm", "mtp grad norm", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance",
+                "expected accepted length (incl. bonus token)", "mtp_1 acceptance (cumulative)",
+                "mtp_1 loss validation", "mtp_2 acceptance validation", "tokens per second"):
+        assert tag in tags, (tag, sorted(tags))
+    assert sorted(tags["mtp_1 loss"]) == [1, 2, 3, 4]
+
+    (record,) = list((tmp_path / "wandb").rglob("run-*.wandb"))
+    logged = record.read_bytes()
+    for key in (b"mtp_1 loss", b"mtp grad norm", b"expected accepted length (incl. bonus token)",
+                b"mtp_2 acceptance validation"):
+        assert key in logged, key
+
+
+@pytest.mark.slow
+def test_mock_data(tmp_path):
+    run = train(1, *TINY, "--lr", "1e-3", "--train-iters", "2", "--mtp-num-layers", "1", "--mock-data",
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", "300")
+    assert sorted(run.iterations) == [1, 2] and "mtp_1 loss" in run.iterations[2], run.tail()
