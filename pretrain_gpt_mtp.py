@@ -15,6 +15,8 @@ This script adds one flag, --main-loss-level {token,sequence}; datasets written 
 tools/preprocess_data.py carry their vocabulary, which --data-path takes from them.
 """
 
+import os
+import signal
 import sys
 from functools import partial
 
@@ -39,7 +41,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     layer_spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_sdpa_spec()
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
                 if args.mtp_num_layers else None)
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
@@ -47,6 +49,11 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection,
     )
+    if args.freeze_backbone:  # the MTP heads train; the backbone's parameters get no gradient
+        for name, parameter in model.named_parameters():
+            if not name.startswith("mtp."):
+                parameter.requires_grad_(False)
+    return model
 
 
 def datasets_provider(train_valid_test_num_samples, vp_stage=None):
@@ -126,13 +133,31 @@ def main() -> int:
     args = launch.arguments()
     if args is None:
         return 2
-    from megatron.core.enums import ModelType
-    from megatron.core.fork.trainer import checkpoint, exact_step
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    if args.dry_run:
+        if os.environ.get("RANK", "0") == "0":
+            print(launch.summary(args), flush=True)
+        return 0
+    from megatron.core.fork.trainer import exact_step
 
     exact_step.enable(args.main_loss_level)
     datasets_provider.is_distributed = True
+    try:
+        return _pretrain(args)
+    finally:
+        if args.exit_signal_handler:
+            # The run has saved and is leaving: a repeated exit signal (a scheduler may send it
+            # again) must not kill the process while the interpreter shuts down.
+            signal.signal(args.exit_signal, signal.SIG_IGN)
+
+
+def _pretrain(args) -> int:
+    from megatron.core.enums import ModelType
+    from megatron.core.fork.trainer import checkpoint
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from megatron_mtp import launch
+
     try:
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider)

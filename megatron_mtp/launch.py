@@ -46,6 +46,13 @@ def _provider(defaults: dict):
                            help="main loss: mean over the step's valid tokens, or mean over its valid "
                                 "sequences of each sequence's token mean (MTP is always normalized by the "
                                 "token count)")
+        group.add_argument("--freeze-backbone", action="store_true",
+                           help="train the MTP heads only (draft heads beside a backbone another objective "
+                                "owns): every parameter outside the MTP block is frozen; needs "
+                                "--mtp-detach-heads. The main loss is still computed and logged.")
+        group.add_argument("--dry-run", action="store_true",
+                           help="check the arguments, the data and the checkpoint to load, print the "
+                                "layout, and exit without building anything")
         parser.set_defaults(**defaults)
         return parser
     return add
@@ -145,6 +152,9 @@ def _check(args) -> None:
     if not depths and (args.mtp_detach_heads or args.mtp_use_repeated_layer):
         flag = "--mtp-detach-heads" if args.mtp_detach_heads else "--mtp-use-repeated-layer"
         raise ArgumentError(f"{flag} needs MTP depths: give --mtp-num-layers D >= 1 or drop {flag}")
+    if args.freeze_backbone and not (depths and args.mtp_detach_heads):
+        raise ArgumentError("--freeze-backbone trains the MTP heads only: it needs --mtp-num-layers D >= 1 and "
+                            "--mtp-detach-heads (isolation keeps the heads' loss off the frozen backbone)")
     if depths and cp > 1:
         raise ArgumentError("MTP with context parallelism is not supported yet: use --context-parallel-size 1")
     if depths and pp > 1 and args.position_embedding_type == "learned_absolute":
@@ -204,6 +214,9 @@ def arguments():
             defaults = _defaults(on_cpu, embedded)
             args = parse_args(_provider(defaults))
             _vocabulary_from_data(args, defaults)
+            if embedded and not _given("--lr-warmup-iters") and args.train_iters:
+                # a shortened embedded run (--train-iters N) warms up for a tenth of it
+                defaults["lr_warmup_iters"] = min(EMBEDDED_DEFAULTS["lr_warmup_iters"], args.train_iters // 10)
             args = parse_args(_provider(defaults))
         _check(args)
         with quiet:
@@ -216,3 +229,19 @@ def arguments():
         if not exit.code:
             raise  # --help
         return None  # argparse has printed its message
+
+
+def summary(args) -> str:
+    """One line that says what a run would be (--dry-run)."""
+    data = "mock data" if args.mock_data else " ".join(args.data_path or []) or "per-split data paths"
+    mtp = (f"MTP D={args.mtp_num_layers}{' repeated' if args.mtp_use_repeated_layer else ''}"
+           f"{' isolated' if args.mtp_detach_heads else ''}{' frozen backbone' if args.freeze_backbone else ''}"
+           if args.mtp_num_layers else "no MTP")
+    return (f"pretrain_gpt_mtp.py: arguments OK: world {args.world_size} = DP {args.data_parallel_size} x "
+            f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"
+            f"{f' (VPP {args.virtual_pipeline_model_parallel_size})' if args.virtual_pipeline_model_parallel_size else ''}"
+            f" x CP {args.context_parallel_size}; {args.num_layers} layers, hidden {args.hidden_size}, "
+            f"{args.num_attention_heads} heads, vocabulary {args.padded_vocab_size}; {mtp}; "
+            f"{args.transformer_impl} layers, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}; "
+            f"{args.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens; data: {data}; "
+            f"load: {args.load or '-'}, save: {args.save or '-'}")

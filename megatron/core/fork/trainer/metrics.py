@@ -5,8 +5,9 @@ megatron.core.fork.mtp.statistics) to ``record_step``. The console line and the
 TensorBoard/W&B scalars of a log interval are ratios of the interval's sums (token-weighted
 over all its steps, not a mean of per-step ratios): ``mtp_k loss``, ``mtp_k acceptance``,
 ``mtp_k chain acceptance``, ``expected accepted length (incl. bonus token)``, plus ``mtp
-grad norm``, tokens/s and the ETA. Sums since the start of training (the cumulative
-acceptance) are part of the checkpoint (``state_dict``), so they continue across a resume.
+grad norm``, tokens/s and the ETA. The sums since the start of training (the cumulative
+acceptance) and those of the open interval are part of the checkpoint (``state_dict``), so
+they continue across a resume.
 """
 
 import time
@@ -113,11 +114,16 @@ def evaluation_string(sums, iteration: int, writer=None, wandb_writer=None, suff
 
 
 def state_dict() -> dict:
-    """The counters that span steps, for the checkpoint."""
-    cumulative = _TRACKER.cumulative
-    return {"cumulative_sums": None if cumulative is None else cumulative.tolist()}
+    """The counters that span steps, for the checkpoint: the sums since the start of training
+    and those of the open log interval (a run resumed mid-interval logs what the
+    uninterrupted run logs)."""
+    return {name: None if sums is None else sums.tolist()
+            for name, sums in (("cumulative_sums", _TRACKER.cumulative), ("interval_sums", _TRACKER.interval))}
 
 
 def load_state_dict(state: dict | None) -> None:
-    cumulative = (state or {}).get("cumulative_sums")
-    _TRACKER.cumulative = None if cumulative is None else torch.tensor(cumulative, dtype=torch.float64)
+    def tensor(name):
+        sums = (state or {}).get(name)
+        return None if sums is None else torch.tensor(sums, dtype=torch.float64)
+
+    _TRACKER.cumulative, _TRACKER.interval = tensor("cumulative_sums"), tensor("interval_sums")

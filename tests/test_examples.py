@@ -1,0 +1,87 @@
+"""The README's main command and the example scripts, run as a user runs them.
+
+CPU scripts train (shortened by their pass-through arguments); the GPU scripts run to
+the end of argument checking (--dry-run) on this CPU machine: their Transformer Engine
+and bf16 configuration, parallel layout and data are validated by Megatron-LM and by
+pretrain_gpt_mtp.py, nothing is built.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness.corpora import paragraphs, preprocess, write_jsonl
+from tests.harness.launcher import REPO_ROOT, free_port
+from tests.harness.trainer import parse, train
+
+pytestmark = pytest.mark.slow
+CONFIGS = ("deepseek_v3_d1", "repeated_d3", "draft_heads_frozen_backbone")
+
+
+def bash(script: str, *args: str, env: dict, timeout: float = 300) -> str:
+    environment = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env)
+    result = subprocess.run(["bash", script, *args], cwd=REPO_ROOT, env=environment, capture_output=True,
+                            text=True, timeout=timeout, start_new_session=True)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    return output
+
+
+def test_the_readme_main_command_trains_on_the_embedded_default(tmp_path):
+    """`torchrun --nproc-per-node 2 pretrain_gpt_mtp.py`, shortened: the embedded corpus is
+    written from scratch (by both ranks at once), trained on with D = 2, evaluated, saved."""
+    run = train(2, "--train-iters", "20", "--eval-interval", "10", "--save-interval", "10", "--log-interval", "5",
+                "--save", str(tmp_path / "run"), env={"MEGATRON_MTP_CACHE": str(tmp_path / "cache")})
+    assert "python-reference-topics" in run.output
+    assert sorted(run.iterations) == [1, 5, 10, 15, 20]
+    assert {"mtp_1 acceptance", "mtp_2 chain acceptance", "expected accepted length (incl. bonus token)"} \
+        <= set(run.iterations[20])
+    assert "mtp_2 loss" in run.validations[20]
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "20"
+
+
+def quickstart(config: str, work, *args: str, **env) -> dict:
+    output = bash("examples/cpu_quickstart.sh", "--train-iters", "6", "--lr-warmup-iters", "1", "--eval-interval", "3",
+                  "--eval-iters", "1",
+                  "--save-interval", "3", "--log-interval", "1", *args,
+                  env={"WORK": str(work), "CONFIG": f"examples/configs/{config}.sh", **env})
+    iterations, _ = parse(output)
+    assert sorted(iterations) == [1, 2, 3, 4, 5, 6], output[-3000:]
+    return iterations
+
+
+def test_cpu_quickstart_with_each_mtp_config(tmp_path):
+    d1 = quickstart("deepseek_v3_d1", tmp_path / "d1")
+    assert "mtp_1 loss" in d1[6] and "mtp_2 loss" not in d1[6]
+
+    repeated = quickstart("repeated_d3", tmp_path / "repeated")
+    assert "mtp_3 chain acceptance" in repeated[6]
+
+    # Draft heads on the D = 1 run's backbone: the backbone is frozen (no main gradient), the
+    # heads train (they were one depth, now two: the second starts from its initialization).
+    frozen = quickstart("draft_heads_frozen_backbone", tmp_path / "frozen",
+                        BACKBONE=str(tmp_path / "d1" / "checkpoints"))
+    assert all(frozen[i]["grad norm"] == 0 and frozen[i]["mtp grad norm"] > 0 for i in frozen), frozen
+    assert "mtp_2 loss" in frozen[6]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return preprocess(write_jsonl(root / "paragraphs.jsonl", paragraphs(200)), root / "paragraphs")
+
+
+@pytest.mark.parametrize("script,config,extra", [
+    ("examples/gpu_single_node.sh", "deepseek_v3_d1", {}),
+    ("examples/gpu_single_node.sh", "repeated_d3", {"TP": "2"}),
+    ("examples/gpu_multi_node.sh", "draft_heads_frozen_backbone", {"NNODES": "1", "MASTER_ADDR": "127.0.0.1"}),
+])
+def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, tmp_path):
+    output = bash(script, "--dry-run", env={"DATA": str(dataset), "SAVE": str(tmp_path / "run"), "GPUS_PER_NODE": "2",
+                                            "CONFIG": f"examples/configs/{config}.sh",
+                                            "MASTER_PORT": str(free_port()), **extra})
+    (summary,) = [line.split("]:", 1)[-1] for line in output.splitlines() if "arguments OK" in line]
+    assert "transformer_engine layers, bf16" in summary and "24 layers, hidden 2048" in summary, summary
+    assert f"TP {extra.get('TP', '1')}" in summary

@@ -1,0 +1,103 @@
+"""The SLURM example scripts against a real Slurm controller and node on this machine.
+
+The multi-node script (srun, one torchrun per node, c10d rendezvous; one node here) runs a
+CPU training with a 2-minute time limit and its pre-timeout signal 90 s before the limit.
+The job must be signalled, checkpoint, requeue itself, resume from that checkpoint and
+finish (after one or more such rounds); its final checkpoint (every model and optimizer tensor) and its TensorBoard
+scalars must equal those of the same training run uninterrupted. The single-node script
+runs a short training to completion without a requeue.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness.corpora import preprocess, sentences, write_jsonl
+from tests.harness.launcher import REPO_ROOT, free_port
+from tests.harness.slurm import LocalSlurm
+from tests.harness.trainer import TINY, checkpoint_tensors, scalars, train
+
+pytestmark = pytest.mark.slow
+
+# Slurm checks time limits on a 30-s timer and may signal up to 60 s early, so with
+# --time=2 --signal=B:USR1@90 every allocation is signalled at its first check, 0-30 s in
+# (after ~8 s of start-up). 400 iterations (~30 s here) cannot finish in one allocation.
+ITERATIONS = 400
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
+
+
+def training_arguments(dataset, save: Path, iterations: int) -> tuple[str, ...]:
+    return (*TINY, "--lr", "1e-3", "--train-iters", str(iterations), "--mtp-num-layers", "2", "--data-path",
+            str(dataset), "--save", str(save), "--load", str(save), "--save-interval", "100000", "--log-interval",
+            "50", "--tensorboard-dir", str(save / "tensorboard"))
+
+
+def submit(slurm, script: str, arguments: tuple[str, ...], tmp_path: Path, *options: str) -> str:
+    args_file = tmp_path / "train_args.sh"
+    args_file.write_text("TRAIN_ARGS=(" + " ".join(f"'{a}'" for a in arguments) + ")\n")
+    environment = dict(slurm.environment, ARGS_FILE=str(args_file), GPUS_PER_NODE="2", PYTHON=sys.executable,
+                       RDZV_PORT=str(free_port()), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    result = slurm.run("sbatch", "--parsable", "--gpus-per-node=0", f"--output={tmp_path}/slurm-%j.out",
+                       *options, script, cwd=REPO_ROOT, env=environment)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def wait_until_done(slurm, job_id: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = slurm.job(job_id)
+        if job.get("JobState") in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return job
+        time.sleep(2)
+    slurm.run("scancel", job_id)
+    raise AssertionError(f"job {job_id} not done after {timeout}s: {slurm.job(job_id)}\n{slurm.logs()}")
+
+
+def test_the_time_limit_checkpoints_requeues_and_resumes_exactly(slurm, dataset, tmp_path):
+    save = tmp_path / "job"
+    job_id = submit(slurm, "examples/slurm/pretrain_gpt_mtp_multinode.sbatch",
+                    training_arguments(dataset, save, ITERATIONS), tmp_path,
+                    "--nodes=1", "--time=2", "--signal=B:USR1@90")
+    job = wait_until_done(slurm, job_id, timeout=600)
+    output = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, output[-3000:])
+    assert int(job["Restarts"]) >= 1, output[-3000:]
+    assert "pre-timeout signal: saving and stopping" in output and "requeueing job" in output
+    assert "exiting program after receiving SIGTERM" in output  # upstream's words for the exit signal
+    assert f"job {job_id} (restart 1)" in output
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
+
+    whole = tmp_path / "whole"
+    train(2, *training_arguments(dataset, whole, ITERATIONS))
+    final, again = (checkpoint_tensors(d / f"iter_{ITERATIONS:07d}") for d in (whole, save))
+    different = [key for key in final if not final[key].equal(again[key])]
+    assert final.keys() == again.keys() and not different, different[:5]
+    expected, measured = scalars(whole / "tensorboard"), scalars(save / "tensorboard")
+    for tag in ("lm loss", "mtp_1 loss", "mtp_2 acceptance", "grad-norm"):
+        assert measured[tag] == expected[tag], tag
+
+
+def test_the_single_node_script_runs_to_the_end(slurm, dataset, tmp_path):
+    save = tmp_path / "job"
+    job_id = submit(slurm, "examples/slurm/pretrain_gpt_mtp.sbatch", training_arguments(dataset, save, 20),
+                    tmp_path, "--time=15")  # the pre-timeout signal (300 s before the limit) never comes
+    job = wait_until_done(slurm, job_id, timeout=300)
+    output = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) == 0, (job, output[-3000:])
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
