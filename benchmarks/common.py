@@ -2,6 +2,7 @@
 a micro-batch, and the peak of live tensor memory during a step."""
 
 import os
+import socket
 
 SHAPE = dict(vocab=8192, hidden=256, heads=8, layers=4, seq=256, batch=4)
 
@@ -10,15 +11,19 @@ def setup_process() -> None:
     """A gloo world of one process with megatron-core's parallel state (TP = PP = 1)."""
     import torch.distributed as dist
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
+    with socket.socket() as probe:  # a free port: benchmark processes start one after another
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     from megatron_mtp.library.initialize import initialize_model_parallel
 
     initialize_model_parallel(1, 1, None, 1234)
 
 
-def build(depths: int, detach: bool = False, repeated: bool = False):
-    """GPT of SHAPE with `depths` MTP depths (SDPA layer spec, fixed seed) and a batch of tokens."""
+def build(depths: int, detach: bool = False, repeated: bool = False, vocab: int = SHAPE["vocab"], **config_fields):
+    """GPT of SHAPE with `depths` MTP depths (SDPA layer spec, fixed seed) and a batch of tokens;
+    `config_fields`: further TransformerConfig fields."""
     import torch
 
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -28,35 +33,37 @@ def build(depths: int, detach: bool = False, repeated: bool = False):
                                num_attention_heads=SHAPE["heads"], mtp_num_layers=depths or None,
                                mtp_detach_heads=detach, mtp_use_repeated_layer=repeated,
                                hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                               calculate_per_token_loss=True)
+                               calculate_per_token_loss=True, **config_fields)
     torch.manual_seed(0)
-    model = build_gpt(config, SHAPE["vocab"], SHAPE["seq"])
-    tokens = torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"] + 1),
+    model = build_gpt(config, vocab, SHAPE["seq"])
+    tokens = torch.randint(0, vocab, (SHAPE["batch"], SHAPE["seq"] + 1),
                            generator=torch.Generator().manual_seed(1))
     return model, tokens
 
 
-def step(model, tokens) -> None:
-    """Forward and backward of one micro-batch, every position valid."""
+def step(model, tokens, valid_fraction: float = 1.0) -> None:
+    """Forward and backward of one micro-batch; with valid_fraction < 1 the leading
+    1 - valid_fraction of every row is masked (an RL or SFT prompt)."""
     import torch
 
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1)).unsqueeze(0).expand_as(inputs)
     mask = torch.ones_like(labels, dtype=torch.float)
+    mask[:, :round(labels.size(1) * (1 - valid_fraction))] = 0.0
     model.zero_grad(set_to_none=True)
     out = model(inputs, positions, None, labels=labels, loss_mask=mask)
     (out * mask).sum().backward()
 
 
-def peak_step_memory_mib(model, tokens) -> float:
+def peak_step_memory_mib(model, tokens, valid_fraction: float = 1.0) -> float:
     """Peak of live CPU tensor memory during one step (after a warm-up step), from every
     allocation and free that torch.profiler records: deterministic, unlike resident memory."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    step(model, tokens)
+    step(model, tokens, valid_fraction)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
-        step(model, tokens)
+        step(model, tokens, valid_fraction)
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
     return max(sum(categories) for categories in sizes) / 2**20

@@ -152,6 +152,8 @@ def _check(args) -> None:
     if not depths and (args.mtp_detach_heads or args.mtp_use_repeated_layer):
         flag = "--mtp-detach-heads" if args.mtp_detach_heads else "--mtp-use-repeated-layer"
         raise ArgumentError(f"{flag} needs MTP depths: give --mtp-num-layers D >= 1 or drop {flag}")
+    if depths and args.mtp_sparse_loss and args.mtp_loss_chunk_size < 1:
+        raise ArgumentError(f"--mtp-loss-chunk-size must be >= 1 rows, got {args.mtp_loss_chunk_size}")
     if args.freeze_backbone and not (depths and args.mtp_detach_heads):
         raise ArgumentError("--freeze-backbone trains the MTP heads only: it needs --mtp-num-layers D >= 1 and "
                             "--mtp-detach-heads (isolation keeps the heads' loss off the frozen backbone)")
@@ -235,7 +237,9 @@ def summary(args) -> str:
     """One line that says what a run would be (--dry-run)."""
     data = "mock data" if args.mock_data else " ".join(args.data_path or []) or "per-split data paths"
     mtp = (f"MTP D={args.mtp_num_layers}{' repeated' if args.mtp_use_repeated_layer else ''}"
-           f"{' isolated' if args.mtp_detach_heads else ''}{' frozen backbone' if args.freeze_backbone else ''}"
+           f"{' isolated' if args.mtp_detach_heads else ''}{' frozen backbone' if args.freeze_backbone else ''}, "
+           + (f"sparse MTP loss in chunks of {args.mtp_loss_chunk_size} rows" if args.mtp_sparse_loss
+              else "dense MTP loss")
            if args.mtp_num_layers else "no MTP")
     return (f"pretrain_gpt_mtp.py: arguments OK: world {args.world_size} = DP {args.data_parallel_size} x "
             f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"

@@ -23,8 +23,8 @@ def suite(build, tmp_path_factory):
 
 def test_matrix_covers_every_combination(suite):
     # D in {1,2,3} x distinct/repeated (repeated needs D >= 2) x tied/untied x isolation
-    # x recompute x padded/packed rows.
-    assert len(suite["matrix"]) == (3 + 2) * 2 * 2 * 2 * 2
+    # x recompute x padded/packed rows x sparse/dense MTP loss.
+    assert len(suite["matrix"]) == (3 + 2) * 2 * 2 * 2 * 2 * 2
 
 
 def test_logits_losses_gradients_and_statistics_match_the_reference(suite):

@@ -3,7 +3,8 @@ carried version.
 
 Upstream side: the pinned sdist plus only the patches without which it cannot run here
 (CPU/gloo, Python 3.11; they do not touch MTP). Per-position cross-entropy of every depth
-and of the main head, and all logits, must match to 1e-6.
+and of the main head, and all logits, must match to 1e-6 (our dense MTP loss); our default,
+sparse, MTP loss sums to upstream's masked per-position sums to relative 1e-6.
 """
 
 import pytest
@@ -40,3 +41,9 @@ def test_isolation_off_forward_equals_upstream(captured, depths, tied):
     assert len(a["mtp_losses"]) == len(b["mtp_losses"]) == depths
     for key in ("mtp_losses", "logits", "main"):
         assert torch.allclose(torch.tensor(a[key]), torch.tensor(b[key]), rtol=0, atol=1e-6), key
+    mask = torch.tensor(b["mask"])
+    for k, (sparse_sum, upstream_ce) in enumerate(zip(a["sparse_ce_sums"], b["mtp_losses"]), start=1):
+        mask_k = torch.zeros_like(mask)
+        mask_k[:, :-k] = mask[:, k:]  # depth k at t is supervised by the label at t + k
+        want = float((torch.tensor(upstream_ce) * mask_k).sum())
+        assert abs(sparse_sum - want) <= 1e-6 * abs(want), (k, sparse_sum, want)

@@ -98,6 +98,8 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
         ([*data, "--mtp-num-layers", "0", "--mtp-detach-heads"], one, "--mtp-detach-heads needs MTP depths"),
         ([*data, "--mtp-num-layers", "0", "--mtp-use-repeated-layer"], one,
          "--mtp-use-repeated-layer needs MTP depths"),
+        ([*data, "--mtp-num-layers", "1", "--mtp-loss-chunk-size", "0"], one,
+         "--mtp-loss-chunk-size must be >= 1 rows, got 0"),
         ([*data, "--mtp-num-layers", "1", "--context-parallel-size", "2"], two,
          "MTP with context parallelism is not supported yet"),
         ([*data, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--position-embedding-type",

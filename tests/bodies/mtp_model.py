@@ -15,6 +15,7 @@ from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import ReferenceGPT, mtp_inner_layer_name
 
 VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, LAMBDA = 48, 32, 4, 2, 2, 12, 0.3
+SPARSE_CHUNK = 7  # rows per chunk of the sparse MTP loss: several chunks, the last one partial
 
 
 def make_config(depths, repeated=False, detach=False, recompute=False, **extra):
@@ -136,10 +137,11 @@ def max_rel(a, b) -> float:
     return error if error == error else float("inf")
 
 
-def compare_case(depths, repeated, tied, detach, recompute, layout):
+def compare_case(depths, repeated, tied, detach, recompute, layout, sparse):
     torch.manual_seed(1000 + depths)
-    model = build_gpt(make_config(depths, repeated, detach, recompute), VOCAB, SEQ,
-                      share_embeddings_and_output_weights=tied)
+    config = make_config(depths, repeated, detach, recompute, mtp_sparse_loss=sparse,
+                         mtp_loss_chunk_size=SPARSE_CHUNK)
+    model = build_gpt(config, VOCAB, SEQ, share_embeddings_and_output_weights=tied)
     input_ids, labels, mask, segments = (padded_batch if layout == "padded" else packed_batch)()
     got = run_megatron(model, input_ids, labels, mask, segments)
     ref = reference_for(model, depths, tied, repeated, detach)
@@ -151,7 +153,11 @@ def compare_case(depths, repeated, tied, detach, recompute, layout):
         "main_ce": max_rel(got["main_ce"], main_ce.detach()),
         "grad_names": sorted(got["grads"]) == sorted(ref_grads),
     }
-    for k, (ce, mask_k, _, lg) in enumerate(per_depth):
+    if sparse:  # no MTP logits exist beyond one chunk; one loss term for all depths
+        want = sum((ce * mask_k).sum() for ce, mask_k, _, _ in per_depth) * (LAMBDA / depths)
+        errors["mtp_logits_never_dense"] = len(got["logits"]) == 1
+        errors["mtp_loss"] = max_rel(got["mtp_terms"][0], want.detach())
+    for k, (ce, mask_k, _, lg) in enumerate(per_depth if not sparse else ()):
         errors[f"mtp{k + 1}_logits"] = max_rel(got["logits"][k], lg.detach())
         errors[f"mtp{k + 1}_loss"] = max_rel(got["mtp_terms"][k] / (LAMBDA / depths), (ce * mask_k).detach())
     errors["grads"] = max(max_rel(got["grads"][n], ref_grads[n]) for n in ref_grads) if errors["grad_names"] else 1.0
@@ -162,17 +168,20 @@ def compare_case(depths, repeated, tied, detach, recompute, layout):
 
 
 def reference_matrix() -> dict:
-    """Every combination of depth, repeated, tied, isolation, recompute and row layout."""
+    """Every combination of depth, repeated, tied, isolation, recompute, row layout and
+    MTP loss path (sparse and chunked, or dense as upstream)."""
     results = {}
     with model_parallel():
-        for depths, repeated, tied, detach, recompute, layout in itertools.product(
-            (1, 2, 3), (False, True), (False, True), (False, True), (False, True), ("padded", "packed")
+        for depths, repeated, tied, detach, recompute, layout, sparse in itertools.product(
+            (1, 2, 3), (False, True), (False, True), (False, True), (False, True), ("padded", "packed"),
+            (True, False),
         ):
             if repeated and depths == 1:
                 continue  # same model as distinct
             name = f"D{depths}-{'rep' if repeated else 'dist'}-{'tied' if tied else 'untied'}-" \
-                   f"{'iso' if detach else 'att'}-{'recomp' if recompute else 'norecomp'}-{layout}"
-            results[name] = compare_case(depths, repeated, tied, detach, recompute, layout)
+                   f"{'iso' if detach else 'att'}-{'recomp' if recompute else 'norecomp'}-{layout}-" \
+                   f"{'sparse' if sparse else 'dense'}"
+            results[name] = compare_case(depths, repeated, tied, detach, recompute, layout, sparse)
     return results
 
 

@@ -3,7 +3,9 @@
 `capture` runs in two processes on identical weights and data: one with this checkout's
 patched megatron-core, one with pristine upstream of the same version plus only the
 patches that make it run here (CPU/gloo, Python 3.11; they do not touch MTP). Both build
-upstream's own local layer spec.
+upstream's own local layer spec. Our side runs its dense MTP loss (every position, as
+upstream) for the per-position comparison, then its default sparse loss, whose per-depth
+masked CE sums are compared with upstream's per-position CE.
 """
 
 import torch
@@ -35,7 +37,7 @@ def capture_cases(out_dir: str, side: str, cases: list) -> dict:
     return {"core": megatron.core.__file__}
 
 
-def capture(out_file: str, weights_file: str, save_weights: bool, depths: int, tied: bool) -> None:
+def capture(out_file: str, weights_file: str, ours: bool, depths: int, tied: bool) -> None:
     with model_parallel():
         config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, mtp_num_layers=depths,
                                    mtp_loss_scaling_factor=0.3, hidden_dropout=0.0, attention_dropout=0.0,
@@ -44,8 +46,9 @@ def capture(out_file: str, weights_file: str, save_weights: bool, depths: int, t
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                          position_embedding_type="rope", share_embeddings_and_output_weights=tied,
                          mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
-        if save_weights:
+        if ours:
             torch.save(model.state_dict(), weights_file)
+            model.config.mtp_sparse_loss = False
         model.load_state_dict(torch.load(weights_file, weights_only=False))
         model.train()
 
@@ -71,5 +74,12 @@ def capture(out_file: str, weights_file: str, save_weights: bool, depths: int, t
         finally:
             hook.remove()
         terms = cross_entropies[:depths]
-        result = {"mtp_losses": terms, "logits": logits, "main": main.detach().tolist()}
+        result = {"mtp_losses": terms, "logits": logits, "main": main.detach().tolist(), "mask": mask.tolist()}
+        if ours:
+            from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+
+            model.config.mtp_sparse_loss = True
+            STEP_STATISTICS.reset()
+            model(input_ids, positions, None, labels=labels, loss_mask=mask)
+            result["sparse_ce_sums"] = STEP_STATISTICS.local_sums()[:, 0].tolist()
         torch.save(result, out_file)

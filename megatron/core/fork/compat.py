@@ -10,3 +10,10 @@ def scale_logits(model, logits):
     upstream applies it to main and MTP logits."""
     scale = getattr(model, "_scale_logits", None)
     return logits if scale is None else scale(logits)
+
+
+def logit_multiplier(model) -> float:
+    """The constant scale_logits multiplies by (1.0 without MuP), for code that needs the
+    factor itself: the sparse MTP loss applies it inside its chunks and to its gradient."""
+    config = model.config
+    return config.mup_output_mult if getattr(config, "use_mup", False) else 1.0

@@ -5,12 +5,17 @@ none are given (0.16.1 cannot), isolates the output weight under ``mtp_detach_he
 records exact statistics (chain acceptance included), and attaches each depth's loss as a
 raw, masked sum scaled by lambda / D so that the step's normalization can be exact (spec
 section 4; upstream 0.19 rescales each depth by its local count, issue #7452).
+
+By default (``mtp_sparse_loss``) the logits, losses and statistics of all depths come from
+megatron.core.fork.mtp.sparse_loss: only the positions that count are projected, in
+chunks. The dense loop below projects every position, as upstream does.
 """
 
 import torch
 
 from megatron.core.fork import compat, normalization
 from megatron.core.fork.mtp import isolation
+from megatron.core.fork.mtp.sparse_loss import sparse_depth_losses
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, vocab_parallel_argmax
 from megatron.core.fork.mtp.supervision import check_shapes, depth_targets, next_token_labels
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
@@ -53,8 +58,12 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
             loss_mask = torch.ones_like(labels, dtype=torch.float)
     weight = isolation.output_weight(model, shared_output_weight)
     loss_weight = mtp_loss_weight(config, loss_mask.sum())
+    targets = depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group)
+    if config.mtp_sparse_loss:
+        loss_sum = sparse_depth_losses(model, per_depth_hidden[1:], list(targets), weight)
+        return MTPLossAutoScaler.apply(main_hidden, loss_weight * loss_sum)
     chain_correct = None
-    for k, labels_k, mask_k in depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group):
+    for k, labels_k, mask_k in targets:
         logits, _ = model.output_layer(per_depth_hidden[k], weight=weight,
                                        runtime_gather_output=runtime_gather_output)
         logits = compat.scale_logits(model, logits)

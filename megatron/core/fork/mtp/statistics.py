@@ -17,25 +17,27 @@ CE_SUM, VALID, CORRECT, CHAIN_CORRECT = range(4)
 FIELDS = 4
 
 
-def vocab_parallel_argmax(logits: torch.Tensor, tp_group) -> torch.Tensor:
-    """argmax over the full vocabulary of logits split over tensor-parallel ranks (last dim).
-
-    Ties resolve to the lowest vocabulary index, as torch.argmax on the gathered logits.
-    """
-    local_max, local_index = logits.float().max(dim=-1)
+def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, argmax) over the full vocabulary of float logits split over tensor-parallel
+    ranks (last dim), as torch.max on the gathered logits: ties resolve to the lowest index."""
+    local_max, local_index = logits.max(dim=-1)
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     if tp_size == 1:
-        return local_index
-    rank = dist.get_rank(tp_group)
-    global_index = local_index + rank * logits.size(-1)
-    maxima = [torch.empty_like(local_max) for _ in range(tp_size)]
-    indices = [torch.empty_like(global_index) for _ in range(tp_size)]
-    dist.all_gather(maxima, local_max.contiguous(), group=tp_group)
-    dist.all_gather(indices, global_index.contiguous(), group=tp_group)
-    maxima, indices = torch.stack(maxima), torch.stack(indices)
-    best = maxima.max(dim=0, keepdim=True).values
-    no_candidate = torch.iinfo(indices.dtype).max
-    return torch.where(maxima == best, indices, torch.full_like(indices, no_candidate)).min(dim=0).values
+        return local_max, local_index
+    global_index = local_index + dist.get_rank(tp_group) * logits.size(-1)
+    # One collective: float64 holds every float32 maximum and every vocabulary index exactly.
+    pairs = torch.stack([local_max.double(), global_index.double()])
+    gathered = [torch.empty_like(pairs) for _ in range(tp_size)]
+    dist.all_gather(gathered, pairs, group=tp_group)
+    maxima, indices = torch.stack(gathered).unbind(dim=1)
+    best = maxima.max(dim=0).values
+    candidates = torch.where(maxima == best, indices, torch.full_like(indices, float("inf")))
+    return best.to(logits.dtype), candidates.min(dim=0).values.long()
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """argmax over the full vocabulary of logits split over tensor-parallel ranks (last dim)."""
+    return vocab_parallel_max(logits.float(), tp_group)[1]
 
 
 class MTPStatistics:

@@ -1,0 +1,67 @@
+"""The sparse, chunked MTP loss (mtp_sparse_loss, the default): exact on extreme masks and
+chunkings, and under tensor parallelism with argmax ties across vocabulary shards.
+
+(The whole reference matrix of test_mtp_model runs both loss paths; the layout and
+normalization suites run the default, sparse, path under TP, SP, PP, VPP and DP.)
+Tolerance: relative 1e-5 of the largest magnitude (float32 round-off, measured <= 1e-6);
+counts exact.
+"""
+
+import pytest
+
+from tests.harness import launch
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def extremes(build):
+    (result,) = launch("tests.bodies.sparse_loss:mask_extremes", 1, timeout=600, build=build)
+    return result
+
+
+@pytest.fixture(scope="module")
+def ties(build):
+    return launch("tests.bodies.sparse_loss:vocab_parallel_ties", 2, timeout=600, build=build)
+
+
+def test_masks_cover_the_extremes(extremes):
+    valid = {name: case["valid_per_depth"] for name, case in extremes.items()}
+    assert all(v > 0 for v in valid["full"])
+    assert valid["depth3_empty"][2] == 0 and valid["depth3_empty"][0] > 0
+    assert valid["empty"] == [0, 0, 0]
+    # Chunks of 7 leave a partial last chunk wherever there are rows.
+    assert all(case["rows"] % 7 for case in extremes.values() if case["rows"])
+
+
+@pytest.mark.parametrize("path", ["chunk1", "chunk7", "chunk1000", "dense"])
+def test_every_mask_matches_the_reference(extremes, path):
+    for name, case in extremes.items():
+        got = case[path]
+        assert got["same_grad_names"] and got["grads_finite"], name
+        assert got["grads"] <= TOL, (name, got)
+        assert got["sums"] <= TOL, (name, got)
+        assert got["counts_exact"], (name, got)
+
+
+def test_chain_counts_where_a_shallower_target_is_masked(build):
+    (result,) = launch("tests.bodies.sparse_loss:confident_chain", 1, timeout=600, build=build)
+    for name, case in result.items():
+        for got, want in zip(case["sums"], case["reference"]):
+            assert want[3] == want[1] > 0, (name, want)  # the reference: every valid position chain-correct
+            assert got[1:] == want[1:], (name, got, want)
+
+
+def test_vocab_parallel_ties_resolve_to_the_lowest_index(ties):
+    for rank in ties:
+        assert rank["tied_partner_targets_1"] > 0 and rank["expected_correct_1"] > 0
+        for path in ("sparse", "dense"):
+            depth1 = rank[path]["sums"][0]
+            assert depth1[2] == rank["expected_correct_1"], (path, depth1)
+            assert depth1[3] == rank["expected_correct_1"], (path, depth1)  # chain = top-1 at depth 1
+        for sparse_row, dense_row in zip(rank["sparse"]["sums"], rank["dense"]["sums"]):
+            assert sparse_row[0] == pytest.approx(dense_row[0], rel=TOL)  # CE sum
+            assert sparse_row[1:] == dense_row[1:]  # valid, correct, chain-correct counts
+        assert rank["grads_sparse_vs_dense"] <= TOL
+    assert sorted(rank["tp_rank"] for rank in ties) == [0, 1]
