@@ -80,8 +80,7 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             if want_rows or want_weight:
                 # d(w * CE)/d(raw logits) = w * scale * (softmax - one-hot(target)), in place.
                 logits.div_(sum_exp.unsqueeze(1))
-                hit = on_rank.nonzero().squeeze(1)
-                logits[hit, target[hit]] -= 1.0
+                logits.scatter_add_(1, target.unsqueeze(1), -on_rank.to(precision).unsqueeze(1))
                 logits.mul_((row_weights[chunk].to(precision) * logit_scale).unsqueeze(1))
                 grad_logits = logits.to(weight.dtype)
                 if want_rows:
