@@ -152,8 +152,11 @@ def _check(args) -> None:
     if not depths and (args.mtp_detach_heads or args.mtp_use_repeated_layer):
         flag = "--mtp-detach-heads" if args.mtp_detach_heads else "--mtp-use-repeated-layer"
         raise ArgumentError(f"{flag} needs MTP depths: give --mtp-num-layers D >= 1 or drop {flag}")
-    if depths and args.mtp_sparse_loss and args.mtp_loss_chunk_size < 1:
-        raise ArgumentError(f"--mtp-loss-chunk-size must be >= 1 rows, got {args.mtp_loss_chunk_size}")
+    if ((depths and args.mtp_sparse_loss) or args.sparse_lm_loss) and args.sparse_loss_chunk_size < 1:
+        raise ArgumentError(f"--sparse-loss-chunk-size must be >= 1 rows, got {args.sparse_loss_chunk_size}")
+    if args.sparse_lm_loss and args.main_loss_level == "sequence":
+        raise ArgumentError("--sparse-lm-loss needs the token-level main loss (its per-token losses weighted by "
+                            "the loss mask); drop it or use --main-loss-level token")
     if args.freeze_backbone and not (depths and args.mtp_detach_heads):
         raise ArgumentError("--freeze-backbone trains the MTP heads only: it needs --mtp-num-layers D >= 1 and "
                             "--mtp-detach-heads (isolation keeps the heads' loss off the frozen backbone)")
@@ -238,7 +241,7 @@ def summary(args) -> str:
     data = "mock data" if args.mock_data else " ".join(args.data_path or []) or "per-split data paths"
     mtp = (f"MTP D={args.mtp_num_layers}{' repeated' if args.mtp_use_repeated_layer else ''}"
            f"{' isolated' if args.mtp_detach_heads else ''}{' frozen backbone' if args.freeze_backbone else ''}, "
-           + (f"sparse MTP loss in chunks of {args.mtp_loss_chunk_size} rows" if args.mtp_sparse_loss
+           + (f"sparse MTP loss in chunks of {args.sparse_loss_chunk_size} rows" if args.mtp_sparse_loss
               else "dense MTP loss")
            if args.mtp_num_layers else "no MTP")
     return (f"pretrain_gpt_mtp.py: arguments OK: world {args.world_size} = DP {args.data_parallel_size} x "
@@ -246,6 +249,7 @@ def summary(args) -> str:
             f"{f' (VPP {args.virtual_pipeline_model_parallel_size})' if args.virtual_pipeline_model_parallel_size else ''}"
             f" x CP {args.context_parallel_size}; {args.num_layers} layers, hidden {args.hidden_size}, "
             f"{args.num_attention_heads} heads, vocabulary {args.padded_vocab_size}; {mtp}; "
+            f"{'sparse lm loss; ' if args.sparse_lm_loss else ''}"
             f"{args.transformer_impl} layers, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}; "
             f"{args.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens; data: {data}; "
             f"load: {args.load or '-'}, save: {args.save or '-'}")

@@ -1,5 +1,6 @@
-"""The sparse, chunked MTP loss (mtp_sparse_loss, the default): exact on extreme masks and
-chunkings, and under tensor parallelism with argmax ties across vocabulary shards.
+"""The sparse, chunked losses: MTP (mtp_sparse_loss, the default) exact on extreme masks and
+chunkings, and under tensor parallelism with argmax ties across vocabulary shards; the main
+head's (sparse_lm_loss, opt-in) against the reference and, under TP = 2, the dense loss.
 
 (The whole reference matrix of test_mtp_model runs both loss paths; the layout and
 normalization suites run the default, sparse, path under TP, SP, PP, VPP and DP.)
@@ -43,6 +44,14 @@ def test_every_mask_matches_the_reference(extremes, path):
         assert got["grads"] <= TOL, (name, got)
         assert got["sums"] <= TOL, (name, got)
         assert got["counts_exact"], (name, got)
+
+
+def test_sparse_lm_loss_matches_the_reference(build):
+    (result,) = launch("tests.bodies.sparse_loss:lm_loss_cases", 1, timeout=600, build=build)
+    assert len(result) == 8
+    for name, case in result.items():
+        assert case["same_grad_names"] and case["zero_where_masked"], name
+        assert case["main_ce"] <= TOL and case["grads"] <= TOL, (name, case)
 
 
 def test_chain_counts_where_a_shallower_target_is_masked(build):

@@ -64,6 +64,10 @@ LAYOUTS = {
                                   "--micro-batch-size", "2", "--make-vocab-size-divisible-by", "128")),
     "pp2-vpp2": (2, ("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
                      "--micro-batch-size", "1", "--make-vocab-size-divisible-by", "256")),
+    # The main head's loss at valid positions only, too (MTP's is by default).
+    "tp2-sequence-parallel-sparse-lm-loss": (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                 "--sparse-lm-loss", "--micro-batch-size", "2",
+                                                 "--make-vocab-size-divisible-by", "128")),
 }
 COMPARED = ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm", "mtp grad norm")
 

@@ -137,17 +137,25 @@ def max_rel(a, b) -> float:
     return error if error == error else float("inf")
 
 
-def compare_case(depths, repeated, tied, detach, recompute, layout, sparse):
-    torch.manual_seed(1000 + depths)
-    config = make_config(depths, repeated, detach, recompute, mtp_sparse_loss=sparse,
-                         mtp_loss_chunk_size=SPARSE_CHUNK)
+def against_reference(config, seed, tied, layout):
+    """One step of the patched model and of the reference on its weights and a batch:
+    (the model's run_megatron results, the reference's losses, its gradients, the mask)."""
+    torch.manual_seed(seed)
     model = build_gpt(config, VOCAB, SEQ, share_embeddings_and_output_weights=tied)
     input_ids, labels, mask, segments = (padded_batch if layout == "padded" else packed_batch)()
     got = run_megatron(model, input_ids, labels, mask, segments)
-    ref = reference_for(model, depths, tied, repeated, detach)
-    logits, main_ce, per_depth = ref.losses(input_ids, labels, mask, segments)
+    ref = reference_for(model, config.mtp_num_layers or 0, tied, config.mtp_use_repeated_layer,
+                        config.mtp_detach_heads)
+    losses = ref.losses(input_ids, labels, mask, segments)
     ref.objective_sums(input_ids, labels, mask, segments).backward()
     ref_grads = {name: p.grad for name, p in ref.named_parameters() if p.grad is not None}
+    return got, losses, ref_grads, mask
+
+
+def compare_case(depths, repeated, tied, detach, recompute, layout, sparse):
+    config = make_config(depths, repeated, detach, recompute, mtp_sparse_loss=sparse,
+                         sparse_loss_chunk_size=SPARSE_CHUNK)
+    got, (logits, main_ce, per_depth), ref_grads, _ = against_reference(config, 1000 + depths, tied, layout)
     errors = {
         "main_logits": max_rel(got["logits"][-1], logits.detach()),
         "main_ce": max_rel(got["main_ce"], main_ce.detach()),

@@ -2,6 +2,7 @@
 plain-PyTorch reference, and under TP = 2 with vocabulary-parallel argmax ties."""
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -9,8 +10,8 @@ from megatron.core import parallel_state
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.transformer import multi_token_prediction
 from megatron_mtp.library.model import build_gpt
-from tests.bodies.mtp_model import (SEQ, VOCAB, Capture, make_config, max_rel, reference_for,
-                                    reference_sums, run_megatron)
+from tests.bodies.mtp_model import (SEQ, VOCAB, Capture, against_reference, make_config, max_rel,
+                                    reference_for, reference_sums, run_megatron)
 from tests.harness.layout import model_parallel
 
 DEPTHS = 3
@@ -59,7 +60,7 @@ def mask_extremes() -> dict:
             case = {"valid_per_depth": ref_sums[:, 1].tolist(), "rows": rows}
             for chunk in (1, 7, 1000, None):  # None: the dense path
                 model.config.mtp_sparse_loss = chunk is not None
-                model.config.mtp_loss_chunk_size = chunk or 1
+                model.config.sparse_loss_chunk_size = chunk or 1
                 got = run_megatron(model, input_ids, labels, mask, None)
                 case[f"chunk{chunk}" if chunk else "dense"] = {
                     "grads": max(max_rel(got["grads"][n], ref_grads[n]) for n in ref_grads),
@@ -72,6 +73,24 @@ def mask_extremes() -> dict:
     return out
 
 
+def lm_loss_cases() -> dict:
+    """sparse_lm_loss (chunks of 7) against the reference, for D = 0 and 2, tied and untied
+    output weights, padded and packed rows: the main per-token loss where the mask keeps it
+    (zero elsewhere) and every gradient, the loss summed times the mask as pretrain_gpt does."""
+    out = {}
+    with model_parallel():
+        for depths, tied, layout in itertools.product((0, 2), (False, True), ("padded", "packed")):
+            config = make_config(depths, sparse_lm_loss=True, sparse_loss_chunk_size=7)
+            got, (_, main_ce, _), want, mask = against_reference(config, 41 + depths, tied, layout)
+            out[f"D{depths}-{'tied' if tied else 'untied'}-{layout}"] = {
+                "main_ce": max_rel(got["main_ce"] * mask, (main_ce * mask).detach()),
+                "zero_where_masked": bool((got["main_ce"][mask == 0] == 0).all()),
+                "grads": max(max_rel(got["grads"][n], want[n]) for n in want),
+                "same_grad_names": sorted(got["grads"]) == sorted(want),
+            }
+    return out
+
+
 def confident_chain() -> dict:
     """Every MTP depth predicts one token v everywhere (its final norm: weight 0, bias fixed)
     and every target is v, so each depth-k position is chain-correct: the chain count must
@@ -80,7 +99,7 @@ def confident_chain() -> dict:
     out = {}
     with model_parallel():
         torch.manual_seed(19)
-        model = build_gpt(make_config(DEPTHS, mtp_loss_chunk_size=7), VOCAB, SEQ)
+        model = build_gpt(make_config(DEPTHS, sparse_loss_chunk_size=7), VOCAB, SEQ)
         with torch.no_grad():
             bias = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(23))
             for name, param in model.named_parameters():
@@ -100,7 +119,7 @@ def confident_chain() -> dict:
 
 
 def vocab_parallel_ties() -> dict:
-    """TP = 2, vocabulary 48 in shards of 24, the second shard's output weight a copy of the
+    """TP = 2 (sparse MTP and LM losses against dense), vocabulary 48 in shards of 24, the second shard's output weight a copy of the
     first: every top logit is tied between v and v + 24, and argmax over the full vocabulary
     must pick v (as torch.argmax on gathered logits). Depth-1 targets are set to v at even
     valid positions and to v + 24 at odd ones, so the correct count is known by construction
@@ -109,7 +128,7 @@ def vocab_parallel_ties() -> dict:
     shard = VOCAB // 2
     with model_parallel(tp=2):
         torch.manual_seed(29)
-        config = dataclasses.replace(make_config(2), tensor_model_parallel_size=2, mtp_loss_chunk_size=5)
+        config = dataclasses.replace(make_config(2), tensor_model_parallel_size=2, sparse_loss_chunk_size=5)
         model = build_gpt(config, VOCAB, SEQ)
         g = torch.Generator().manual_seed(31)
         half = torch.randn(shard, model.config.hidden_size, generator=g) * 0.5
@@ -133,8 +152,8 @@ def vocab_parallel_ties() -> dict:
         out["expected_correct_1"] = float((mask_1 * (parity == 0)).sum())
         out["tied_partner_targets_1"] = float((mask_1 * (parity == 1)).sum())
 
-        for sparse in (True, False):
-            model.config.mtp_sparse_loss = sparse
+        for sparse in (True, False):  # both heads sparse, or both dense
+            model.config.mtp_sparse_loss = model.config.sparse_lm_loss = sparse
             got = run_megatron(model, input_ids, labels, mask, None)
             out["sparse" if sparse else "dense"] = {"sums": got["sums"].tolist(), "grads": got["grads"]}
         sparse_grads, dense_grads = out["sparse"].pop("grads"), out["dense"].pop("grads")

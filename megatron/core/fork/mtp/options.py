@@ -23,9 +23,9 @@ def validate_mtp_options(config) -> None:
             "cross context-parallel shards and their exact normalization is not implemented. "
             "Use --context-parallel-size 1, or train without MTP."
         )
-    if depths and config.mtp_sparse_loss and config.mtp_loss_chunk_size < 1:
+    if ((depths and config.mtp_sparse_loss) or config.sparse_lm_loss) and config.sparse_loss_chunk_size < 1:
         raise ValueError(
-            f"mtp_loss_chunk_size (--mtp-loss-chunk-size) must be >= 1 rows, got {config.mtp_loss_chunk_size}"
+            f"sparse_loss_chunk_size (--sparse-loss-chunk-size) must be >= 1 rows, got {config.sparse_loss_chunk_size}"
         )
     if depths and (config.mtp_loss_scaling_factor is None or config.mtp_loss_scaling_factor < 0):
         raise ValueError(
