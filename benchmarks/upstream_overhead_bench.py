@@ -9,8 +9,8 @@ Two sides build the same GPT (SDPA layer spec, same weights and data):
   Python 3.11), i.e. upstream's own MTP loss branch (every position projected).
 A step is the forward and backward of one micro-batch in calculate_per_token_loss mode,
 with every position valid, or 30% valid (the leading 70% of each row masked, as an RL or
-SFT prompt). Each side runs in its own long-lived process; the parent makes them take
-turns, one step at a time, so both see the same machine load, and prints medians, the
+SFT prompt). Each side and D runs in its own long-lived process; the parent makes all six
+take turns, one step at a time, so all see the same machine load, and prints medians, the
 ratio fork / upstream for D = 0, 1 and 3, and the MTP overhead step(D) - step(0) of each
 side with its ratio. Peak memory: the peak of live tensor memory during a step, from
 torch.profiler's record of every CPU allocation and free (deterministic), one process per
@@ -55,25 +55,27 @@ def side_env(tree: Path) -> dict:
     return dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([str(tree), str(REPO_ROOT)]))
 
 
-def compare_step_time(trees: dict, depths: int, valid_fraction: float, vocab: int, rounds: int) -> dict:
-    procs = {side: subprocess.Popen([sys.executable, __file__, "--worker", str(depths), str(valid_fraction), str(vocab)],
-                                    env=side_env(tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True)
-             for side, tree in trees.items()}
+def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: int, rounds: int) -> dict:
+    """{D: {side: median seconds}}: one process per side and D, all taking turns one step at
+    a time, so that step(D) - step(0) subtracts steps measured under the same load."""
+    procs = {(d, side): subprocess.Popen([sys.executable, __file__, "--worker", str(d), str(valid_fraction),
+                                          str(vocab)], env=side_env(tree), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for d in depths for side, tree in trees.items()}
     try:
         for proc in procs.values():
             assert proc.stdout.readline().strip() == "ready"
-        times = {side: [] for side in procs}
+        times = {key: [] for key in procs}
         for _ in range(rounds):
-            for side, proc in procs.items():
+            for key, proc in procs.items():
                 proc.stdin.write("step\n")
                 proc.stdin.flush()
-                times[side].append(float(proc.stdout.readline()))
+                times[key].append(float(proc.stdout.readline()))
     finally:
         for proc in procs.values():
             proc.stdin.close()
             proc.wait(timeout=60)
-    return {side: statistics.median(t) for side, t in times.items()}
+    return {d: {side: statistics.median(times[(d, side)]) for side in trees} for d in depths}
 
 
 def compare_peak_memory(trees: dict, depths: int, vocab: int) -> dict:
@@ -113,8 +115,7 @@ def main() -> None:
         print(f"megatron-core {version}, isolation off; shape {SHAPE}, vocab {args.vocab} in the step-time runs")
         for valid_fraction in (1.0, 0.3):
             print(f"step time, {valid_fraction:.0%} of positions valid (median of {args.rounds} alternating steps):")
-            seconds = {depths: compare_step_time(trees, depths, valid_fraction, args.vocab, args.rounds)
-                       for depths in (0, 1, 3)}
+            seconds = compare_step_time(trees, (0, 1, 3), valid_fraction, args.vocab, args.rounds)
             report("", {d: {side: t * 1000 for side, t in by_side.items()} for d, by_side in seconds.items()},
                    "ms", "MTP overhead step(D) - step(0)")
         print("peak live tensor memory of a step, all positions valid:")
