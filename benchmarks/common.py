@@ -2,7 +2,6 @@
 a micro-batch, and the peak of live tensor memory during a step."""
 
 import os
-import socket
 
 SHAPE = dict(vocab=8192, hidden=256, heads=8, layers=4, seq=256, batch=4)
 
@@ -11,10 +10,10 @@ def setup_process() -> None:
     """A gloo world of one process with megatron-core's parallel state (TP = PP = 1)."""
     import torch.distributed as dist
 
-    with socket.socket() as probe:  # a free port: benchmark processes start one after another
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from tests.harness.launcher import free_port
+
+    # A free port, not one derived from the pid: benchmark processes start one after another.
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo")
     from megatron_mtp.library.initialize import initialize_model_parallel
 

@@ -39,10 +39,17 @@ class StepCounts:
     sequences: int
 
 
+def target_counts(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[valid targets, sequences with at least one] of one batch [b, s], in float64, so that
+    sums over micro-batches and ranks (one all-reduce) stay exact."""
+    per_sequence = loss_mask.reshape(loss_mask.size(0), -1).double().sum(dim=1)
+    return torch.stack([per_sequence.sum(), (per_sequence > 0).sum().double()])
+
+
 def count_targets(loss_mask: torch.Tensor) -> StepCounts:
     """Counts of one batch [b, s] (sum them over ranks for the step's global counts)."""
-    per_sequence = loss_mask.reshape(loss_mask.size(0), -1).sum(dim=1)
-    return StepCounts(tokens=int(per_sequence.sum().item()), sequences=int((per_sequence > 0).sum().item()))
+    tokens, sequences = target_counts(loss_mask).tolist()
+    return StepCounts(tokens=int(tokens), sequences=int(sequences))
 
 
 class StepNormalization:

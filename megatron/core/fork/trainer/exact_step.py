@@ -81,9 +81,7 @@ def _local_counts(batches) -> torch.Tensor:
                 and parallel_state.is_pipeline_last_stage(ignore_virtual=True))
     if counting and batches:
         for batch in batches[-1] if isinstance(batches[0], list) else batches:
-            mask = loss_mask_of(batch)
-            per_sequence = mask.reshape(mask.size(0), -1).to(counts.device).sum(dim=1)
-            counts += torch.stack([per_sequence.sum(), (per_sequence > 0).sum()]).double()
+            counts += normalization.target_counts(loss_mask_of(batch).to(counts.device))
     return counts
 
 
