@@ -46,6 +46,24 @@ def test_every_mask_matches_the_reference(extremes, path):
         assert got["counts_exact"], (name, got)
 
 
+def test_the_last_depths_mlp_runs_only_where_its_loss_reads(extremes):
+    for name, case in extremes.items():
+        every_row, valid_last = case["every_row"], int(case["valid_per_depth"][-1])
+        for path in ("chunk1", "chunk7", "chunk1000"):
+            assert case[path]["mlp_rows"] == [every_row, every_row, valid_last], (name, path)
+        assert case["dense"]["mlp_rows"] == [every_row] * 3, name
+
+
+def test_last_depth_rows_in_repeated_mode_and_where_the_layer_stays_dense(build):
+    (rows,) = launch("tests.bodies.sparse_loss:last_depth_rows_by_mode", 1, timeout=600, build=build)
+    every_row, valid_last = rows["every_row"], rows["valid_at_last_depth"]
+    assert 0 < valid_last < every_row
+    assert rows["repeated"] == [every_row, every_row, valid_last]
+    # Full recompute reruns each layer in the backward: every call at every row.
+    assert rows["recompute"] == [every_row] * 6
+    assert rows["dense_loss"] == [every_row] * 3
+
+
 def test_sparse_lm_loss_matches_the_reference(build):
     (result,) = launch("tests.bodies.sparse_loss:lm_loss_cases", 1, timeout=600, build=build)
     assert len(result) == 8

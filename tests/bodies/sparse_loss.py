@@ -34,6 +34,23 @@ def masks() -> dict:
             "empty": torch.zeros(4, SEQ)}
 
 
+class MlpRows:
+    """Records how many rows each MTP layer's MLP call receives, in call (depth) order."""
+
+    def __init__(self, model):
+        self.modules = [m for name, m in model.mtp.named_modules() if name.endswith(".mlp")]
+        self.rows = []
+
+    def __enter__(self):
+        self.hooks = [m.register_forward_hook(lambda module, args, out: self.rows.append(args[0].shape[:-1].numel()))
+                      for m in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+
+
 def mask_extremes() -> dict:
     """Each mask x chunk size (1; 7, which divides no row count here; larger than all rows)
     against the reference and the dense path on the same weights."""
@@ -57,12 +74,14 @@ def mask_extremes() -> dict:
             for _, mask_k, _, _ in reversed(per_depth):
                 needed |= mask_k != 0
                 rows += int(needed.sum())
-            case = {"valid_per_depth": ref_sums[:, 1].tolist(), "rows": rows}
+            case = {"valid_per_depth": ref_sums[:, 1].tolist(), "rows": rows, "every_row": mask.numel()}
             for chunk in (1, 7, 1000, None):  # None: the dense path
                 model.config.mtp_sparse_loss = chunk is not None
                 model.config.sparse_loss_chunk_size = chunk or 1
-                got = run_megatron(model, input_ids, labels, mask, None)
+                with MlpRows(model) as mlp:
+                    got = run_megatron(model, input_ids, labels, mask, None)
                 case[f"chunk{chunk}" if chunk else "dense"] = {
+                    "mlp_rows": mlp.rows,
                     "grads": max(max_rel(got["grads"][n], ref_grads[n]) for n in ref_grads),
                     "grads_finite": all(bool(torch.isfinite(v).all()) for v in got["grads"].values()),
                     "same_grad_names": sorted(got["grads"]) == sorted(ref_grads),
@@ -70,6 +89,28 @@ def mask_extremes() -> dict:
                     "counts_exact": bool(torch.equal(got["sums"][:, 1:], ref_sums[:, 1:])),
                 }
             out[name] = case
+    return out
+
+
+def last_depth_rows_by_mode() -> dict:
+    """Rows each MTP MLP call receives (mask "holes"): in repeated-layer mode (one layer run D
+    times) and where the layer stays dense (full recompute; the dense loss path)."""
+    out = {}
+    g = torch.Generator().manual_seed(13)
+    tokens = torch.randint(1, VOCAB, (4, SEQ + 1), generator=g)
+    input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    mask = masks()["holes"]
+    with model_parallel():
+        for name, config in {"repeated": make_config(DEPTHS, repeated=True),
+                             "recompute": make_config(DEPTHS, recompute=True),
+                             "dense_loss": make_config(DEPTHS, mtp_sparse_loss=False)}.items():
+            torch.manual_seed(17)
+            model = build_gpt(config, VOCAB, SEQ)
+            with MlpRows(model) as mlp:
+                run_megatron(model, input_ids, labels, mask, None)
+            out[name] = mlp.rows
+    out["valid_at_last_depth"] = int(mask[:, DEPTHS:].sum())
+    out["every_row"] = 4 * SEQ
     return out
 
 

@@ -5,4 +5,6 @@
 - supervision: per-depth targets and masks, labels derived from input ids.
 - statistics: exact per-depth sums and counts (loss, acceptance, chain acceptance).
 - heads: the per-depth loss branch of GPTModel's postprocess.
+- sparse_loss: that branch at the needed rows only, in chunks (``mtp_sparse_loss``).
+- last_depth: the last depth's MLP at the rows its loss reads (with ``mtp_sparse_loss``).
 """

@@ -14,10 +14,10 @@ chunks. The dense loop below projects every position, as upstream does.
 import torch
 
 from megatron.core.fork import compat, normalization
-from megatron.core.fork.mtp import isolation
-from megatron.core.fork.mtp.sparse_loss import sparse_depth_losses
+from megatron.core.fork.mtp import isolation, last_depth
+from megatron.core.fork.mtp.sparse_loss import rows_needed, sparse_depth_losses
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, vocab_parallel_argmax
-from megatron.core.fork.mtp.supervision import check_shapes, depth_targets, next_token_labels
+from megatron.core.fork.mtp.supervision import depth_targets, labels_and_mask
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 
@@ -36,6 +36,18 @@ def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):
     return weight / torch.clamp(main_valid_tokens, min=1)
 
 
+def rows_of_last_depth(model, input_ids, labels, loss_mask, packed_seq_params=None):
+    """Around the MTP block's forward: the last depth's MLP runs only where the sparse loss
+    reads h^D (megatron.core.fork.mtp.last_depth), when the loss is computed on this stage."""
+    depths, rows = model.config.mtp_num_layers or 0, None
+    if depths and model.post_process and last_depth.rows_can_be_taken(model.config):
+        supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
+        if supervised is not None:
+            *_, (_, _, last_mask) = depth_targets(*supervised, depths, packed_seq_params, model.cp_group)
+            rows = rows_needed([last_mask])[0]
+    return last_depth.taking_rows(rows, depths)
+
+
 def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared_output_weight,
                       packed_seq_params=None, runtime_gather_output=None):
     """Split [h^0; h^1..h^D], attach every depth's loss to h^0, return h^0 for the main head."""
@@ -46,16 +58,10 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
     isolation.refuse_trainable_output_bias(model)
     per_depth_hidden = torch.chunk(hidden_states, 1 + depths, dim=0)
     main_hidden = per_depth_hidden[0]
-    if labels is None:
-        if not model.training:
-            return main_hidden  # generation: nothing to supervise
-        check_shapes("input_ids", input_ids, loss_mask=loss_mask)
-        labels, has_next = next_token_labels(input_ids, packed_seq_params, model.cp_group)
-        loss_mask = has_next if loss_mask is None else loss_mask.float() * has_next
-    else:
-        check_shapes("labels", labels, loss_mask=loss_mask)
-        if loss_mask is None:
-            loss_mask = torch.ones_like(labels, dtype=torch.float)
+    supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
+    if supervised is None:
+        return main_hidden  # generation: nothing to supervise
+    labels, loss_mask = supervised
     weight = isolation.output_weight(model, shared_output_weight)
     loss_weight = mtp_loss_weight(config, loss_mask.sum())
     targets = depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group)

@@ -48,6 +48,20 @@ def check_shapes(reference_name: str, reference: torch.Tensor, **tensors) -> Non
             )
 
 
+def labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params=None):
+    """The (labels, loss mask) [b, s] the MTP depths are derived from, or None when nothing
+    is supervised (generation: no labels, not training). Without labels they are the input
+    ids rolled left by one (0.16.1's GPTModel cannot derive them; this version does)."""
+    if labels is None:
+        if not model.training:
+            return None
+        check_shapes("input_ids", input_ids, loss_mask=loss_mask)
+        labels, has_next = next_token_labels(input_ids, packed_seq_params, model.cp_group)
+        return labels, has_next if loss_mask is None else loss_mask.float() * has_next
+    check_shapes("labels", labels, loss_mask=loss_mask)
+    return labels, torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask
+
+
 def depth_targets(labels: torch.Tensor, loss_mask: torch.Tensor, depths: int,
                   packed_seq_params=None, cp_group=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield (k, labels_k, mask_k) for k = 1..depths; each roll builds on the previous one."""

@@ -1,0 +1,82 @@
+"""The last MTP depth's MLP at the rows its loss reads (with ``mtp_sparse_loss``).
+
+Under the sparse loss h^D is read only where depth D is valid: no deeper depth consumes
+it, and its other rows have loss weight 0 and take no part in any statistic. Attention
+needs every position (keys and values), so the last depth's transformer layer runs its
+attention as usual and then its MLP (pre-MLP norm, MLP, residual) at those rows only; the
+other rows keep the attention output, which nothing reads. Depths 1..D-1 feed the next
+depth's attention at every position and stay dense. On the benchmark's shape this takes
+the MLP's 8h^2 of the layer's ~14h^2 per-token work out of the masked positions.
+
+GPTModel's postprocess knows the rows (from labels and loss mask, see
+megatron.core.fork.mtp.heads) before the MTP block runs; ``taking_rows`` holds them while
+the block runs its D layers in depth order, and the D-th layer call takes them (repeated-layer mode runs one layer D times: the
+count is of calls, not of layers).
+
+Where the rows cannot be taken this way the layer runs at every row, as before:
+sequence parallelism (the MLP exchanges equal sequence shards between ranks), full
+activation recompute (its backward reruns the layer outside this context), fp8/fp4
+(GEMM row alignment), CUDA graphs (fixed shapes), and MoE MLPs (the router's
+load-balancing loss is defined over every token).
+"""
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class _PendingRows:
+    rows: Optional[torch.Tensor]  # flat [s, b]-order positions valid at depth D; None: all
+    depths: int
+    layer_calls: int = 0
+
+
+_pending: Optional[_PendingRows] = None
+
+
+def rows_can_be_taken(config) -> bool:
+    return (
+        config.mtp_sparse_loss
+        and not config.sequence_parallel
+        and config.recompute_granularity != "full"
+        and not (config.fp8 or getattr(config, "fp4", None))
+        and getattr(config, "cuda_graph_impl", "none") == "none"
+        and not getattr(config, "enable_cuda_graph", False)
+    )
+
+
+@contextlib.contextmanager
+def taking_rows(rows: Optional[torch.Tensor], depths: int):
+    """Around the MTP block's forward: the D-th layer call runs its MLP at ``rows`` (flat
+    [s, b]-order positions; None: at every row)."""
+    global _pending
+    outer = _pending
+    _pending = _PendingRows(rows, depths)
+    try:
+        yield
+    finally:
+        _pending = outer
+
+
+def transformer_layer(layer):
+    """What the MTP layer calls in place of its transformer layer at this depth."""
+    pending = _pending
+    if pending is None:
+        return layer
+    pending.layer_calls += 1
+    if pending.layer_calls != pending.depths or pending.rows is None or getattr(layer, "is_moe_layer", False):
+        return layer
+    return functools.partial(_mlp_at_rows, layer, pending.rows)
+
+
+def _mlp_at_rows(layer, rows, **layer_kwargs):
+    hidden, context = layer._forward_attention(**layer_kwargs)
+    every_row = hidden.reshape(-1, hidden.size(-1))
+    at_rows = layer._forward_mlp(every_row.index_select(0, rows).unsqueeze(1))
+    # Out of place: autograd routes the gradient of the taken rows through the MLP and
+    # that of the others (zero: nothing reads them) to the attention output.
+    return every_row.index_copy(0, rows, at_rows.squeeze(1)).view_as(hidden), context
