@@ -76,7 +76,29 @@ def transformer_layer(layer):
 def _mlp_at_rows(layer, rows, **layer_kwargs):
     hidden, context = layer._forward_attention(**layer_kwargs)
     every_row = hidden.reshape(-1, hidden.size(-1))
-    at_rows = layer._forward_mlp(every_row.index_select(0, rows).unsqueeze(1))
+    with _dropout_on_its_own_generator(layer, hidden.device):
+        at_rows = layer._forward_mlp(every_row.index_select(0, rows).unsqueeze(1))
     # Out of place: autograd routes the gradient of the taken rows through the MLP and
     # that of the others (zero: nothing reads them) to the attention output.
     return every_row.index_copy(0, rows, at_rows.squeeze(1)).view_as(hidden), context
+
+
+@contextlib.contextmanager
+def _dropout_on_its_own_generator(layer, device):
+    """The MLP's dropout over a data-dependent number of rows would advance the device's
+    generator by a data-dependent amount, so data-parallel ranks would leave the step with
+    different generator states; Megatron's checkpoint keeps one of them for all ranks, and
+    a resumed run would then differ. Here the dropout draws from a generator seeded by one
+    fixed-size draw of the device's own, which is restored afterwards: every rank's
+    generator advances alike, whatever its rows."""
+    if not (layer.training and layer.hidden_dropout > 0):
+        yield
+        return
+    generator = torch.cuda.default_generators[device.index] if device.type == "cuda" else torch.default_generator
+    seed = int(torch.randint(2**62, (1,), generator=generator, device=device))
+    state = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(state)
