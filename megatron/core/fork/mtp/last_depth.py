@@ -10,8 +10,8 @@ the MLP's 8h^2 of the layer's ~14h^2 per-token work out of the masked positions.
 
 GPTModel's postprocess knows the rows (from labels and loss mask, see
 megatron.core.fork.mtp.heads) before the MTP block runs; ``taking_rows`` holds them while
-the block runs its D layers in depth order, and the D-th layer call takes them (repeated-layer mode runs one layer D times: the
-count is of calls, not of layers).
+the block runs its D layers in depth order, and the D-th layer call takes them
+(repeated-layer mode runs one layer D times: the count is of calls, not of layers).
 
 Where the rows cannot be taken this way the layer runs at every row, as before:
 sequence parallelism (the MLP exchanges equal sequence shards between ranks), full
