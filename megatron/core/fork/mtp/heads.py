@@ -45,7 +45,7 @@ def rows_of_last_depth(model, input_ids, labels, loss_mask, packed_seq_params=No
         if supervised is not None:
             *_, (_, _, last_mask) = depth_targets(*supervised, depths, packed_seq_params, model.cp_group)
             rows = rows_needed([last_mask])[0]
-    return last_depth.taking_rows(rows, depths)
+    return last_depth.taking_rows(rows)
 
 
 def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared_output_weight,

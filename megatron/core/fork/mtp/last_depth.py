@@ -31,7 +31,6 @@ import torch
 @dataclass
 class _PendingRows:
     rows: Optional[torch.Tensor]  # flat [s, b]-order positions valid at depth D; None: all
-    depths: int
     layer_calls: int = 0
 
 
@@ -43,19 +42,18 @@ def rows_can_be_taken(config) -> bool:
         config.mtp_sparse_loss
         and not config.sequence_parallel
         and config.recompute_granularity != "full"
-        and not (config.fp8 or getattr(config, "fp4", None))
-        and getattr(config, "cuda_graph_impl", "none") == "none"
-        and not getattr(config, "enable_cuda_graph", False)
+        and not (config.fp8 or config.fp4)
+        and config.cuda_graph_impl == "none"  # also set by the deprecated enable_cuda_graph
     )
 
 
 @contextlib.contextmanager
-def taking_rows(rows: Optional[torch.Tensor], depths: int):
+def taking_rows(rows: Optional[torch.Tensor]):
     """Around the MTP block's forward: the D-th layer call runs its MLP at ``rows`` (flat
     [s, b]-order positions; None: at every row)."""
     global _pending
     outer = _pending
-    _pending = _PendingRows(rows, depths)
+    _pending = _PendingRows(rows)
     try:
         yield
     finally:
@@ -68,7 +66,7 @@ def transformer_layer(layer):
     if pending is None:
         return layer
     pending.layer_calls += 1
-    if pending.layer_calls != pending.depths or pending.rows is None or getattr(layer, "is_moe_layer", False):
+    if pending.layer_calls != layer.config.mtp_num_layers or pending.rows is None or layer.is_moe_layer:
         return layer
     return functools.partial(_mlp_at_rows, layer, pending.rows)
 
