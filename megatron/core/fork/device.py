@@ -57,11 +57,6 @@ def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
 
 
-def on_compute_device(tensor: torch.Tensor) -> bool:
-    """True for tensors on the compute device type (upstream checked ``torch.cuda.*Tensor``)."""
-    return tensor.device.type == device_type()
-
-
 def current_stream():
     """The current stream of the compute device (a CPU stream, whose waits are no-ops, on CPU)."""
     if torch.cuda.is_available():
