@@ -137,6 +137,11 @@ def main() -> int:
         if os.environ.get("RANK", "0") == "0":
             print(launch.summary(args), flush=True)
         return 0
+    done = launch.finished(args)
+    if done:  # rerunning a finished run trains nothing and overwrites nothing
+        if os.environ.get("RANK", "0") == "0":
+            print(done, flush=True)
+        return 0
     from megatron.core.fork.trainer import exact_step
 
     exact_step.enable(args.main_loss_level)

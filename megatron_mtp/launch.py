@@ -173,6 +173,71 @@ def _check(args) -> None:
         checkpoint.verify(args.load, args.ckpt_step)  # names a damaged file before anything is built
 
 
+def _shape_of(args) -> dict:
+    """The model_shape (megatron.core.fork.model_shape) the arguments build, without building it."""
+    from megatron.core.fork.model_shape import ABSENT_MEANS, SHAPE_FIELDS
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    shape = {field: getattr(config, field, ABSENT_MEANS.get(field)) for field in SHAPE_FIELDS}
+    shape["mtp_num_layers"] = shape["mtp_num_layers"] or 0
+    shape["vocab_size"] = args.padded_vocab_size
+    shape["share_embeddings_and_output_weights"] = not args.untie_embeddings_and_output_weights
+    return shape
+
+
+def _check_checkpoints(args) -> None:
+    """Nothing a run did not load is overwritten: a --save directory that holds checkpoints is
+    written only by the run that resumes from its latest one. A checkpoint of another shape
+    is refused here, before anything is built (the load checks again)."""
+    from megatron.core.fork.trainer import checkpoint
+
+    loads_from_save = (args.load is not None and args.save is not None
+                       and os.path.realpath(args.load) == os.path.realpath(args.save))
+    if args.load is not None and os.path.isdir(args.load):
+        saved = checkpoint.saved_entry(args.load, args.ckpt_step)
+        if saved is not None and loads_from_save and not _given("--load"):  # the embedded default's directory
+            shape = _shape_of(args)
+            differences = [f"{field}: checkpoint {value!r}, this run {shape.get(field)!r}"
+                           for field, value in sorted(saved["model_shape"].items()) if shape.get(field) != value]
+            if differences:
+                raise ArgumentError(f"--save {args.save} holds checkpoints of another model that this run would "
+                                    f"overwrite ({'; '.join(differences)}): give another --save for this run, "
+                                    f"or resume them with --load {args.save} and their model flags")
+        checkpoint.check_shape(saved, _shape_of(args), args.finetune)
+    if args.save is None or not os.path.isdir(args.save):
+        return
+    latest = checkpoint.tracked_iteration(args.save)
+    if latest is None:
+        return
+    if not loads_from_save:
+        why = "it loads none" if args.load is None else f"it loads {args.load}"
+    elif args.finetune:
+        why = "--finetune restarts at iteration 0"
+    elif args.ckpt_step is not None and args.ckpt_step != latest:
+        why = f"it resumes from iteration {args.ckpt_step} (--ckpt-step)"
+    else:
+        return
+    raise ArgumentError(f"--save {args.save} holds checkpoints up to iteration {latest} that this run would "
+                        f"overwrite ({why}): resume them with --load {args.save}, or give another --save")
+
+
+def finished(args) -> str | None:
+    """The line that says a run has nothing left to train (it resumes at or past --train-iters)."""
+    from megatron.core.fork.trainer import checkpoint
+
+    if args.load is None or args.finetune or args.skip_train or not args.train_iters \
+            or not os.path.isdir(args.load):
+        return None
+    iteration = args.ckpt_step if args.ckpt_step is not None else checkpoint.tracked_iteration(args.load)
+    if not iteration or iteration < args.train_iters:
+        return None
+    return (f"pretrain_gpt_mtp.py: {args.load} holds a finished run (iteration {iteration} of --train-iters "
+            f"{args.train_iters}), nothing to train: to train on, give --train-iters N above {iteration} with "
+            f"--use-checkpoint-opt_param-scheduler (its learning-rate schedule continues), or another --save "
+            f"to start afresh")
+
+
 def _one_line(error: BaseException | str) -> str:
     text = " ".join(str(error).split())
     if text:
@@ -222,10 +287,14 @@ def arguments():
             if embedded and not _given("--lr-warmup-iters") and args.train_iters:
                 # a shortened embedded run (--train-iters N) warms up for a tenth of it
                 defaults["lr_warmup_iters"] = min(EMBEDDED_DEFAULTS["lr_warmup_iters"], args.train_iters // 10)
+            if embedded and not _given("--load") and args.save:
+                defaults["load"] = args.save  # the embedded default resumes from its own directory
             args = parse_args(_provider(defaults))
         _check(args)
         with quiet:
-            return parse_and_validate_args(_provider(defaults))
+            args = parse_and_validate_args(_provider(defaults))
+        _check_checkpoints(args)
+        return args
     except (ArgumentError, DatasetError, checkpoint.CheckpointError, AssertionError, ValueError,
             TypeError) as error:
         fail(error)

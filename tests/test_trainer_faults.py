@@ -1,7 +1,8 @@
 """pretrain_gpt_mtp.py under faults and bad input.
 
-- Bad input fails before anything is built, in one line: every refusal is checked in one
-  process (tests/harness/argument_cases.py), and once under torchrun with two ranks, where
+- Bad input fails before anything is built, in one line: every refusal (also a --save
+  directory holding checkpoints the run would overwrite) is checked in one process
+  (tests/harness/argument_cases.py), and once under torchrun with two ranks, where
   the line must appear once, with no traceback from any rank.
 - SIGTERM to the training processes saves a checkpoint and exits with status 0; the run
   resumes from it.
@@ -121,6 +122,19 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
          f"{unreadable / 'iter_0000002' / '.metadata'}: unreadable"),
         ([*data, "--load", str(garbage)], one,
          f"{garbage / 'latest_checkpointed_iteration.txt'}: the checkpoint tracker holds ''"),
+        # a --save directory holding checkpoints the run does not resume from (issue 16)
+        ([*data, "--save", str(checkpoint), "--save-interval", "2"], one,
+         f"--save {checkpoint} holds checkpoints up to iteration 4 that this run would overwrite (it loads none): "
+         f"resume them with --load {checkpoint}, or give another --save"),
+        ([*data, "--mtp-num-layers", "2", "--load", str(unreadable), "--save", str(checkpoint), "--save-interval", "2"],
+         one,
+         f"(it loads {unreadable})"),
+        ([*data, "--mtp-num-layers", "2", "--load", str(checkpoint), "--save", str(checkpoint), "--save-interval", "2",
+          "--ckpt-step", "2"], one, "would overwrite (it resumes from iteration 2 (--ckpt-step))"),
+        ([*data, "--load", str(checkpoint), "--save", str(checkpoint), "--save-interval", "2", "--finetune"], one,
+         "would overwrite (--finetune restarts at iteration 0)"),
+        ([*data, "--load", str(checkpoint), "--mtp-num-layers", "3"], one,  # before anything is built
+         "mtp_num_layers: checkpoint 2, model 3"),
     ]
 
 

@@ -40,10 +40,15 @@ def state(model) -> dict:
 
 def check(common_state: dict, model, finetune: bool) -> None:
     """Raise CheckpointError if the checkpoint's model shape differs from `model`'s."""
-    saved = (common_state or {}).get(KEY)
+    check_shape((common_state or {}).get(KEY), model_shape(model[0]), finetune)
+
+
+def check_shape(saved: dict | None, current: dict, finetune: bool) -> None:
+    """Raise CheckpointError if the shape in this trainer's entry `saved` (None: a checkpoint
+    not written by this trainer, which upstream's own argument checks cover) differs from
+    `current` (a ``model_shape``)."""
     if saved is None:
-        return  # not written by this trainer: upstream's own argument checks apply
-    current = model_shape(model[0])
+        return
     saved_shape = dict(saved["model_shape"])
     if finetune:
         for field in MTP_FIELDS:
@@ -117,6 +122,18 @@ def verify(load_dir: str, step: int | None = None) -> str | None:
         _read(metadata, lambda path: json.load(open(path)))
         _verify_torch_dist(directory)
     return directory
+
+
+def saved_entry(load_dir: str, step: int | None = None) -> dict | None:
+    """This trainer's entry (model shape, counters) in the checkpoint a run would resume from;
+    None when there is nothing to resume or the checkpoint was not written by this trainer.
+    Reads the common state only, no tensor."""
+    directory = verify(load_dir, step)
+    if directory is None or not os.path.isfile(os.path.join(directory, "metadata.json")):
+        return None
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    return (_read(directory, load_common_state_dict) or {}).get(KEY)
 
 
 def _read(path: str, reader):
