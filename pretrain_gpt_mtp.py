@@ -25,22 +25,16 @@ import torch
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     """GPTModel with its MTP block on the last stage: Transformer Engine layers, or megatron-core's
-    local layers with SDPA core attention (any device, packed rows)."""
-    from megatron.core.fork.specs import get_gpt_layer_sdpa_spec
+    local layers with SDPA core attention (any device, packed rows); with --num-experts,
+    upstream's MoE decoder block (dense layers by --moe-layer-freq) and MoE MTP layers."""
+    from megatron.core.fork.specs import get_gpt_specs
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-        get_gpt_mtp_block_spec,
-    )
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
-    use_te = args.transformer_impl == "transformer_engine"
-    layer_spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_sdpa_spec()
-    mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
-                if args.mtp_num_layers else None)
+    layer_spec, mtp_spec = get_gpt_specs(config, args.transformer_impl == "transformer_engine", vp_stage)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
@@ -109,13 +103,34 @@ def get_batch(data_iterator, vp_stage=None):
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"]
 
 
-def loss_func(loss_mask, output_tensor):
-    """The exact main loss at the step's level (megatron.core.fork.normalization.main_loss),
-    reported as [sum, count] so that upstream's loop reduces it into the exact mean."""
-    from megatron.core.fork.normalization import main_loss
+# Megatron-LM's pretrain_gpt.py: a loss 10 times the largest of the first 100 observed is spiky.
+SPIKY_LOSS_FACTOR = 10
 
+
+def loss_func(loss_mask, output_tensor, model=None):
+    """The exact main loss at the step's level (megatron.core.fork.normalization.main_loss),
+    reported as [sum, count] so that upstream's loop reduces it into the exact mean. As
+    Megatron-LM's pretrain_gpt.py, this rank's raw loss sum goes through the rerun state
+    machine before any reduction: NaN or Inf (--check-for-nan-in-loss-and-grad, on by
+    default) and, with --check-for-spiky-loss, a spike."""
+    from megatron.core.fork.normalization import main_loss
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    args = get_args()
     loss, count, report = main_loss(output_tensor, loss_mask)
     main_sum = report["main loss sums"][0]
+    rerun_state_machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for reject, found in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun_state_machine.validate_result(result=main_sum, rejection_func=reject,
+                                                message=f"found {found} in local forward loss calculation",
+                                                tolerance=0.0, fatal=True)  # the forward is deterministic
+    if args.check_for_spiky_loss:
+        rerun_state_machine.validate_result(
+            result=main_sum, rejection_func=partial(rerun_state_machine.is_unexpectedly_large,
+                                                    threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            message="Spiky loss", tolerance=0.0, fatal=False)
     return loss, count, {"lm loss": torch.stack([main_sum, count.to(main_sum.dtype)])}
 
 

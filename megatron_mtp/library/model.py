@@ -5,19 +5,10 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.fork.specs import get_gpt_layer_sdpa_spec
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+from megatron.core.fork.specs import get_gpt_specs
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-
-def transformer_layer_spec(use_transformer_engine: bool):
-    if use_transformer_engine:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_sdpa_spec()
 
 
 def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
@@ -25,12 +16,7 @@ def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: i
               share_embeddings_and_output_weights: bool = False,
               position_embedding_type: str = "rope") -> GPTModel:
     """The GPTModel (with its MTP block on the last stage) of one (virtual) pipeline stage."""
-    layer_spec = transformer_layer_spec(use_transformer_engine)
-    mtp_spec = (
-        get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine,
-                               vp_stage=vp_stage)
-        if config.mtp_num_layers else None
-    )
+    layer_spec, mtp_spec = get_gpt_specs(config, use_transformer_engine, vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

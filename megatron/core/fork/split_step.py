@@ -20,17 +20,19 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads, reset_model_temporary_tensors
 from megatron.core.fork import device as compute_device
-from megatron.core.fork import normalization
+from megatron.core.fork import normalization, router_losses
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 MAIN_GRAD_NORM_GROUP = "main"
 # What a step overrides on the model config while it runs, restored by finish and abort.
-_CONFIG_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "grad_scale_func")
+_CONFIG_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "grad_scale_func",
+                 "moe_grad_scale_func")
 
 
 def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
@@ -73,23 +75,38 @@ class SplitStep:
         self._normalization = None
         self._main_sums = None
         self._mtp_loss_scale = None
+        self._moe_loss_scale = None
 
     @property
     def in_progress(self) -> bool:
         return self._normalization is not None
 
-    def begin(self, counts: "normalization.StepCounts | None" = None) -> None:
-        """Start a step. `counts`: the step's global StepCounts, if known (exact in every mode)."""
+    def begin(self, counts: "normalization.StepCounts | None" = None, *, routed_tokens: int | None = None) -> None:
+        """Start a step. `counts`: the step's global StepCounts, if known (exact in every mode).
+        `routed_tokens`: with MoE router losses, the step's input positions over all chunks and
+        data-parallel ranks (T of spec section 11; known from the shapes even when the valid
+        counts are not), needed up front in either mode."""
         if self.in_progress:
             raise RuntimeError("this step is already in progress; finish() or abort() it first")
         if not self.config.calculate_per_token_loss:
             raise ValueError("split steps need calculate_per_token_loss=True (raw loss sums per micro-batch)")
         step = normalization.StepNormalization(self.main_loss, bool(self.config.mtp_detach_heads), counts)
+        router_losses.check_exact_step(self.config)
+        moe_scale = None
+        if router_losses.active(self.config):
+            if routed_tokens is None:
+                raise ValueError(
+                    "the MoE router losses are normalized by the step's routed tokens T (every input "
+                    "position of every chunk and data-parallel rank), which a router cannot see: pass "
+                    "begin(..., routed_tokens=T)"
+                )
+            moe_scale = router_losses.scale_func(self.config, routed_tokens)
         # Nothing has changed yet: everything above may refuse.
         normalization.activate(step)
         self._normalization = step
         self._saved_hooks = {name: getattr(self.config, name) for name in _CONFIG_HOOKS}
         self._mtp_loss_scale = MTPLossAutoScaler.main_loss_backward_scale
+        self._moe_loss_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         self.config.finalize_model_grads_func = None
         self.config.no_sync_func = _no_sync_inside_step
         self.config.grad_sync_func = None
@@ -97,6 +114,7 @@ class SplitStep:
         # schedules and every MTP depth through MTPLossAutoScaler; unscaling then restores
         # each branch exactly (pinning a branch to 1 would leave it 1/S too small).
         self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.moe_grad_scale_func = moe_scale
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -192,6 +210,7 @@ class SplitStep:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        reset_model_temporary_tensors(self.config, self.chunks)  # the routers' per-step token counts
         self._end()
 
     def _release_step_hooks(self) -> None:
@@ -205,6 +224,7 @@ class SplitStep:
 
     def _end(self) -> None:
         MTPLossAutoScaler.set_loss_scale(self._mtp_loss_scale)
+        MoEAuxLossAutoScaler.main_loss_backward_scale = self._moe_loss_scale
         STEP_STATISTICS.reset()
         normalization.deactivate()
         self._normalization = None

@@ -11,6 +11,9 @@ count, so it divides by nothing more. The step is then exact for token- and
 sequence-level main losses, isolation on and off, every DP/TP/PP/VPP layout and
 micro-batch count, which upstream's per-token mode is not for MTP (issue #7452).
 
+With MoE router losses the step also counts its routed tokens T (every input position) and
+gives the routers their exact scale, the loss scale over T (megatron.core.fork.router_losses).
+
 ``end`` restores the config, reduces the step's MTP sums (one collective) and hands them,
 with the MTP gradient norm, to the metrics (megatron.core.fork.trainer.metrics). Exact
 steps are on once the trainer calls ``enable`` (its loss function must then be
@@ -23,7 +26,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
-from megatron.core.fork import normalization
+from megatron.core.fork import normalization, router_losses
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.fork.split_step import last_stage_sum
 from megatron.core.fork.trainer import metrics
@@ -41,6 +44,7 @@ class _Step:
         self.config = config
         self.counts = counts  # None: the step is not normalized here (exact steps off)
         self.finalize = config.finalize_model_grads_func
+        self.moe_grad_scale_func = config.moe_grad_scale_func
 
 
 _main_loss_level: str | None = None  # set by enable(): exact steps on
@@ -75,13 +79,16 @@ def _replayable(batches):
 
 
 def _local_counts(batches) -> torch.Tensor:
-    """[tokens, sequences] of this rank's micro-batches if it is the rank that counts."""
-    counts = torch.zeros(2, dtype=torch.float64, device=compute_device.current_device())
+    """[valid targets, sequences, routed tokens] of this rank's micro-batches if it is the rank
+    that counts."""
+    counts = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
     counting = (parallel_state.get_tensor_model_parallel_rank() == 0
                 and parallel_state.is_pipeline_last_stage(ignore_virtual=True))
     if counting and batches:
         for batch in batches[-1] if isinstance(batches[0], list) else batches:
-            counts += normalization.target_counts(loss_mask_of(batch).to(counts.device))
+            mask = loss_mask_of(batch)
+            counts[:2] += normalization.target_counts(mask.to(counts.device))
+            counts[2] += mask.numel()  # every input position is routed
     return counts
 
 
@@ -100,15 +107,18 @@ def begin(model, data_iterator, num_microbatches: int):
     if _main_loss_level is None:
         _current = _Step(config, None)
         return data_iterator
+    router_losses.check_exact_step(config)
     batches = _prefetch(data_iterator, num_microbatches)
     counts = _local_counts(batches)
     dist.all_reduce(counts)  # one small all-reduce: each sample is counted by exactly one rank
-    tokens, sequences = (int(round(x)) for x in counts.tolist())
+    tokens, sequences, routed = (int(round(x)) for x in counts.tolist())
     step_counts = normalization.StepCounts(tokens=tokens, sequences=sequences)
     normalization.activate(normalization.StepNormalization(
         _main_loss_level, bool(config.mtp_detach_heads), step_counts))
     _current = _Step(config, step_counts)
     config.finalize_model_grads_func = _finalize_without_count(_current.finalize)
+    if router_losses.active(config):
+        config.moe_grad_scale_func = router_losses.scale_func(config, routed)
     return _replayable(batches)
 
 
@@ -120,6 +130,7 @@ def end(optimizer=None, update_successful: bool = False) -> None:
     step, _current = _current, None
     if step.counts is not None:
         step.config.finalize_model_grads_func = step.finalize
+        step.config.moe_grad_scale_func = step.moe_grad_scale_func
         normalization.deactivate()
     if optimizer is None:
         return

@@ -1,0 +1,76 @@
+"""MoE router losses in an exact step (spec section 11).
+
+For every MoE layer of the backbone and of every MTP depth a step's objective adds
+
+    z-loss            coeff * sum_t z_t / T
+    seq_aux_loss      coeff * sum_q l_q / Q
+    aux_loss          coeff * sum_mb (T_mb / T) * l_mb
+
+with T the step's routed tokens (every input position of every micro-batch, chunk and
+data-parallel rank) and Q its sequences. megatron-core's router, in
+``calculate_per_token_loss`` mode, attaches each loss to the backward pass with the weight
+``local tokens x TP-CP size`` times the scale of ``MoEAuxLossAutoScaler``: a raw sum over
+the micro-batch's routed tokens (z-loss: coeff * sum_t z_t; seq_aux_loss: coeff * s *
+sum_q l_q for sequences of length s; aux_loss: coeff * T_mb * l_mb). Upstream then relies
+on finalize_model_grads dividing by the step's *valid target* count, which is T only when
+every position has a target. An exact step divides by nothing there (its branches are
+seeded up front), so the router losses get their own denominator here: the schedules set
+the autoscaler's scale from ``config.moe_grad_scale_func`` after every micro-batch's
+forward, and during an exact step that function returns ``loss scale / T``. Each of the
+three losses is then exactly its step term, for any micro-batch size, chunk count and
+DP / EP / TP / PP layout, and the fp16 loss scale reaches every router loss.
+
+``global_aux_loss`` uses routing statistics accumulated over the step's micro-batches so
+far (each micro-batch sees a different partial count), so it is not the step's loss and
+is refused in exact steps.
+"""
+
+import torch
+
+from megatron.core.fork import device as compute_device
+
+_GLOBAL = "global_aux_loss"
+
+
+def _load_balancing_types(config) -> list:
+    kinds = config.moe_router_load_balancing_type
+    return list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+
+
+def _coefficients(config) -> list:
+    coeffs = config.moe_aux_loss_coeff
+    return list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(_load_balancing_types(config))
+
+
+def active(config) -> bool:
+    """True when the model has MoE layers with a router loss that reaches the backward pass."""
+    if not getattr(config, "num_moe_experts", None):
+        return False
+    balancing = any(c and c > 0 for c in _coefficients(config))
+    return balancing or bool(config.moe_z_loss_coeff)
+
+
+def check_exact_step(config) -> None:
+    """Refuse what an exact step cannot normalize (before any state changes)."""
+    if not getattr(config, "num_moe_experts", None):
+        return
+    for kind, coeff in zip(_load_balancing_types(config), _coefficients(config), strict=True):
+        if kind == _GLOBAL and coeff and coeff > 0:
+            raise ValueError(
+                "the global balance loss (global_aux_loss) accumulates routing statistics over the "
+                "micro-batches seen so far, so its gradient depends on how the step is cut and it "
+                "cannot be normalized exactly: use --moe-router-load-balancing-type seq_aux_loss "
+                "(DeepSeek-V3's sequence-wise loss, exact) or aux_loss (per micro-batch, weighted by "
+                "its tokens)"
+            )
+
+
+def scale_func(config, routed_tokens: int):
+    """A ``moe_grad_scale_func`` for one step: the optimizer's loss scale over T."""
+    if routed_tokens < 1:
+        raise ValueError(f"a step with router losses routes at least one token, got T = {routed_tokens}")
+    def scale():  # the loss scale of the moment (fp16's changes between steps)
+        one = torch.ones(1, device=compute_device.current_device())
+        return (config.grad_scale_func(one) if config.grad_scale_func is not None else one) / routed_tokens
+
+    return scale
