@@ -1,0 +1,19 @@
+"""From training to serving: Hugging Face import/export of the backbone and the MTP heads
+(tools/convert_checkpoint.py) and speculative decoding with the heads as drafts
+(tools/eval_speculative.py).
+
+- config: the model description both sides share (Llama / Qwen2 with MTP depths), read from
+  a Hugging Face config.json or from a trainer checkpoint's arguments, written to both.
+- mapping: tensor names and layouts between megatron-core's global checkpoint tensors and
+  Hugging Face's (fused QKV per query group, [gate; up], MTP in MiMo's or DeepSeek-V3's layout).
+- files: reading and writing Hugging Face directories and megatron-core dist checkpoints.
+- model: megatron-core's GPTModel in one process (any saved TP / PP / VPP layout is read
+  through dist checkpointing), its main-head and per-depth MTP forward.
+- speculative: greedy decoding with MTP drafts, verified by the main head, and its statistics.
+
+Every refusal is a ServingError whose message is one line.
+"""
+
+
+class ServingError(ValueError):
+    """Bad input for a conversion or an evaluation; the message is one line."""

@@ -1,0 +1,252 @@
+"""Tensor names and layouts between megatron-core's global checkpoint tensors and Hugging Face's.
+
+megatron-core (the trainer's local spec, as its checkpoints name them; layer norms are fused
+into the linear that follows them, as Transformer Engine names them; decoder layers stacked
+along a leading axis; the MTP depth's inner layer is `transformer_layer` in checkpoints):
+
+    embedding.word_embeddings.weight                    [Vp, H]   (Vp: the padded vocabulary)
+    decoder.layers.self_attention.linear_qkv.weight     [L, G*(R+2)*d, H]: per query group g,
+                                                        its R query heads, then its key, then its value
+    decoder.layers.mlp.linear_fc1.weight                [L, 2F, H]: [gate; up]
+    decoder.final_layernorm.weight, output_layer.weight (untied)
+    mtp.layers.{k}.{enorm, hnorm, eh_proj, transformer_layer.*, final_layernorm}
+                                                        eh_proj's input is [embedding, hidden]
+
+Hugging Face: Llama / Qwen2 names (q/k/v/o_proj, gate/up/down_proj, input_layernorm,
+post_attention_layernorm, model.norm, lm_head), the MTP depths in MiMo's layout
+(model.mtp_layers.{k}: token_layernorm = enorm, hidden_layernorm = hnorm, input_proj over
+[hidden, embedding], i.e. eh_proj with its halves swapped, final_layernorm) or DeepSeek-V3's
+(model.layers.{L+k}: enorm, hnorm, eh_proj over [embedding, hidden], shared_head.norm =
+final_layernorm, and the copies shared_head.head = the output weight, embed_tokens = the embedding).
+"""
+
+import re
+
+import torch
+
+from megatron_mtp.serving import ServingError
+from megatron_mtp.serving.config import ModelConfig
+
+MTP_LAYOUTS = ("mimo", "deepseek_v3")
+# Buffers some checkpoints carry that are recomputed from the config.
+IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+# ---------------------------------------------------------------- one transformer layer
+
+def _qkv_split(weight: torch.Tensor, cfg: ModelConfig):
+    groups, per_group, d = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
+    grouped = weight.reshape(groups, per_group + 2, d, *weight.shape[1:])
+    q = grouped[:, :per_group].reshape(groups * per_group * d, *weight.shape[1:])
+    k = grouped[:, per_group].reshape(groups * d, *weight.shape[1:])
+    v = grouped[:, per_group + 1].reshape(groups * d, *weight.shape[1:])
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    groups, per_group, d = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, per_group, d, *rest), k.reshape(groups, 1, d, *rest),
+                       v.reshape(groups, 1, d, *rest)], dim=1)
+    return fused.reshape(groups * (per_group + 2) * d, *rest).contiguous()
+
+
+def layer_to_hf(layer: dict, cfg: ModelConfig) -> dict:
+    """One megatron-core layer's tensors (suffix -> tensor) as Hugging Face suffixes."""
+    out = {"input_layernorm.weight": layer["self_attention.linear_qkv.layer_norm_weight"]}
+    q, k, v = _qkv_split(layer["self_attention.linear_qkv.weight"], cfg)
+    out.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v})
+    if cfg.qkv_bias:
+        q, k, v = _qkv_split(layer["self_attention.linear_qkv.bias"], cfg)
+        out.update({"self_attn.q_proj.bias": q, "self_attn.k_proj.bias": k, "self_attn.v_proj.bias": v})
+    out["self_attn.o_proj.weight"] = layer["self_attention.linear_proj.weight"]
+    out["post_attention_layernorm.weight"] = layer["mlp.linear_fc1.layer_norm_weight"]
+    gate, up = torch.chunk(layer["mlp.linear_fc1.weight"], 2, dim=0)
+    out.update({"mlp.gate_proj.weight": gate.contiguous(), "mlp.up_proj.weight": up.contiguous(),
+                "mlp.down_proj.weight": layer["mlp.linear_fc2.weight"]})
+    return out
+
+
+def layer_from_hf(layer: dict, cfg: ModelConfig) -> dict:
+    out = {"self_attention.linear_qkv.layer_norm_weight": layer["input_layernorm.weight"],
+           "self_attention.linear_qkv.weight": _qkv_fuse(layer["self_attn.q_proj.weight"],
+                                                         layer["self_attn.k_proj.weight"],
+                                                         layer["self_attn.v_proj.weight"], cfg)}
+    if cfg.qkv_bias:
+        out["self_attention.linear_qkv.bias"] = _qkv_fuse(layer["self_attn.q_proj.bias"],
+                                                          layer["self_attn.k_proj.bias"],
+                                                          layer["self_attn.v_proj.bias"], cfg)
+    out["self_attention.linear_proj.weight"] = layer["self_attn.o_proj.weight"]
+    out["mlp.linear_fc1.layer_norm_weight"] = layer["post_attention_layernorm.weight"]
+    out["mlp.linear_fc1.weight"] = torch.cat([layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]], 0)
+    out["mlp.linear_fc2.weight"] = layer["mlp.down_proj.weight"]
+    return out
+
+
+def hf_layer_shapes(cfg: ModelConfig) -> dict:
+    H, F, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    shapes = {"input_layernorm.weight": (H,), "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+              "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+              "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (F, H),
+              "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F)}
+    if cfg.qkv_bias:
+        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def mtp_prefix(layout: str, cfg: ModelConfig, depth: int) -> str:
+    return f"model.mtp_layers.{depth}." if layout == "mimo" else f"model.layers.{cfg.num_layers + depth}."
+
+
+def hf_shapes(cfg: ModelConfig, mtp_layout: str | None, mtp_depths: int) -> dict:
+    """Every tensor name of the Hugging Face checkpoint and its shape (the loaders' names)."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not cfg.tied:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(cfg.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_layer_shapes(cfg).items()})
+    for depth in range(mtp_depths if mtp_layout else 0):
+        prefix = mtp_prefix(mtp_layout, cfg, depth)
+        shapes.update({prefix + k: s for k, s in hf_layer_shapes(cfg).items()})
+        if mtp_layout == "mimo":
+            shapes.update({prefix + "token_layernorm.weight": (H,), prefix + "hidden_layernorm.weight": (H,),
+                           prefix + "input_proj.weight": (H, 2 * H), prefix + "final_layernorm.weight": (H,)})
+        else:
+            shapes.update({prefix + "enorm.weight": (H,), prefix + "hnorm.weight": (H,),
+                           prefix + "eh_proj.weight": (H, 2 * H), prefix + "shared_head.norm.weight": (H,),
+                           prefix + "shared_head.head.weight": (V, H), prefix + "embed_tokens.weight": (V, H)})
+    return shapes
+
+
+# ---------------------------------------------------------------- whole models
+
+def _unpad(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return t[: cfg.vocab_size].contiguous()
+
+
+def _pad(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    if cfg.padded_vocab_size == t.shape[0]:
+        return t
+    return torch.cat([t, t.new_zeros(cfg.padded_vocab_size - t.shape[0], *t.shape[1:])], 0)
+
+
+def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> dict:
+    """megatron-core global tensors -> Hugging Face tensors (MTP depths only with a layout)."""
+    out = {"model.embed_tokens.weight": _unpad(tensors["embedding.word_embeddings.weight"], cfg)}
+    stacked = {k[len("decoder.layers."):]: v for k, v in tensors.items() if k.startswith("decoder.layers.")}
+    for i in range(cfg.num_layers):
+        layer = layer_to_hf({k: v[i] for k, v in stacked.items()}, cfg)
+        out.update({f"model.layers.{i}.{k}": v.contiguous() for k, v in layer.items()})
+    out["model.norm.weight"] = tensors["decoder.final_layernorm.weight"]
+    head = None if cfg.tied else _unpad(tensors["output_layer.weight"], cfg)
+    if head is not None:
+        out["lm_head.weight"] = head
+    H = cfg.hidden_size
+    for depth in range(cfg.mtp_num_layers if mtp_layout else 0):
+        source = f"mtp.layers.{0 if cfg.mtp_repeated else depth}."
+        prefix = mtp_prefix(mtp_layout, cfg, depth)
+        inner = {k[len(source + "transformer_layer."):]: v for k, v in tensors.items()
+                 if k.startswith(source + "transformer_layer.")}
+        out.update({prefix + k: v for k, v in layer_to_hf(inner, cfg).items()})
+        eh = tensors[source + "eh_proj.weight"]
+        if mtp_layout == "mimo":
+            out[prefix + "token_layernorm.weight"] = tensors[source + "enorm.weight"]
+            out[prefix + "hidden_layernorm.weight"] = tensors[source + "hnorm.weight"]
+            out[prefix + "input_proj.weight"] = torch.cat([eh[:, H:], eh[:, :H]], 1).contiguous()  # [hidden, emb]
+            out[prefix + "final_layernorm.weight"] = tensors[source + "final_layernorm.weight"]
+        else:
+            out[prefix + "enorm.weight"] = tensors[source + "enorm.weight"]
+            out[prefix + "hnorm.weight"] = tensors[source + "hnorm.weight"]
+            out[prefix + "eh_proj.weight"] = eh
+            out[prefix + "shared_head.norm.weight"] = tensors[source + "final_layernorm.weight"]
+            out[prefix + "shared_head.head.weight"] = (head if head is not None
+                                                       else out["model.embed_tokens.weight"]).clone()
+            out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+    return out
+
+
+def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
+    """The MTP layout and depth count of a Hugging Face checkpoint's names."""
+    mimo = {int(m.group(1)) for n in names if (m := re.match(r"model\.mtp_layers\.(\d+)\.", n))}
+    deep = {int(m.group(1)) - cfg.num_layers for n in names
+            if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers}
+    if mimo and deep:
+        raise ServingError("the checkpoint holds MTP depths in both MiMo's and DeepSeek-V3's layout")
+    found = ("mimo", mimo) if mimo else ("deepseek_v3", deep) if deep else (None, set())
+    depths = max(found[1]) + 1 if found[1] else 0
+    if cfg.mtp_num_layers and depths and cfg.mtp_num_layers != depths:
+        raise ServingError(f"config.json: num_nextn_predict_layers {cfg.mtp_num_layers}, but the tensors hold "
+                           f"{depths} MTP depths")
+    if cfg.mtp_num_layers and not depths:
+        return "mimo", cfg.mtp_num_layers  # the tensors are missing: the name check says which
+    return found[0], depths
+
+
+def check_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: int) -> None:
+    """Every expected name present with its shape, nothing else (one line naming the first problem)."""
+    expected = hf_shapes(cfg, mtp_layout, depths)
+    names = [n for n in tensors if not IGNORED_HF.match(n)]
+    missing = [name for name in expected if name not in tensors]
+    unexpected = [name for name in names if name not in expected]
+    if unexpected:
+        extra = " (config.json says tie_word_embeddings)" if unexpected[0] == "lm_head.weight" else ""
+        instead = f"; missing {missing[0]}" if missing else ""
+        raise ServingError(f"unexpected tensor {unexpected[0]}{extra}: not a {cfg.family} tensor of this "
+                           f"config{instead}")
+    if missing:
+        raise ServingError(f"missing tensor {missing[0]}")
+    for name in names:
+        if tuple(tensors[name].shape) != tuple(expected[name]):
+            raise ServingError(f"tensor {name} has shape {list(tensors[name].shape)}, config.json implies "
+                               f"{list(expected[name])}")
+
+
+def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: int) -> dict:
+    """Hugging Face tensors (checked) -> megatron-core global tensors, fp32 as the trainer holds them."""
+    check_hf(tensors, cfg, mtp_layout, depths)
+    t = {k: v.float() for k, v in tensors.items() if not IGNORED_HF.match(k)}
+    out = {"embedding.word_embeddings.weight": _pad(t["model.embed_tokens.weight"], cfg)}
+    layers = [layer_from_hf({k: t[f"model.layers.{i}.{k}"] for k in hf_layer_shapes(cfg)}, cfg)
+              for i in range(cfg.num_layers)]
+    for key in layers[0]:
+        out["decoder.layers." + key] = torch.stack([layer[key] for layer in layers])
+    out["decoder.final_layernorm.weight"] = t["model.norm.weight"]
+    if not cfg.tied:
+        out["output_layer.weight"] = _pad(t["lm_head.weight"], cfg)
+    H = cfg.hidden_size
+    for depth in range(depths):
+        prefix = mtp_prefix(mtp_layout, cfg, depth)
+        target = f"mtp.layers.{depth}."
+        inner = layer_from_hf({k: t[prefix + k] for k in hf_layer_shapes(cfg)}, cfg)
+        out.update({target + "transformer_layer." + k: v for k, v in inner.items()})
+        if mtp_layout == "mimo":
+            proj = t[prefix + "input_proj.weight"]
+            out[target + "enorm.weight"] = t[prefix + "token_layernorm.weight"]
+            out[target + "hnorm.weight"] = t[prefix + "hidden_layernorm.weight"]
+            out[target + "eh_proj.weight"] = torch.cat([proj[:, H:], proj[:, :H]], 1)  # [emb, hidden]
+            out[target + "final_layernorm.weight"] = t[prefix + "final_layernorm.weight"]
+        else:
+            head = t["model.embed_tokens.weight"] if cfg.tied else t["lm_head.weight"]
+            for copy, original in (("shared_head.head.weight", head),
+                                   ("embed_tokens.weight", t["model.embed_tokens.weight"])):
+                if not torch.equal(t[prefix + copy], original):
+                    raise ServingError(f"{prefix}{copy} differs from the main model's: megatron-core's MTP "
+                                       "depths share the embedding and the output layer")
+            out[target + "enorm.weight"] = t[prefix + "enorm.weight"]
+            out[target + "hnorm.weight"] = t[prefix + "hnorm.weight"]
+            out[target + "eh_proj.weight"] = t[prefix + "eh_proj.weight"]
+            out[target + "final_layernorm.weight"] = t[prefix + "shared_head.norm.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def collapse_repeated(tensors: dict, depths: int) -> dict:
+    """D identical MTP depths -> the one layer of --mtp-use-repeated-layer (refused if they differ)."""
+    first = {k[len("mtp.layers.0."):]: v for k, v in tensors.items() if k.startswith("mtp.layers.0.")}
+    for depth in range(1, depths):
+        for suffix, value in first.items():
+            if not torch.equal(tensors[f"mtp.layers.{depth}.{suffix}"], value):
+                raise ServingError(f"--mtp-use-repeated-layer: MTP depth {depth} differs from depth 0 "
+                                   f"({suffix}); import the depths as distinct layers")
+    return {k: v for k, v in tensors.items() if not k.startswith("mtp.layers.") or k.startswith("mtp.layers.0.")}

@@ -1,0 +1,182 @@
+"""megatron-core's GPTModel (the trainer's local spec with SDPA attention) in one process.
+
+A checkpoint saved at any TP / PP / VPP layout is read into it through megatron-core's dist
+checkpointing (the resharding is upstream's); its forward is run piece by piece, as
+GPTModel's own training path does, so that the main head's hidden states h^0 and each MTP
+depth (megatron-core's MultiTokenPredictionLayer, with the token ids given directly as in its
+speculative-decoding entry point `forward_single_position`) can be read separately.
+"""
+
+import os
+
+import torch
+
+from megatron_mtp.serving import ServingError
+
+# Flags under which the forward differs from what this module runs.
+UNSUPPORTED = ("num_experts", "multi_latent_attention", "qk_layernorm", "apply_layernorm_1p",
+               "layernorm_zero_centered_gamma", "squared_relu")
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def setup(seed: int = 1234) -> None:
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+    from megatron_mtp.library.initialize import initialize_distributed, initialize_model_parallel
+
+    if not dist.is_initialized():
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", _free_port())
+        initialize_distributed(1, 1, None, seed)
+    elif not parallel_state.model_parallel_is_initialized():
+        initialize_model_parallel(1, 1, None, seed)
+
+
+def transformer_config(args, mtp_num_layers=None):
+    import torch.nn.functional as F
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for flag in UNSUPPORTED:
+        if getattr(args, flag, None):
+            raise ServingError(f"the checkpoint's model has --{flag.replace('_', '-')}, which this tool does not run")
+    heads = args.num_attention_heads
+    swiglu = bool(getattr(args, "swiglu", False))
+    depths = getattr(args, "mtp_num_layers", None) if mtp_num_layers is None else mtp_num_layers
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        num_query_groups=(args.num_query_groups if getattr(args, "group_query_attention", False) else heads),
+        kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
+        ffn_hidden_size=args.ffn_hidden_size, normalization=getattr(args, "normalization", "LayerNorm"),
+        layernorm_epsilon=getattr(args, "layernorm_epsilon", 1e-5), gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu, add_bias_linear=getattr(args, "add_bias_linear", True),
+        add_qkv_bias=getattr(args, "add_qkv_bias", False), hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        init_method_std=getattr(args, "init_method_std", 0.02), mtp_num_layers=depths or None,
+        mtp_use_repeated_layer=bool(getattr(args, "mtp_use_repeated_layer", False)) if depths else False,
+        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
+    )
+
+
+def build(args, mtp_num_layers=None):
+    """GPTModel (TP = PP = 1) of a checkpoint's arguments; `setup()` first."""
+    from megatron.core.fork.specs import get_gpt_layer_sdpa_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = transformer_config(args, mtp_num_layers)
+    spec = get_gpt_layer_sdpa_spec()
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+        rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(getattr(args, "rotary_base", 10000)),
+        rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        mtp_block_spec=mtp_spec,
+    )
+    return model.eval()
+
+
+def sharded_metadata() -> dict:
+    from megatron.core import parallel_state
+
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+
+def load(model, directory: str) -> None:
+    """The model's tensors from a torch_dist checkpoint directory (any saved layout)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=sharded_metadata())}, directory)
+    model.load_state_dict(loaded["model"], strict=False)
+
+
+def local_names(global_tensors: dict, num_layers: int) -> dict:
+    """Global checkpoint tensors -> the model's state_dict names (stacked layers split)."""
+    renames = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+               ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
+
+    def rename(name):
+        for old, new in renames:
+            if name.endswith(old):
+                name = name[: -len(old)] + new
+        return name.replace(".transformer_layer.", ".mtp_model_layer.")
+
+    out = {}
+    for key, value in global_tensors.items():
+        if key.startswith("decoder.layers."):
+            for i in range(num_layers):
+                out[rename(f"decoder.layers.{i}.{key[len('decoder.layers.'):]}")] = value[i]
+        else:
+            out[rename(key)] = value
+    return out
+
+
+class Runner:
+    """The main head and the MTP depths of a GPTModel, run separately (no KV cache)."""
+
+    def __init__(self, model, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size  # argmax over the tokenizer's ids, not the padding rows
+        self.depths = model.config.mtp_num_layers or 0
+        self.repeated = bool(model.config.mtp_use_repeated_layer)
+
+    def _output_weight(self):
+        return self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights \
+            else None
+
+    def _logits(self, hidden):  # [s, b, h] -> [b, s, V]
+        logits, _ = self.model.output_layer(hidden, weight=self._output_weight())
+        return logits.transpose(0, 1)[..., : self.vocab_size].float()
+
+    def _rope(self, length: int):
+        return self.model.rotary_pos_emb(length) if hasattr(self.model, "rotary_pos_emb") else None
+
+    @torch.no_grad()
+    def main(self, tokens: torch.Tensor):
+        """tokens [b, s] -> (h^0 [s, b, h], logits [b, s, V])."""
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        embedded = self.model.embedding(input_ids=tokens, position_ids=positions)
+        hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
+                                    rotary_pos_emb=self._rope(tokens.shape[1]))
+        return hidden, self._logits(hidden)
+
+    @torch.no_grad()
+    def depth(self, k: int, hidden: torch.Tensor, ahead: torch.Tensor):
+        """Depth k (1-based) at positions 0..s-1: h^{k-1} [s, b, h] and the tokens x_{t+k}
+        [b, s] -> (h^k, logits^k [b, s, V]) predicting x_{t+k+1}."""
+        layer = self.model.mtp.layers[0 if self.repeated else k - 1]
+        length = hidden.shape[0]
+        positions = (torch.arange(length) + k).unsqueeze(0).expand_as(ahead)  # as the rolled training inputs
+        out = layer.forward_single_position(hidden_states=hidden, next_token_ids=ahead, position_ids=positions,
+                                            embedding=self.model.embedding, rotary_pos_emb=self._rope(length))
+        return out, self._logits(out)
+
+    @torch.no_grad()
+    def teacher_forced(self, tokens: torch.Tensor, depths: int | None = None):
+        """Main logits and each depth's logits on a whole text, every depth fed the text's tokens."""
+        hidden, main = self.main(tokens)
+        per_depth = []
+        length = tokens.shape[1]
+        for k in range(1, (depths or self.depths) + 1):
+            if length - k < 1:
+                break
+            hidden = hidden[: length - k]
+            hidden, logits = self.depth(k, hidden, tokens[:, k:])
+            per_depth.append(logits)
+        return main, per_depth

@@ -1,0 +1,381 @@
+"""Test bodies of tests/test_serving.py (one process each, megatron-core imported once).
+
+Independent references, written from the published models' semantics, in plain PyTorch on
+the Hugging Face tensors: a Llama / Qwen2 decoder layer (RMSNorm, GQA with RoPE, SwiGLU),
+MiMo's MTP layer (token_layernorm(embedding of the next token), hidden_layernorm(previous
+hidden), input_proj(concat[hidden, token]), a decoder layer, final_layernorm, the shared
+lm_head) and DeepSeek-V3's (enorm, hnorm, eh_proj(concat[embedding, hidden]), a decoder
+layer, shared_head.norm, shared_head.head).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+VOCAB, HIDDEN, FFN, HEADS, GROUPS = 257, 64, 96, 4, 2
+
+# The tensor names vLLM's and SGLang's MTP loaders read, as their model code names them
+# (vLLM MiMoMTP / SGLang MiMoMTP: model.mtp_layers.{i}; vLLM DeepSeekMTP /
+# SGLang DeepseekV3ForCausalLMNextN: model.layers.{L+k}).
+DECODER_LAYER = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                 "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+QKV_BIAS = ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+MIMO_MTP = ["token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"]
+DEEPSEEK_MTP = ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                "shared_head.head.weight", "embed_tokens.weight"]
+
+
+# ---------------------------------------------------------------- plain-PyTorch references
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope(x, theta):  # x [b, heads, s, d], rotate-half convention
+    d, s = x.shape[-1], x.shape[-2]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).float(), torch.cat([angles.sin()] * 2, -1).float()
+    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + half * sin
+
+
+def decoder_layer(x, w, prefix, config):  # x [b, s, h]
+    eps, theta = config["rms_norm_eps"], config["rope_theta"]
+    heads, groups, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    b, s, _ = x.shape
+
+    def linear(name, inp):
+        out = inp @ w[prefix + name + ".weight"].T
+        return out + w[prefix + name + ".bias"] if prefix + name + ".bias" in w else out
+
+    h = rms_norm(x, w[prefix + "input_layernorm.weight"], eps)
+    q = linear("self_attn.q_proj", h).view(b, s, heads, d).transpose(1, 2)
+    k = linear("self_attn.k_proj", h).view(b, s, groups, d).transpose(1, 2)
+    v = linear("self_attn.v_proj", h).view(b, s, groups, d).transpose(1, 2)
+    q, k = rope(q, theta), rope(k, theta)
+    k, v = k.repeat_interleave(heads // groups, 1), v.repeat_interleave(heads // groups, 1)
+    scores = (q @ k.transpose(-1, -2)) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    attention = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, heads * d)
+    x = x + linear("self_attn.o_proj", attention)
+    h = rms_norm(x, w[prefix + "post_attention_layernorm.weight"], eps)
+    return x + linear("mlp.down_proj", torch.nn.functional.silu(linear("mlp.gate_proj", h)) * linear("mlp.up_proj", h))
+
+
+def mimo_mtp(w, config, depth, previous_hidden, next_tokens):
+    """MiMo's MTP layer `depth`: previous hidden [b, s, h] and the next tokens [b, s] -> (hidden, logits)."""
+    p, eps = f"model.mtp_layers.{depth}.", config["rms_norm_eps"]
+    token = rms_norm(w["model.embed_tokens.weight"][next_tokens], w[p + "token_layernorm.weight"], eps)
+    hidden = rms_norm(previous_hidden, w[p + "hidden_layernorm.weight"], eps)
+    x = torch.cat([hidden, token], -1) @ w[p + "input_proj.weight"].T
+    x = rms_norm(decoder_layer(x, w, p, config), w[p + "final_layernorm.weight"], eps)
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return x, x @ head.T
+
+
+def deepseek_mtp(w, config, depth, previous_hidden, next_tokens):
+    p, eps = f"model.layers.{config['num_hidden_layers'] + depth}.", config["rms_norm_eps"]
+    token = rms_norm(w[p + "embed_tokens.weight"][next_tokens], w[p + "enorm.weight"], eps)
+    hidden = rms_norm(previous_hidden, w[p + "hnorm.weight"], eps)
+    x = torch.cat([token, hidden], -1) @ w[p + "eh_proj.weight"].T
+    x = rms_norm(decoder_layer(x, w, p, config), w[p + "shared_head.norm.weight"], eps)
+    return x, x @ w[p + "shared_head.head.weight"].T
+
+
+# ---------------------------------------------------------------- tiny Hugging Face models
+
+def _save_hf(directory: Path, config: dict, tensors: dict) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def _random_mimo_depth(config: dict, depth: int, generator) -> dict:
+    H, F = config["hidden_size"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+              "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+              "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+              "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+              "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
+              "token_layernorm.weight": (H,), "hidden_layernorm.weight": (H,), "input_proj.weight": (H, 2 * H),
+              "final_layernorm.weight": (H,)}
+    out = {}
+    for name, shape in shapes.items():
+        value = (1 + 0.1 * torch.randn(shape, generator=generator)) if name.endswith("norm.weight") \
+            else 0.1 * torch.randn(shape, generator=generator)
+        out[f"model.mtp_layers.{depth}.{name}"] = value
+    return out
+
+
+def make_models(root: str) -> dict:
+    """Tiny random Llama (tied, Llama 3 RoPE scaling) and Qwen2 (untied, QKV biases, one MiMo MTP
+    depth) checkpoints, and the constructed counting models (below)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    root = Path(root)
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, head_dim=HIDDEN // HEADS)
+    llama = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
+    llama.save_pretrained(root / "llama")
+    qwen = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6))
+    with torch.no_grad():
+        for name, parameter in qwen.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+            elif name.endswith("norm.weight"):
+                parameter.normal_(1, 0.1)
+    from safetensors.torch import load_file
+
+    qwen.save_pretrained(root / "qwen-plain")
+    config = json.loads((root / "qwen-plain" / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    config["rope_theta"] = 1e6
+    tensors = load_file(str(root / "qwen-plain" / "model.safetensors"))
+    tensors.update(_random_mimo_depth({**common, "head_dim": HIDDEN // HEADS}, 0, torch.Generator().manual_seed(1)))
+    _save_hf(root / "qwen", config, tensors)
+    for wrong in (False, True):
+        counting_model(root / ("counting-wrong" if wrong else "counting"), wrong)
+    return {"ok": True}
+
+
+def counting_model(directory: Path, wrong: bool, depths: int = 2) -> Path:
+    """A Qwen2 whose every head predicts x + 1 (mod V): the decoder layers add nothing (o_proj and
+    down_proj zero), lm_head row y is the embedding of y - 1, so the main head continues a count
+    and depth k, fed the embedding of x_{t+k} (input_proj = [0 | I]), drafts x_{t+k+1} exactly.
+    `wrong`: input_proj = [I | 0], the halves swapped: the depth reads the previous hidden state
+    and drafts x_{t+1} where x_{t+k+1} is due, so no draft is ever accepted."""
+    H, F, d = HIDDEN, FFN, HIDDEN // HEADS
+    g = torch.Generator().manual_seed(7)
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": H,
+              "intermediate_size": F, "num_hidden_layers": 2, "num_attention_heads": HEADS,
+              "num_key_value_heads": GROUPS, "head_dim": d, "hidden_act": "silu", "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "num_nextn_predict_layers": depths}
+    embedding = torch.randn(VOCAB, H, generator=g)
+    tensors = {"model.embed_tokens.weight": embedding, "model.norm.weight": torch.ones(H),
+               "lm_head.weight": torch.roll(embedding, 1, 0)}
+
+    def layer(prefix):
+        out = {}
+        for name, shape in (("q", (HEADS * d, H)), ("k", (GROUPS * d, H)), ("v", (GROUPS * d, H))):
+            out[f"{prefix}self_attn.{name}_proj.weight"] = 0.1 * torch.randn(shape, generator=g)
+            out[f"{prefix}self_attn.{name}_proj.bias"] = 0.1 * torch.randn(shape[:1], generator=g)
+        out.update({f"{prefix}self_attn.o_proj.weight": torch.zeros(H, HEADS * d),
+                    f"{prefix}mlp.gate_proj.weight": 0.1 * torch.randn(F, H, generator=g),
+                    f"{prefix}mlp.up_proj.weight": 0.1 * torch.randn(F, H, generator=g),
+                    f"{prefix}mlp.down_proj.weight": torch.zeros(H, F),
+                    f"{prefix}input_layernorm.weight": torch.ones(H),
+                    f"{prefix}post_attention_layernorm.weight": torch.ones(H)})
+        return out
+
+    for i in range(2):
+        tensors.update(layer(f"model.layers.{i}."))
+    eye, zero = torch.eye(H), torch.zeros(H, H)
+    for k in range(depths):
+        p = f"model.mtp_layers.{k}."
+        tensors.update(layer(p))
+        tensors.update({p + "token_layernorm.weight": torch.ones(H), p + "hidden_layernorm.weight": torch.ones(H),
+                        p + "final_layernorm.weight": torch.ones(H),
+                        p + "input_proj.weight": torch.cat([eye, zero] if wrong else [zero, eye], 1)})
+    return _save_hf(directory, config, tensors)
+
+
+# ---------------------------------------------------------------- bodies
+
+def convert(*argv: str) -> None:
+    import convert_checkpoint
+
+    status = convert_checkpoint.main(list(argv))
+    assert status == 0, f"convert_checkpoint.py {' '.join(argv)} exited with {status}"
+
+
+def prepare(root: str) -> dict:
+    """The Hugging Face models, and their imports (the Qwen2 one with a second, new MTP depth)."""
+    make_models(root)
+    convert("import", f"{root}/qwen", f"{root}/qwen-mg", "--mtp-num-layers", "2")
+    convert("import", f"{root}/qwen", f"{root}/qwen-mg1")  # its own depth only: the round trip
+    convert("import", f"{root}/llama", f"{root}/llama-mg")
+    for name in ("counting", "counting-wrong"):
+        convert("import", f"{root}/{name}", f"{root}/{name}-mg")
+    return {"flags": (Path(root) / "qwen-mg" / "megatron_flags.txt").read_text().split()}
+
+
+def _megatron(path):
+    from megatron_mtp.serving import files
+
+    args, tensors, directory = files.read_megatron(path)
+    return args, tensors, directory
+
+
+def _hf(path):
+    from safetensors.torch import load_file
+
+    directory = Path(path)
+    return json.loads((directory / "config.json").read_text()), load_file(str(directory / "model.safetensors"))
+
+
+def _runner(path):
+    from megatron_mtp.serving import model as serving_model
+
+    args, _, directory = _megatron(path)
+    serving_model.setup()
+    model = serving_model.build(args)
+    serving_model.load(model, str(directory))
+    return serving_model.Runner(model, args.vocab_size)
+
+
+def _rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def parity(root: str) -> dict:
+    """Imported Megatron models against transformers; exported MTP depths against MiMo's and
+    DeepSeek-V3's MTP forward on the exported tensors."""
+    from transformers import AutoModelForCausalLM
+
+    results = {}
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(3))
+    for name in ("llama", "qwen"):
+        reference = AutoModelForCausalLM.from_pretrained(f"{root}/{name}", dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = reference(tokens).logits
+        _, logits = _runner(f"{root}/{name}-mg").main(tokens)
+        assert logits.shape == expected.shape, (logits.shape, expected.shape)
+        results[f"{name} logits"] = _rel(logits, expected)
+    # MTP: the trained checkpoint's depths, exported, against the references on the exported tensors
+    trained = f"{root}/trained"
+    runner = _runner(trained)
+    main, per_depth = runner.teacher_forced(tokens)
+    assert len(per_depth) == 2
+    for layout, forward in (("mimo", mimo_mtp), ("deepseek_v3", deepseek_mtp)):
+        out = f"{root}/export-{layout}"
+        convert("export", trained, out, "--mtp-layout", layout)
+        config, w = _hf(out)
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            output = hf(tokens, output_hidden_states=True)
+        results[f"{layout} backbone logits"] = _rel(main, output.logits)
+        hidden = output.hidden_states[-1]  # after model.norm: what the MTP depths read
+        for depth in range(2):
+            k = depth + 1
+            hidden = hidden[:, : tokens.shape[1] - k]
+            hidden, logits = forward(w, config, depth, hidden, tokens[:, k:])
+            assert logits.shape == per_depth[depth].shape, (logits.shape, per_depth[depth].shape)
+            results[f"{layout} depth {k} logits"] = _rel(per_depth[depth], logits)
+    return results
+
+
+def names(root: str) -> dict:
+    """The exported MTP tensors: exactly the loaders' names, with the shapes the config implies."""
+    found = {}
+    for layout in ("mimo", "deepseek_v3"):
+        config, w = _hf(f"{root}/export-{layout}")
+        L, H, V = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+        backbone = {n for n in w if not n.startswith("model.mtp_layers.")
+                    and not any(n.startswith(f"model.layers.{L + k}.") for k in range(2))}
+        expected_backbone = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
+            f"model.layers.{i}.{n}" for i in range(L) for n in DECODER_LAYER + QKV_BIAS}
+        assert backbone == expected_backbone, sorted(backbone ^ expected_backbone)
+        assert config["num_nextn_predict_layers"] == 2
+        for k in range(2):
+            prefix = f"model.mtp_layers.{k}." if layout == "mimo" else f"model.layers.{L + k}."
+            own = {n[len(prefix):]: tuple(t.shape) for n, t in w.items() if n.startswith(prefix)}
+            expected = set(DECODER_LAYER + QKV_BIAS + (MIMO_MTP if layout == "mimo" else DEEPSEEK_MTP))
+            assert set(own) == expected, (layout, sorted(set(own) ^ expected))
+            assert own["input_proj.weight" if layout == "mimo" else "eh_proj.weight"] == (H, 2 * H)
+            if layout == "deepseek_v3":
+                assert own["shared_head.head.weight"] == own["embed_tokens.weight"] == (V, H)
+                assert torch.equal(w[prefix + "shared_head.head.weight"], w["lm_head.weight"])
+                assert torch.equal(w[prefix + "embed_tokens.weight"], w["model.embed_tokens.weight"])
+        found[layout] = len(w)
+    return found
+
+
+def round_trips(root: str) -> dict:
+    out = {}
+    # import then export: the Hugging Face tensors and names, bit for bit
+    for name, source in (("qwen", "qwen-mg1"), ("llama", "llama-mg")):
+        convert("export", f"{root}/{source}", f"{root}/back-{name}")
+        _, original = _hf(f"{root}/{name}")
+        _, back = _hf(f"{root}/back-{name}")
+        assert sorted(original) == sorted(back), sorted(set(original) ^ set(back))
+        different = [n for n in original if not torch.equal(original[n], back[n])]
+        assert not different, different[:5]
+        out[f"{name} import-export tensors"] = len(back)
+    # export then import: the Megatron parameters, from the TP = 2 x PP = 2 run
+    for layout in ("mimo", "deepseek_v3"):
+        convert("import", f"{root}/export-{layout}", f"{root}/reimport-{layout}")
+        _, before, _ = _megatron(f"{root}/trained")
+        _, after, _ = _megatron(f"{root}/reimport-{layout}")
+        assert sorted(before) == sorted(after), sorted(set(before) ^ set(after))
+        different = [n for n in before if not torch.equal(before[n], after[n])]
+        assert not different, different[:5]
+        out[f"{layout} export-import tensors"] = len(after)
+    # bf16: the fp32 tensors rounded
+    convert("export", f"{root}/trained", f"{root}/export-bf16", "--dtype", "bf16")
+    config, w16 = _hf(f"{root}/export-bf16")
+    _, w32 = _hf(f"{root}/export-mimo")
+    assert config["torch_dtype"] == "bfloat16" and sorted(w16) == sorted(w32)
+    assert all(w16[n].dtype == torch.bfloat16 and torch.equal(w16[n], w32[n].to(torch.bfloat16)) for n in w32)
+    return out
+
+
+def frozen_backbone(root: str) -> dict:
+    """The trainer loaded the imported checkpoint at TP = 2 x PP = 2: with the backbone frozen,
+    its tensors after training are the imported ones, bit for bit; the MTP depths trained."""
+    _, imported, _ = _megatron(f"{root}/qwen-mg")
+    _, trained, _ = _megatron(f"{root}/trained")
+    backbone = [n for n in imported if not n.startswith("mtp.")]
+    assert backbone and all(torch.equal(imported[n], trained[n]) for n in backbone)
+    changed = [n for n in imported if n.startswith("mtp.") and not torch.equal(imported[n], trained[n])]
+    return {"backbone tensors": len(backbone), "mtp tensors changed": len(changed)}
+
+
+def speculative_cases(root: str) -> dict:
+    """Constructed models: every draft accepted (counting), none (input_proj halves swapped)."""
+    from megatron_mtp.serving import speculative
+
+    out = {}
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (3, 9, 17)]
+    for name in ("counting", "counting-wrong"):
+        runner = _runner(f"{root}/{name}-mg")
+        stats = speculative.Stats(depths=2)
+        for prompt in prompts:
+            output = speculative.speculative(runner, prompt, 20, stats)
+            plain = speculative.greedy(runner, prompt, 20)
+            assert len(output) == len(plain) == 20 and output == plain, (name, prompt, output, plain)
+            assert plain == [(prompt[-1] + i) % VOCAB for i in range(1, 21)], plain  # it counts
+            speculative.teacher_forced(runner, [prompt[-1]] + plain, stats)  # a counting text
+        out[name] = stats.summary()
+    return out
+
+
+def evaluate(root: str) -> dict:
+    """tools/eval_speculative.py on the trained checkpoint (prompts from the run's data)."""
+    import eval_speculative
+
+    status = eval_speculative.main([f"{root}/trained", "--num-prompts", "4", "--prompt-length", "24",
+                                    "--new-tokens", "24", "--json", f"{root}/eval.json"])
+    return {"status": status, "results": json.loads(Path(f"{root}/eval.json").read_text())}
+
+
+def check(root: str) -> dict:
+    return {"parity": parity(root), "names": names(root), "round trips": round_trips(root),
+            "frozen backbone": frozen_backbone(root), "speculative": speculative_cases(root),
+            "evaluate": evaluate(root)}

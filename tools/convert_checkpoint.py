@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 backbones and their MTP heads.
+
+    # a Hugging Face model into the trainer (draft heads for an existing model)
+    tools/convert_checkpoint.py import HF_DIR OUT_DIR [--mtp-num-layers D]
+    torchrun ... pretrain_gpt_mtp.py $(cat OUT_DIR/megatron_flags.txt) --load OUT_DIR --finetune \\
+        --freeze-backbone --mtp-detach-heads ...
+
+    # a trainer checkpoint (any TP / PP / VPP layout) to Hugging Face, MTP depths in MiMo's layout
+    tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout mimo|deepseek_v3|none]
+        [--dtype fp32|bf16] [--tokenizer DIR]
+
+import reads config.json and safetensors (model.safetensors, or shards with
+model.safetensors.index.json) of a LlamaForCausalLM or Qwen2ForCausalLM, and MTP depths when
+present (MiMo's model.mtp_layers.{i}.*, or DeepSeek-V3's model.layers.{L+k}.*); it writes a
+torch_dist release checkpoint that pretrain_gpt_mtp.py --load DIR --finetune loads at any
+TP / PP layout, and the model flags that build it (OUT_DIR/megatron_flags.txt, also printed).
+--mtp-num-layers D adds MTP depths the Hugging Face checkpoint does not have, initialized as
+megatron-core initializes them (seeded by --seed).
+
+export writes the backbone as Llama (Qwen2 when the model has QKV biases): config.json,
+model.safetensors, the tokenizer's files when --tokenizer is given; the MTP depths in MiMo's
+layout (default) or DeepSeek-V3's (with the copies of the output weight and embedding that
+its loaders read), num_nextn_predict_layers in config.json. A checkpoint trained with
+--mtp-use-repeated-layer is written as D identical depths (one per depth it was trained at).
+
+Both write into a temporary sibling directory renamed into place when complete. Bad input
+is one line, `convert_checkpoint.py: error: ...`, exit status 2, and nothing written.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROG = "convert_checkpoint.py"
+
+
+def fail(message: str) -> int:
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    return 2
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("import", help="Hugging Face checkpoint -> megatron-core torch_dist checkpoint")
+    imp.add_argument("source", help="Hugging Face checkpoint directory (config.json, safetensors)")
+    imp.add_argument("output", help="new (or empty) directory for the megatron-core checkpoint")
+    imp.add_argument("--mtp-num-layers", type=int, default=None,
+                     help="MTP depths of the imported model (default: those of the checkpoint); depths beyond "
+                          "the checkpoint's are newly initialized")
+    imp.add_argument("--mtp-use-repeated-layer", action="store_true",
+                     help="import identical MTP depths as one repeated layer")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                     help="pad the vocabulary to a multiple of this (Megatron's flag; at tensor-parallel size T "
+                          "the trainer needs a value whose product with T divides the padded vocabulary)")
+    imp.add_argument("--seed", type=int, default=1234, help="initialization of new MTP depths")
+    exp = commands.add_parser("export", help="megatron-core checkpoint -> Hugging Face checkpoint")
+    exp.add_argument("source", help="trainer checkpoint: the --save directory (its tracker names the iteration) "
+                                    "or an iter_NNNNNNN / release directory")
+    exp.add_argument("output", help="new (or empty) directory for the Hugging Face checkpoint")
+    exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "none"], default=None,
+                     help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths; "
+                          "none: the backbone only)")
+    exp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    exp.add_argument("--tokenizer", help="tokenizer directory (or file) whose files are copied beside the model")
+    exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    return parser.parse_args(argv)
+
+
+def run_import(args) -> int:
+    from megatron_mtp.serving import ServingError, files, mapping
+    from megatron_mtp.serving.config import ModelConfig
+
+    out = files.check_output(args.output)
+    config, tensors = files.read_hf(args.source)
+    if args.make_vocab_size_divisible_by < 1:
+        raise ServingError("--make-vocab-size-divisible-by must be >= 1")
+    cfg = ModelConfig.from_hf(config, pad_to=args.make_vocab_size_divisible_by)
+    layout, depths = mapping.detect_mtp(tensors, cfg)
+    global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
+    wanted = depths if args.mtp_num_layers is None else args.mtp_num_layers
+    if wanted < 0:
+        raise ServingError("--mtp-num-layers must be >= 0")
+    if wanted < depths:  # drop the deeper depths
+        global_tensors = {k: v for k, v in global_tensors.items()
+                          if not k.startswith("mtp.layers.") or int(k.split(".")[2]) < wanted}
+        depths = wanted
+    if args.mtp_use_repeated_layer:
+        if not wanted:
+            raise ServingError("--mtp-use-repeated-layer needs MTP depths")
+        global_tensors = mapping.collapse_repeated(global_tensors, depths)
+    cfg.mtp_num_layers, cfg.mtp_repeated = wanted, args.mtp_use_repeated_layer
+    megatron_args = cfg.megatron_args()
+    flags = cfg.trainer_flags(args.make_vocab_size_divisible_by)
+    with files.Staging(out) as staging:
+        initialized = files.write_megatron(staging, megatron_args, global_tensors, depths, seed=args.seed)
+        (staging / files.FLAGS_FILE).write_text(" ".join(flags) + "\n")
+    new_depths = sorted({int(n.split(".")[2]) + 1 for n in initialized if n.startswith("mtp.layers.")})
+    others = [n for n in initialized if not n.startswith("mtp.layers.")]
+    if others:  # every backbone parameter must come from the checkpoint
+        raise ServingError(f"internal: backbone parameter {others[0]} was not imported")
+    print(f"{PROG}: imported {cfg.family} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary "
+          f"{cfg.vocab_size} padded to {cfg.padded_vocab_size}, {'tied' if cfg.tied else 'untied'} embeddings"
+          f"{', MTP depths ' + str(depths) + ' from ' + layout + ' layout' if depths else ''}"
+          f"{', new MTP depths ' + str(new_depths) + ' initialized' if new_depths else ''}) into {out}")
+    print(f"{PROG}: model flags (also in {out / files.FLAGS_FILE}): {' '.join(flags)}")
+    return 0
+
+
+def run_export(args) -> int:
+    from megatron_mtp.serving import ServingError, files, mapping
+    from megatron_mtp.serving.config import ModelConfig
+
+    out = files.check_output(args.output)
+    if args.tokenizer and not os.path.exists(args.tokenizer):
+        raise ServingError(f"--tokenizer {args.tokenizer}: no such file or directory")
+    run_args, tensors, directory = files.read_megatron(args.source)
+    if run_args is None:
+        raise ServingError(f"{directory}: the checkpoint holds no arguments (not written by the trainer or import)")
+    cfg = ModelConfig.from_megatron_args(run_args)
+    layout = None if args.mtp_layout == "none" else args.mtp_layout or ("mimo" if cfg.mtp_num_layers else None)
+    if layout and not cfg.mtp_num_layers:
+        raise ServingError(f"--mtp-layout {args.mtp_layout}: the checkpoint has no MTP depths "
+                           "(trained without --mtp-num-layers); use --mtp-layout none")
+    present = {k for k in tensors if k.startswith("mtp.layers.")}
+    if cfg.mtp_num_layers and layout and not present:
+        raise ServingError(f"{directory}: the arguments name {cfg.mtp_num_layers} MTP depths but the checkpoint "
+                           "holds no MTP tensors")
+    hf = mapping.megatron_to_hf(tensors, cfg, layout)
+    expected = mapping.hf_shapes(cfg, layout, cfg.mtp_num_layers)
+    if sorted(hf) != sorted(expected):
+        raise ServingError(f"internal: exported names differ from the loaders' ({sorted(set(hf) ^ set(expected))[:3]})")
+    config = cfg.to_hf(args.dtype, layout)
+    with files.Staging(out) as staging:
+        copied = files.write_hf(staging, config, hf, args.dtype, args.tokenizer,
+                                max_shard_bytes=int(args.max_shard_size_gb * 2**30))
+    mtp = "no MTP depths"
+    if cfg.mtp_num_layers and layout:
+        mtp = f"{cfg.mtp_num_layers} MTP depths in {layout}'s layout"
+        if cfg.mtp_repeated:
+            mtp += f" (the one repeated layer written {cfg.mtp_num_layers} times, identical)"
+    elif cfg.mtp_num_layers:
+        mtp = f"the backbone only ({cfg.mtp_num_layers} MTP depths left out)"
+    print(f"{PROG}: exported {directory} as {config['architectures'][0]} ({args.dtype}), {mtp}"
+          f"{', tokenizer files ' + ', '.join(copied) if copied else ''} into {out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse(argv if argv is not None else sys.argv[1:])
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    from megatron_mtp.serving import ServingError
+
+    try:
+        return run_import(args) if args.command == "import" else run_export(args)
+    except ServingError as error:
+        return fail(str(error))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Speculative decoding with a checkpoint's MTP depths as drafts: the acceptance a server sees.
+
+    tools/eval_speculative.py runs/default                      # prompts from the run's own data
+    tools/eval_speculative.py RUN_DIR --prompts prompts.txt --tokenizer bytes --new-tokens 64
+
+Greedy decoding where depth k drafts token t+k+1 from the accepted prefix (the chain the
+depths were trained on) and the main head verifies every draft (megatron_mtp.serving.
+speculative). The output is checked against plain greedy decoding token for token (lossless;
+a difference is an error, exit status 1). Reported, with the definitions named:
+
+- acceptance per depth: vLLM's per-position rate (drafts accepted at position k / verify steps);
+- draft acceptance rate: accepted / drafted tokens (vLLM);
+- mean acceptance length with the bonus token: vLLM's 1 + accepted / verify steps and
+  SGLang's sum(accepted + 1) / verify steps (equal here: one sequence, every step drafts D);
+- target forward passes per generated token (the prefill included);
+- beside them, the trainer's teacher-forced acceptance (spec section 7: depth k's argmax against
+  the text's own token) on the same texts: the prompt and the data's continuation (or, with
+  --prompts, the prompt and the greedy continuation).
+
+Prompts: --data-path PREFIX (a megatron-core indexed dataset; default: the run's --data-path,
+else the embedded corpus): the first --prompt-length tokens of --num-prompts documents spread
+over the dataset; or --prompts FILE, one prompt per line, encoded with --tokenizer (bytes, a
+tokenizer.json or a SentencePiece model; default bytes).
+
+Runs on CPU as a plain loop over the model's forward (no KV cache), megatron-core's GPTModel
+loaded in one process from any saved TP / PP / VPP layout. megatron-core 0.19.2's dynamic
+inference engine with MTP speculative decoding (num_speculative_tokens,
+text_generation_controllers/mtp_utils_pytorch.py) is not used here: its context, engine and
+controller allocate CUDA buffers, streams and graphs throughout (about 320 `cuda` references),
+outside what the series' runtime-only CPU patches cover. Progress goes to stderr.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROG = "eval_speculative.py"
+
+
+def fail(message: str, status: int = 2) -> int:
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    return status
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="trainer checkpoint (--save directory, or an iteration directory)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data-path", help="megatron-core indexed dataset prefix the prompts come from")
+    source.add_argument("--prompts", help="file of prompts, one per line")
+    parser.add_argument("--tokenizer", default="bytes", help="encodes --prompts: bytes, tokenizer.json or .model")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-length", type=int, default=32, help="tokens of each document used as prompt")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--depths", type=int, default=None, help="draft with the first D depths (default: all)")
+    parser.add_argument("--json", help="also write the results to this file")
+    return parser.parse_args(argv)
+
+
+def dataset_prompts(prefix: str, count: int, prompt_length: int, new_tokens: int):
+    """(prompt, reference text) pairs from documents long enough, spread evenly over the dataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_mtp.serving import ServingError
+
+    if not os.path.isfile(prefix + ".idx"):
+        raise ServingError(f"--data-path {prefix}: no {prefix}.idx")
+    documents = IndexedDataset(prefix)
+    needed = prompt_length + new_tokens
+    long_enough = [i for i in range(len(documents)) if documents.sequence_lengths[i] >= needed]
+    if len(long_enough) < count:
+        raise ServingError(f"--data-path {prefix}: {len(long_enough)} documents hold {needed} tokens "
+                           f"(--prompt-length + --new-tokens), {count} are asked for")
+    chosen = [long_enough[(i * len(long_enough)) // count] for i in range(count)]
+    pairs = []
+    for i in chosen:
+        text = [int(t) for t in documents[i][:needed]]
+        pairs.append((text[:prompt_length], text))
+    return pairs
+
+
+def main(argv=None) -> int:
+    args = parse(argv if argv is not None else sys.argv[1:])
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    import torch
+
+    from megatron_mtp.serving import ServingError, files
+    from megatron_mtp.serving import model as serving_model
+    from megatron_mtp.serving import speculative
+
+    torch.set_grad_enabled(False)
+    try:
+        for name in ("num_prompts", "prompt_length", "new_tokens"):
+            if getattr(args, name) < 1:
+                raise ServingError(f"--{name.replace('_', '-')} must be >= 1")
+        run_args, _, directory = files.read_megatron(args.checkpoint)
+        if run_args is None:
+            raise ServingError(f"{directory}: the checkpoint holds no arguments")
+        depths = run_args.mtp_num_layers or 0
+        if not depths:
+            raise ServingError(f"{directory}: the model has no MTP depths to draft with")
+        use = depths if args.depths is None else args.depths
+        if not 1 <= use <= depths:
+            raise ServingError(f"--depths {args.depths}: the model has {depths} MTP depths")
+        if args.prompts:
+            from megatron_mtp.data.tokenizers import load_tokenizer
+
+            tokenizer = load_tokenizer(args.tokenizer)
+            lines = [line.rstrip("\n") for line in open(args.prompts, encoding="utf-8") if line.strip()]
+            if not lines:
+                raise ServingError(f"--prompts {args.prompts}: no prompts")
+            pairs = [(tokenizer.encode(line), None) for line in lines[: args.num_prompts]]
+            source = args.prompts
+        else:
+            from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
+
+            prefix = args.data_path or ((run_args.data_path or [None])[0] if getattr(run_args, "data_path", None)
+                                        else None) or str(corpus_prefix(default_cache_dir()))
+            pairs = dataset_prompts(prefix, args.num_prompts, args.prompt_length, args.new_tokens)
+            source = prefix
+        vocab = int(getattr(run_args, "vocab_size", None) or run_args.padded_vocab_size)
+        for prompt, _ in pairs:
+            if not prompt or max(prompt) >= vocab:
+                raise ServingError(f"a prompt is empty or holds a token id >= the vocabulary {vocab}")
+        longest = max(len(p) for p, _ in pairs) + args.new_tokens + use
+        if getattr(run_args, "position_embedding_type", "rope") != "rope" and longest > run_args.max_position_embeddings:
+            raise ServingError(f"prompt + new tokens + drafts = {longest} positions, the model has "
+                               f"{run_args.max_position_embeddings}")
+    except ServingError as error:
+        return fail(error)
+
+    started = time.monotonic()
+    serving_model.setup()
+    model = serving_model.build(run_args)
+    serving_model.load(model, str(directory))
+    runner = serving_model.Runner(model, vocab)
+    stats = speculative.Stats(depths=use)
+    mismatches = []
+    print(f"{PROG}: {directory}, {len(pairs)} prompts from {source}, {args.new_tokens} new tokens, "
+          f"{use} of {depths} MTP depths drafting", file=sys.stderr, flush=True)
+    for i, (prompt, reference) in enumerate(pairs):
+        output = speculative.speculative(runner, prompt, args.new_tokens, stats, depths=use)
+        plain = speculative.greedy(runner, prompt, args.new_tokens)
+        if len(output) != len(plain) or output != plain:
+            first = next((j for j, (a, b) in enumerate(zip(output, plain)) if a != b), min(len(output), len(plain)))
+            mismatches.append(f"prompt {i}: token {first} is {output[first] if first < len(output) else None} "
+                              f"with drafts, {plain[first] if first < len(plain) else None} in plain greedy decoding")
+        speculative.teacher_forced(runner, reference if reference is not None else prompt + plain, stats)
+        print(f"{PROG}: prompt {i + 1}/{len(pairs)} done ({time.monotonic() - started:.0f} s)",
+              file=sys.stderr, flush=True)
+    summary = stats.summary()
+    summary.update({"lossless": not mismatches, "prompts": len(pairs), "new tokens per prompt": args.new_tokens,
+                    "depths": use, "checkpoint": str(directory),
+                    "teacher-forced text": "prompt + greedy output" if args.prompts else "prompt + the data's continuation"})
+    for key, value in summary.items():
+        shown = [round(v, 4) if isinstance(v, float) else v for v in value] if isinstance(value, list) else \
+            round(value, 4) if isinstance(value, float) else value
+        print(f"{key}: {shown}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(summary, file, indent=2)
+    if mismatches:
+        return fail("speculative output differs from plain greedy decoding: " + "; ".join(mismatches[:3]), 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
