@@ -45,7 +45,7 @@ def main(rounds: int = 10):
 
     def one_step(k):
         step = SplitStep(chunks, optimizer, gpt_forward_step, seq_length=seq, micro_batch_size=2)
-        step.begin(global_counts(microbatches))
+        step.begin(global_counts(microbatches)[0])
         per = len(microbatches) // k
         for i in range(0, len(microbatches), per):
             step.accumulate(microbatches[i:i + per])

@@ -24,8 +24,9 @@ def initialize_distributed(tp: int, pp: int, vpp: int | None, seed: int, timeout
     initialize_model_parallel(tp, pp, vpp, seed)
 
 
-def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int) -> None:
-    """TP x PP (x VPP) groups, data parallel over the rest of the world, and seeded RNG trackers."""
+def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1) -> None:
+    """TP x PP (x VPP) groups, data parallel over the rest of the world (expert parallel EP
+    over it for MoE layers), and seeded RNG trackers."""
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(
@@ -35,5 +36,6 @@ def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int) -> N
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
     )
     model_parallel_cuda_manual_seed(seed)

@@ -28,14 +28,15 @@ def gpt_forward_step(data_iterator, model):
     return output, partial(main_loss, loss_mask=loss_mask)
 
 
-def global_counts(microbatches: list) -> StepCounts:
-    """The step's counts over all data-parallel ranks: one small all-reduce."""
-    per_batch = [count_targets(loss_mask) for _, loss_mask in microbatches]
-    local = torch.tensor([[c.tokens, c.sequences] for c in per_batch], dtype=torch.float64,
+def global_counts(microbatches: list) -> tuple[StepCounts, int]:
+    """The step's counts over all data-parallel ranks, and its routed tokens (every input
+    position: the MoE router losses' T): one small all-reduce."""
+    per_batch = [(count_targets(loss_mask), loss_mask.numel()) for _, loss_mask in microbatches]
+    local = torch.tensor([[c.tokens, c.sequences, routed] for c, routed in per_batch], dtype=torch.float64,
                          device=compute_device.current_device()).sum(dim=0)
     dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
-    tokens, sequences = local.tolist()
-    return StepCounts(tokens=int(tokens), sequences=int(sequences))
+    tokens, sequences, routed = (int(x) for x in local.tolist())
+    return StepCounts(tokens=tokens, sequences=sequences), routed
 
 
 def train_step(chunks, optimizer, microbatches: list, seq_length: int, main_loss_level: str = "token",
@@ -44,6 +45,7 @@ def train_step(chunks, optimizer, microbatches: list, seq_length: int, main_loss
     exact metrics (see SplitStep.finish), the same on every rank."""
     step = SplitStep(chunks, optimizer, gpt_forward_step, seq_length=seq_length,
                      micro_batch_size=microbatches[0][0].size(0), main_loss=main_loss_level)
-    step.begin(global_counts(microbatches) if counts_up_front else None)
+    counts, routed_tokens = global_counts(microbatches)
+    step.begin(counts if counts_up_front else None, routed_tokens=routed_tokens)
     step.accumulate(microbatches)
     return step.finish()

@@ -112,7 +112,7 @@ def run_step(chunks, optimizer, tokens, mask, micro_batch: int, n_chunks: int, l
 
     optimizer.step = capturing_step
     try:
-        step.begin(global_counts(rank_microbatches(tokens, mask, micro_batch)) if counts_up_front else None)
+        step.begin(global_counts(rank_microbatches(tokens, mask, micro_batch))[0] if counts_up_front else None)
         per_chunk = -(-len(microbatches) // n_chunks)
         for i in range(0, len(microbatches), per_chunk):
             step.accumulate(microbatches[i:i + per_chunk])
@@ -247,7 +247,7 @@ def abort_restores(tokens, mask) -> dict:
     params = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
     microbatches = rank_microbatches(tokens, mask, 2)
     step = SplitStep(chunks, optimizer, gpt_forward_step, seq_length=SEQ, micro_batch_size=2)
-    step.begin(StepCounts(**vars(global_counts(microbatches))))
+    step.begin(StepCounts(**vars(global_counts(microbatches)[0])))
     step.accumulate(microbatches[:2])
     try:
         save_checkpoint("/nonexistent/never-written", chunks, optimizer)
