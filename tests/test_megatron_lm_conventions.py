@@ -1,0 +1,83 @@
+"""pretrain_gpt_mtp.py behaves as Megatron-LM's pretrain_gpt.py where users rely on it (issue 16).
+
+- The loss function's checks: this rank's raw loss sum goes through megatron-core's rerun
+  state machine before any reduction, as pretrain_gpt.py's loss_func does: a NaN loss is
+  caught at the loss (not later, by the gradient check), and --check-for-spiky-loss flags
+  a loss 10 times the largest of the first 100.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.harness.launcher import REPO_ROOT
+from tests.harness.trainer import TINY, train
+
+MOCK = ("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300")
+
+
+def python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter on the installed (current) build, from the repository root."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+
+
+# ---------------------------------------------------------------- the loss function's checks
+
+LOSS_CHECKS = """
+    import argparse, logging, sys
+    import torch
+    sys.argv = ["pretrain_gpt_mtp.py"]
+    import pretrain_gpt_mtp
+    from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+    from megatron.training.global_vars import set_args
+
+    warnings = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+    logging.getLogger("megatron.core.rerun_state_machine").addHandler(Keep())
+    initialize_rerun_state_machine(mode=RerunMode.DISABLED)
+    mask = torch.ones(2, 8)
+    def loss(value, spiky):
+        set_args(argparse.Namespace(check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=spiky))
+        return pretrain_gpt_mtp.loss_func(mask, torch.full((2, 8), value))
+    for spiky in (False, True):
+        for step in range(100):
+            loss(1.0 + step / 100, spiky)
+        del warnings[:]
+        loss(30.0, spiky)  # 30 x 16 tokens: over 10 x the largest sum seen (2 x 16)
+        print("spiky", spiky, any("Spiky loss" in w for w in warnings))
+    for bad in ("nan", "inf"):
+        try:
+            loss(float(bad), False)
+            print("accepted", bad)
+        except RuntimeError as error:
+            print("refused", bad, error)
+"""
+
+
+def test_the_loss_function_checks_nan_inf_and_spiky_loss_through_the_rerun_state_machine():
+    result = python(LOSS_CHECKS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "spiky False False" in lines and "spiky True True" in lines, lines
+    refused = [line for line in lines if line.startswith("refused")]
+    assert len(refused) == 2, lines
+    assert "found NaN in local forward loss calculation" in refused[0], refused
+    assert "found Inf in local forward loss calculation" in refused[1], refused
+
+
+@pytest.mark.slow
+def test_a_nan_loss_is_caught_at_the_loss(tmp_path):
+    """An absurd learning rate makes step 2's weights non-finite: the loss check finds the NaN
+    before any gradient exists; upstream's rerun state machine reruns the step, finds it
+    reproducible, saves the last good iteration and exits with its status 16."""
+    run = train(1, *TINY, *MOCK, "--lr", "1e35", "--train-iters", "4", "--mtp-num-layers", "1",
+                "--save", str(tmp_path / "run"), "--save-interval", "100", check=False)
+    assert run.returncode != 0 and "exitcode  : 16" in run.output, run.tail()
+    assert "(message='found NaN in local forward loss calculation')" in run.output, run.tail()
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "1"
