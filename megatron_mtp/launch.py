@@ -11,6 +11,7 @@ that fail before anything is built, in one line (not one traceback per rank).
 
 import argparse
 import contextlib
+import glob
 import io
 import linecache
 import os
@@ -238,6 +239,33 @@ def finished(args) -> str | None:
             f"to start afresh")
 
 
+def _nvidia_devices() -> list[str]:
+    """The NVIDIA GPUs the kernel driver exposes: device nodes, or the driver's /proc entries."""
+    return sorted(glob.glob("/dev/nvidia[0-9]*")) or sorted(glob.glob("/proc/driver/nvidia/gpus/*"))
+
+
+def _unusable_gpus() -> str | None:
+    """Why a machine with NVIDIA GPUs cannot use them (torch finds no CUDA), or None: the CPU
+    defaults are for machines without GPUs, or runs that hide them (CUDA_VISIBLE_DEVICES=)."""
+    import torch
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return None
+    devices = _nvidia_devices()
+    if not devices:
+        return None
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)"
+    else:
+        try:
+            torch.cuda.init()
+            why = "torch sees no CUDA device (check CUDA_VISIBLE_DEVICES and the driver)"
+        except Exception as error:  # the driver's own reason
+            why = " ".join(str(error).split())[:300] or type(error).__name__
+    return (f"this machine has NVIDIA GPUs ({', '.join(devices[:2])}{', ...' if len(devices) > 2 else ''}) but "
+            f"CUDA is unusable: {why}; fix that, or set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose")
+
+
 def _one_line(error: BaseException | str) -> str:
     text = " ".join(str(error).split())
     if text:
@@ -273,6 +301,10 @@ def arguments():
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
     on_cpu = not torch.cuda.is_available()
+    unusable = _unusable_gpus() if on_cpu else None
+    if unusable:
+        fail(unusable)
+        return None
     if on_cpu:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM's TP check; moot on CPU
     embedded = not any(_given(flag) for flag in DATA_FLAGS)

@@ -4,6 +4,9 @@
   state machine before any reduction, as pretrain_gpt.py's loss_func does: a NaN loss is
   caught at the loss (not later, by the gradient check), and --check-for-spiky-loss flags
   a loss 10 times the largest of the first 100.
+- CPU defaults only where no GPU exists: a machine with NVIDIA devices whose CUDA is
+  unusable (a driver problem, a CPU-only torch) is refused in one line, unless the run
+  hides its GPUs on purpose (CUDA_VISIBLE_DEVICES=).
 """
 
 import os
@@ -81,3 +84,38 @@ def test_a_nan_loss_is_caught_at_the_loss(tmp_path):
     assert run.returncode != 0 and "exitcode  : 16" in run.output, run.tail()
     assert "(message='found NaN in local forward loss calculation')" in run.output, run.tail()
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
+# ---------------------------------------------------------------- CPU defaults only without GPUs
+
+UNUSABLE_CUDA = """
+    import contextlib, io, os, sys
+    from megatron_mtp import launch
+    devices = {"none": [], "gpus": ["/dev/nvidia0", "/dev/nvidia1"]}
+    for name, visible in (("none", None), ("gpus", None), ("gpus", ""), ("gpus", "-1")):
+        launch._nvidia_devices = lambda: devices[name]  # the probe: what the kernel driver exposes
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        sys.argv = ["pretrain_gpt_mtp.py", "--dry-run", *ARGS]
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            accepted = launch.arguments() is not None
+        from megatron.training.global_vars import unset_global_variables
+        unset_global_variables()
+        errors = [line for line in stderr.getvalue().splitlines() if line.startswith("pretrain_gpt_mtp.py: error")]
+        print(name, repr(visible), accepted, errors)
+"""
+
+
+def test_a_machine_with_nvidia_gpus_but_unusable_cuda_is_refused_in_one_line():
+    args = [*TINY, *MOCK, "--lr", "1e-3", "--train-iters", "2"]
+    result = python(f"ARGS = {args!r}\n" + textwrap.dedent(UNUSABLE_CUDA))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("none", "gpus"))]
+    assert lines[0] == "none None True []", lines  # no GPU: the CPU defaults
+    refused = lines[1]
+    assert refused.startswith("gpus None False ['pretrain_gpt_mtp.py: error: this machine has NVIDIA GPUs "
+                              "(/dev/nvidia0, /dev/nvidia1) but CUDA is unusable: "), refused
+    assert "CPU-only build" in refused and "set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose" in refused
+    assert lines[2:] == ["gpus '' True []", "gpus '-1' True []"], lines  # GPUs hidden on purpose
