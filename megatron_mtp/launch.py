@@ -17,6 +17,7 @@ import linecache
 import os
 import sys
 
+from megatron_mtp import moe_arguments
 from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
 from megatron_mtp.data.indexed import DatasetError, check_dataset, read_metadata
 
@@ -163,6 +164,7 @@ def _check(args) -> None:
                             "--mtp-detach-heads (isolation keeps the heads' loss off the frozen backbone)")
     if depths and cp > 1:
         raise ArgumentError("MTP with context parallelism is not supported yet: use --context-parallel-size 1")
+    moe_arguments.check(args, world, ArgumentError)
     if depths and pp > 1 and args.position_embedding_type == "learned_absolute":
         raise ArgumentError("MTP under pipeline parallelism needs --position-embedding-type rope "
                             "(a learned absolute position embedding would be duplicated out of sync)")
