@@ -143,6 +143,7 @@ def test_training_on_a_blend_reports_every_metric_to_console_tensorboard_and_wan
     run = train(2, *TINY, "--lr", "1e-3", "--train-iters", "4", "--mtp-num-layers", "2", "--mtp-detach-heads",
                 "--data-path", "0.7", str(tmp_path / "first"), "0.3", str(tmp_path / "second"),
                 "--split", "90,5,5", "--eval-interval", "2", "--eval-iters", "2",
+                "--data-cache-path", str(tmp_path / "cache"),
                 "--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "megatron-mtp-test",
                 "--wandb-exp-name", "blend", "--wandb-save-dir", str(tmp_path / "wandb"),
                 env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
@@ -154,6 +155,9 @@ def test_training_on_a_blend_reports_every_metric_to_console_tensorboard_and_wan
         assert field in line, (field, sorted(line))
     assert "ETA: " in run.output
     assert 0 < line["expected accepted length (incl. bonus token)"] - 1 <= 2
+    check_expected_accepted_length(run.iterations, scalars(tmp_path / "tb"), depths=2)
+    check_blend_and_split(tmp_path / "cache", {str(tmp_path / "first"): (0.7, 250), str(tmp_path / "second"): (0.3, 150)},
+                          (0.90, 0.05, 0.05), train_samples=4 * 8)
     for iteration in (2, 4):  # evaluation reports the MTP metrics too
         validation = run.validations[iteration]
         assert {"lm loss", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance"} <= set(validation), validation
@@ -172,8 +176,84 @@ def test_training_on_a_blend_reports_every_metric_to_console_tensorboard_and_wan
         assert key in logged, key
 
 
+EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"
+
+
+def check_expected_accepted_length(iterations: dict, tensorboard: dict, depths: int) -> None:
+    """The logged expected accepted length is 1 + the sum of the logged chain acceptances
+    (spec section 7), at every iteration: exactly (float32) in TensorBoard, to the console's 4
+    decimals there. Depth 1's chain acceptance is its acceptance; a deeper depth's chain
+    acceptance is at most its acceptance, and the run must show one strictly below, or a
+    length computed from the plain acceptances would pass as well."""
+    assert len(iterations) > 0 and len(tensorboard[EXPECTED_LENGTH]) == len(iterations)
+    strictly_below = False
+    for step, line in iterations.items():
+        chain = [line[f"mtp_{k} chain acceptance"] for k in range(1, depths + 1)]
+        assert abs(line[EXPECTED_LENGTH] - (1 + sum(chain))) <= 1e-4 * (depths + 1), (step, line)
+        tb_chain = [tensorboard[f"mtp_{k} chain acceptance"][step] for k in range(1, depths + 1)]
+        tb_acceptance = [tensorboard[f"mtp_{k} acceptance"][step] for k in range(1, depths + 1)]
+        assert abs(tensorboard[EXPECTED_LENGTH][step] - (1 + sum(tb_chain))) <= 1e-6, (step, tb_chain)
+        assert tb_chain[0] == tb_acceptance[0], step
+        assert all(0 <= c <= a <= 1 for c, a in zip(tb_chain, tb_acceptance)), (step, tb_chain, tb_acceptance)
+        strictly_below |= any(c < a for c, a in zip(tb_chain[1:], tb_acceptance[1:]))
+    assert strictly_below, "no step tells chain from plain acceptance"
+
+
+def check_blend_and_split(cache: Path, datasets: dict, split: tuple, train_samples: int) -> None:
+    """What the run's data actually were, from megatron-core's index cache (--data-cache-path):
+    `datasets` maps each prefix to (blend weight, number of documents).
+
+    Blend: the training samples drawn from each dataset (the blended dataset's index, read
+    in order by the run) are its weight's share to within one sample. Split: each dataset's
+    train, valid and test documents (its GPT datasets' document indices) are consecutive,
+    disjoint ranges of documents in that order, covering all, each its share of the documents
+    to within one."""
+    def one(pattern: str) -> Path:
+        (found,) = cache.glob(pattern)
+        return found
+
+    blend = numpy.load(one("*-BlendedDataset-train-dataset_index.npy"))
+    assert train_samples <= len(blend) <= train_samples + 1  # (0.19.2 builds one sample more)
+    blend = blend[:train_samples]  # read in order
+    for position, (prefix, (weight, _)) in enumerate(datasets.items()):  # the blend's order
+        drawn = int((blend == position).sum())
+        assert abs(drawn - weight * train_samples) <= 1, (prefix, drawn, weight)
+    documents = {}
+    for description in cache.glob("*-GPTDataset-*-description.txt"):
+        identifiers = json.loads(description.read_text())
+        index = numpy.load(str(description).replace("description.txt", "document_index.npy"))
+        documents[identifiers["dataset_path"], identifiers["index_split"]] = sorted(set(index.tolist()))
+    assert {prefix for prefix, _ in documents} == set(datasets), sorted(documents)
+    for prefix, (_, count) in datasets.items():
+        start = 0
+        for name, share in zip(("train", "valid", "test"), split):
+            ids = documents[prefix, name]
+            assert ids == list(range(start, start + len(ids))), (prefix, name)  # consecutive, in order
+            assert abs(len(ids) - share * count) <= 1, (prefix, name, len(ids), share * count)
+            start += len(ids)
+        assert start == count, (prefix, start, count)
+
+
 @pytest.mark.slow
 def test_mock_data(tmp_path):
     run = train(1, *TINY, "--lr", "1e-3", "--train-iters", "2", "--mtp-num-layers", "1", "--mock-data",
                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "300")
     assert sorted(run.iterations) == [1, 2] and "mtp_1 loss" in run.iterations[2], run.tail()
+    check_mock_run(run, iterations=2, global_batch=8, padded_vocab=384)
+
+
+def check_mock_run(run, iterations: int, global_batch: int, padded_vocab: int) -> None:
+    """The run trained on megatron-core's mock GPT data, sized by the run, every step counted,
+    with real losses: an untrained model's cross-entropy over the padded vocabulary is near
+    ln(vocab) (measured 5.84 to 5.99 for ln 384 = 5.95), for the main head and depth 1."""
+    import math
+
+    assert f"Building MockGPTDataset splits with sizes=({iterations * global_batch}, " in run.output
+    assert sorted(run.iterations) == list(range(1, iterations + 1))
+    for step, line in run.iterations.items():
+        assert line["consumed samples"] == step * global_batch and line["global batch size"] == global_batch
+        assert line["number of skipped iterations"] == 0 and line["number of nan iterations"] == 0, line
+        for loss in ("lm loss", "mtp_1 loss"):
+            assert abs(line[loss] - math.log(padded_vocab)) < 0.5, (step, loss, line[loss])
+        assert 0 <= line["mtp_1 chain acceptance"] == line["mtp_1 acceptance"] <= 1
+        assert abs(line[EXPECTED_LENGTH] - 1 - line["mtp_1 chain acceptance"]) <= 2e-4, line

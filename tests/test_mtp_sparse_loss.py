@@ -74,7 +74,9 @@ def test_sparse_lm_loss_matches_the_reference(build):
 
 def test_chain_counts_where_a_shallower_target_is_masked(build):
     (result,) = launch("tests.bodies.sparse_loss:confident_chain", 1, timeout=600, build=build)
+    assert sorted(result) == ["holes", "mixed"]
     for name, case in result.items():
+        assert len(case["sums"]) == len(case["reference"]) == 3, name  # DEPTHS of the body
         for got, want in zip(case["sums"], case["reference"]):
             assert want[3] == want[1] > 0, (name, want)  # the reference: every valid position chain-correct
             assert got[1:] == want[1:], (name, got, want)
@@ -87,6 +89,7 @@ def test_vocab_parallel_ties_resolve_to_the_lowest_index(ties):
             depth1 = rank[path]["sums"][0]
             assert depth1[2] == rank["expected_correct_1"], (path, depth1)
             assert depth1[3] == rank["expected_correct_1"], (path, depth1)  # chain = top-1 at depth 1
+        assert len(rank["sparse"]["sums"]) == len(rank["dense"]["sums"]) == 2  # depths of the body
         for sparse_row, dense_row in zip(rank["sparse"]["sums"], rank["dense"]["sums"]):
             assert sparse_row[0] == pytest.approx(dense_row[0], rel=TOL)  # CE sum
             assert sparse_row[1:] == dense_row[1:]  # valid, correct, chain-correct counts

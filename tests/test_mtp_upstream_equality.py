@@ -40,8 +40,10 @@ def test_isolation_off_forward_equals_upstream(captured, depths, tied):
     a, b = torch.load(out / f"ours-{name}.pt"), torch.load(out / f"upstream-{name}.pt")
     assert len(a["mtp_losses"]) == len(b["mtp_losses"]) == depths
     for key in ("mtp_losses", "logits", "main"):
+        assert torch.tensor(a[key]).shape == torch.tensor(b[key]).shape, key  # (allclose broadcasts)
         assert torch.allclose(torch.tensor(a[key]), torch.tensor(b[key]), rtol=0, atol=1e-6), key
     mask = torch.tensor(b["mask"])
+    assert len(a["sparse_ce_sums"]) == depths
     for k, (sparse_sum, upstream_ce) in enumerate(zip(a["sparse_ce_sums"], b["mtp_losses"]), start=1):
         mask_k = torch.zeros_like(mask)
         mask_k[:, :-k] = mask[:, k:]  # depth k at t is supervised by the label at t + k

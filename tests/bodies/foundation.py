@@ -183,5 +183,23 @@ def sdpa_matches_upstream_attention() -> dict:
     return out
 
 
+LEARN_STEPS = 4
+
+
+def learns() -> dict:
+    """The step's lm loss over LEARN_STEPS steps on one repeated batch (the data batches are
+    uniform random tokens, so only a seen batch can get easier), with the reference's
+    learning rate and, as the control a non-learning model gives, with lr 0."""
+    out = {}
+    with model_parallel():
+        for name, lr in (("trained", Setup.lr), ("lr0", 0.0)):
+            for mtp in (0, 2):
+                torch.manual_seed(21)
+                setup = Setup(mtp_num_layers=mtp, lr=lr)
+                chunks, optimizer, _ = build(setup)
+                out[f"{name}_mtp{mtp}"] = [train_step(setup, chunks, optimizer, 0) for _ in range(LEARN_STEPS)]
+    return out
+
+
 def reference_suite(ckpt_root: str) -> dict:
-    return {"reference": reference(ckpt_root), "sdpa": sdpa_matches_upstream_attention()}
+    return {"reference": reference(ckpt_root), "sdpa": sdpa_matches_upstream_attention(), "learns": learns()}

@@ -57,6 +57,24 @@ def gathered_full_grads(chunks) -> dict:
     return full
 
 
+def all_gather_distributed_optimizer_shards(chunks) -> None:
+    """With the distributed optimizer each data-parallel rank holds only its shard of every
+    gradient bucket reduced (reduce-scatter; the rest of the bucket is its local, unreduced
+    gradient): all-gather the reduced shards into every rank's buckets, so that `main_grad`
+    holds the full reduced gradient for `gathered_full_grads`. The optimizer reads only its
+    own shard, which this leaves as it was."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in chunks:
+        for group in list(chunk.bucket_groups) + list(getattr(chunk, "expert_parallel_bucket_groups", [])):
+            size = group.intra_distributed_optimizer_instance_size
+            rank = group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                shards = shard_buffer(bucket.grad_data, size)
+                mine = shards[rank].clone()
+                dist.all_gather(list(shards), mine, group=group.intra_distributed_optimizer_instance_group)
+
+
 def max_rel_to_reference(full: dict, reference: dict) -> float:
     """Largest deviation of any copy from the reference gradient, relative to the reference's
     largest magnitude; infinite if a parameter is missing, extra, or of another shape."""

@@ -8,7 +8,7 @@ one-process run's, the main and MTP group norms, the loss and the per-depth MTP 
 import torch
 
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
-from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
+from tests.bodies.full_grads import all_gather_distributed_optimizer_shards, gathered_full_grads, max_rel_to_reference
 from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel
 
@@ -23,15 +23,16 @@ def group_norms_of_grads(chunks) -> dict:
 
 
 def one_step(setup: Setup, chunks, optimizer, one_process: bool = False) -> dict:
-    """One training step; the full gradients ("grads", not with the distributed optimizer)
-    captured after finalize, before the optimizer clips and steps."""
+    """One training step; the full gradients ("grads") captured after finalize, before the
+    optimizer clips and steps (with the distributed optimizer: its reduced shards gathered)."""
     distributed_optimizer = setup.distributed_optimizer
     captured = {}
     original_step = optimizer.step
 
     def step_after_capture():
-        if not distributed_optimizer:  # (its gradients are reduce-scattered: shards only)
-            captured["grads"] = gathered_full_grads(chunks)  # final: finalize ran
+        if distributed_optimizer:  # each rank holds its shard reduced: gather them
+            all_gather_distributed_optimizer_shards(chunks)
+        captured["grads"] = gathered_full_grads(chunks)  # final: finalize ran
         if one_process:
             captured["before_clip"] = group_norms_of_grads(chunks)
         outcome = original_step()
@@ -72,8 +73,6 @@ def layouts(ckpt_root: str, layouts: list[dict], setups: dict) -> dict:
                 load_checkpoint(f"{ckpt_root}/{name}", chunks)
                 result = one_step(setup, chunks, optimizer)
                 grads = result.pop("grads")
-                # With the distributed optimizer only the group norms (over all shards) compare.
-                result["grads_rel"] = None if grads is None else \
-                    max_rel_to_reference(grads, torch.load(f"{ckpt_root}/{name}-grads.pt"))
+                result["grads_rel"] = max_rel_to_reference(grads, torch.load(f"{ckpt_root}/{name}-grads.pt"))
                 out[f"{layout['name']}/{name}"] = result
     return out
