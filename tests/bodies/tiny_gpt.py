@@ -38,6 +38,52 @@ class Setup:
     mtp_detach_heads: bool = False
     mtp_use_repeated_layer: bool = False
     tied: bool = False
+    # MoE (none by default). DeepSeek-V3-like: no linear biases, SwiGLU, sigmoid scores with
+    # an expert bias, a shared expert, seq_aux_loss and z-loss; any upstream value works.
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | list = 1
+    moe_router_load_balancing_type: str | list = "aux_loss"
+    moe_aux_loss_coeff: float | list = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_token_dispatcher_type: str = "allgather"
+    add_bias_linear: bool = True
+    swiglu: bool = False
+
+
+def moe_config_kwargs(setup: Setup) -> dict:
+    """TransformerConfig arguments of the MoE fields (none without experts: upstream's defaults)."""
+    if not setup.num_moe_experts:
+        return {}
+    import torch.nn.functional as F
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return dict(
+        num_moe_experts=setup.num_moe_experts, moe_router_topk=setup.moe_router_topk,
+        moe_router_score_function=setup.moe_router_score_function,
+        moe_router_pre_softmax=setup.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=setup.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=setup.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=setup.moe_router_bias_update_rate,
+        moe_ffn_hidden_size=setup.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=setup.moe_shared_expert_intermediate_size,
+        moe_layer_freq=setup.moe_layer_freq,
+        moe_router_load_balancing_type=setup.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=setup.moe_aux_loss_coeff, moe_z_loss_coeff=setup.moe_z_loss_coeff,
+        moe_token_dispatcher_type=setup.moe_token_dispatcher_type,
+        add_bias_linear=setup.add_bias_linear,
+        gated_linear_unit=setup.swiglu, activation_func=F.silu if setup.swiglu else F.gelu,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=tp,
+        sequence_parallel=tp > 1,  # upstream: MoE with tensor parallelism needs it
+    )
 
 
 def build(setup: Setup, vpp: int | None = None):
@@ -60,6 +106,7 @@ def build(setup: Setup, vpp: int | None = None):
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=vpp,
         calculate_per_token_loss=True,
+        **moe_config_kwargs(setup),
     )
     chunks = build_model(config, setup.vocab_size, setup.seq_length,
                          use_distributed_optimizer=setup.distributed_optimizer,

@@ -1,0 +1,71 @@
+"""tests.bodies.full_grads for MoE layouts: expert-parallel experts gathered by global index.
+
+Under expert parallelism (EP) each EP rank holds num_experts / EP experts, named
+`local_experts.{j}` (j local); their global index is ep_rank * local + j. Expert parameters are
+split over the expert-tensor-parallel group (ETP) and replicated over the expert-data-parallel
+group (their gradients reduced there), not over the dense data-parallel group. Everything else is
+as in full_grads: TP shards joined in TP order, each TP replica and each pipeline stage's copy
+one entry, taken from (expert-)data-parallel rank 0. With SwiGLU (gated_linear_unit) a
+column-parallel fc1 shard holds [gate shard; up shard]: the full weight is [all gates; all ups].
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from tests.bodies.full_grads import global_name
+
+
+def expert_global_name(name: str, ep_rank: int, local_experts: int) -> str:
+    parts = name.split(".")
+    if "local_experts" in parts:
+        i = parts.index("local_experts") + 1
+        parts[i] = str(ep_rank * local_experts + int(parts[i]))
+    return ".".join(parts)
+
+
+def _join(name: str, shards: list, dim: int, glu: bool):
+    if glu and name.endswith("linear_fc1.weight") and dim == 0:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def gathered_full_grads_and_buffers(chunks, config) -> tuple[dict, dict]:
+    """({global name: [full gradient of each copy]}, {global name of each expert_bias: [copies]}),
+    the same on every rank."""
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    local = (config.num_moe_experts or 1) // parallel_state.get_expert_model_parallel_world_size()
+    coords = dict(pp=parallel_state.get_pipeline_model_parallel_rank(), dp=parallel_state.get_data_parallel_rank(),
+                  tp=parallel_state.get_tensor_model_parallel_rank(),
+                  edp=parallel_state.get_expert_data_parallel_rank(),
+                  etp=parallel_state.get_expert_tensor_parallel_rank())
+    pieces, buffers = [], []
+    for chunk in chunks:
+        module = chunk.module
+        for name, param in module.named_parameters():
+            expert = ".local_experts." in name
+            pieces.append((expert_global_name(global_name(module, name), ep_rank, local), expert,
+                           bool(getattr(param, "tensor_model_parallel", False)), getattr(param, "partition_dim", 0),
+                           param.main_grad.detach().float().cpu()))
+        for name, buf in module.named_buffers():
+            if name.endswith("expert_bias"):
+                buffers.append((global_name(module, name), buf.detach().float().cpu().clone()))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (coords, pieces, buffers))
+    groups, bias = {}, {}
+    for coords, pieces, buffers in everyone:
+        for name, value in buffers:
+            bias.setdefault(name, []).append(value)
+        for name, expert, split, dim, grad in pieces:
+            replica_rank, shard_rank = (coords["edp"], coords["etp"]) if expert else (coords["dp"], coords["tp"])
+            if replica_rank != 0:
+                continue
+            key = (name, coords["pp"], None if split else shard_rank)
+            groups.setdefault(key, (split, dim, {}))[2][shard_rank] = grad
+    full = {}
+    glu = bool(config.gated_linear_unit)
+    for (name, _, _), (split, dim, shards) in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        ordered = [shards[r] for r in sorted(shards)]
+        full.setdefault(name, []).append(_join(name, ordered, dim, glu) if split else ordered[0])
+    return full, bias

@@ -1,0 +1,151 @@
+"""MoE (+ MTP) full gradients after one exact step against the plain-PyTorch reference
+(tests/reference/moe.py: router, top-k, expert bias, shared expert, SwiGLU/GELU experts and the
+router losses written from spec section 11 and upstream's documented formulas).
+
+Data: tiny_gpt's global batch (holes in the loss mask, sample 1 nearly empty: the valid
+targets are far fewer than the routed positions, which every router loss counts). Layouts: one
+rank, DP4 with micro-batches of 1, EP2 (DP4), EP2 x TP2 with sequence parallelism (DP2 x 2
+micro-batches), PP2 x EP2 (MoE on both stages); allgather and alltoall dispatchers.
+Tolerance: relative 1e-5 of each parameter's largest reference gradient (float32 round-off;
+measured <= 9e-7 on every layout, 7.6e-7 on one rank); the expert biases after the step exactly
+the reference's update (measured: 0 difference).
+
+Known deviation (xfail): a repeated MTP layer's balance loss (seq_aux_loss / aux_loss). Upstream's
+router divides it by mtp_num_layers at every depth (megatron/core/transformer/moe/router.py,
+attach_and_log_load_balancing_loss: `aux_loss = aux_loss / self.config.mtp_num_layers`), so the
+D depths together count it once; the spec (section 11) counts each depth's router losses once, as
+for distinct layers. Measured: relative 0.27 off the spec's gradient, 7e-7 off a reference that
+weights the repeated layer's balance losses by 1/D. Its z-loss is not divided (only the logged
+value is) and agrees with the spec.
+"""
+
+import pytest
+
+from tests.harness import launch
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5
+ON_BUILD = "0.19.2"
+REPEATED_BALANCE = "attached_D2_repeated_sigmoid_seq_z"
+REPEATED_BALANCE_REASON = (
+    "upstream divides a repeated MTP layer's balance loss by mtp_num_layers at every depth "
+    "(router.py attach_and_log_load_balancing_loss), the spec counts each depth's once")
+
+MOE = dict(num_layers=2, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, add_bias_linear=False)
+SEQ_Z = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+SIGMOID = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+               moe_router_bias_update_rate=1e-2)
+SETUPS = {
+    # DeepSeek-V3-like: sigmoid scores, expert bias, scaled top-k weights, shared expert, SwiGLU.
+    "attached_D1_sigmoid_seq_z": dict(MOE, **SIGMOID, **SEQ_Z, mtp_num_layers=1, swiglu=True,
+                                      moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=16),
+    # Softmax (post-softmax top-k), GELU, shared expert; the first layer dense.
+    "isolated_D2_softmax_seq_z": dict(MOE, **SEQ_Z, mtp_num_layers=2, mtp_detach_heads=True,
+                                      moe_shared_expert_intermediate_size=16, moe_layer_freq=[0, 1]),
+    # The micro-batch balance loss (its value depends on the micro-batch size, its weight must not).
+    "attached_D2_pre_softmax_aux_z": dict(MOE, mtp_num_layers=2, moe_router_pre_softmax=True, swiglu=True,
+                                          moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
+                                          moe_z_loss_coeff=0.01),
+    "isolated_D2_repeated_sigmoid_z": dict(MOE, **SIGMOID, mtp_num_layers=2, mtp_detach_heads=True,
+                                           mtp_use_repeated_layer=True, swiglu=True, moe_z_loss_coeff=0.01),
+    "attached_D2_repeated_sigmoid_seq_z": dict(MOE, **SIGMOID, **SEQ_Z, mtp_num_layers=2,
+                                               mtp_use_repeated_layer=True, swiglu=True),
+}
+LAYOUTS = [
+    dict(name="dp4_mb1_allgather", tp=1, pp=1, ep=1, setup=dict(micro_batch=1)),
+    dict(name="ep2_dp4_alltoall", tp=1, pp=1, ep=2, setup=dict(moe_token_dispatcher_type="alltoall")),
+    dict(name="ep2_tp2_sp_dp2_allgather", tp=2, pp=1, ep=2),
+    dict(name="pp2_ep2_dp2_alltoall", tp=1, pp=2, ep=2, setup=dict(moe_token_dispatcher_type="alltoall")),
+]
+BREAKS = [["attached_D1_sigmoid_seq_z", "no_division"], ["attached_D1_sigmoid_seq_z", "valid_tokens"]]
+
+
+@pytest.fixture(scope="module")
+def runs(build, tmp_path_factory):
+    if build != ON_BUILD:
+        pytest.skip(f"MoE on megatron-core {build}: its series has no patch that runs mixture-of-experts on "
+                    "CPU / gloo (0.19.2's 0014) and the router-loss scaling is checked on 0.19.2 only")
+    root = str(tmp_path_factory.mktemp("moe-ckpt"))
+    (one_rank,) = launch("tests.bodies.moe_gradients:reference", 1,
+                         {"ckpt_root": root, "setups": SETUPS, "breaks": BREAKS}, timeout=600, build=build)
+    ranks = launch("tests.bodies.moe_gradients:layouts", 4, {"ckpt_root": root, "layouts": LAYOUTS, "setups": SETUPS},
+                   timeout=600, build=build)
+    return one_rank, ranks
+
+
+def with_known_deviation(cases):
+    """pytest params of the cases (tuples whose last element is the setup), the known deviation xfail."""
+    marks = pytest.mark.xfail(reason=REPEATED_BALANCE_REASON, strict=True)
+    return [pytest.param(*case, marks=marks if case[-1] == REPEATED_BALANCE else ()) for case in cases]
+
+
+def assert_matches(grads):
+    assert not grads["missing"] and not grads["extra"], (grads["missing"], grads["extra"])
+    assert grads["copies"] >= len(SETUPS) and grads["max_rel"] < TOL, (grads["worst"], grads["max_rel"])
+
+
+@pytest.mark.parametrize("setup", with_known_deviation([(name,) for name in SETUPS]))
+def test_one_rank_matches_the_reference(runs, setup):
+    assert_matches(runs[0][setup]["grads"])
+
+
+@pytest.mark.parametrize("layout,setup", with_known_deviation(
+    [(layout["name"], name) for layout in LAYOUTS for name in SETUPS]))
+def test_layout_matches_the_reference(runs, layout, setup):
+    """Every copy of every full gradient on every rank (experts gathered over EP, shards over
+    TP / ETP, replicas over TP, both word-embedding copies under PP)."""
+    _, ranks = runs
+    assert len(ranks) == 4
+    for rank in ranks:
+        assert_matches(rank[f"{layout}/{setup}"]["grads"])
+
+
+def test_repeated_layer_balance_loss_is_upstreams_one_over_depths(runs):
+    """The xfail above is exactly upstream's 1/D weighting of the repeated layer's balance loss;
+    the same layer's z-loss counts once per depth, as the spec says."""
+    one_rank, _ = runs
+    deviation = one_rank[REPEATED_BALANCE]
+    assert deviation["grads"]["max_rel"] > 1e-2
+    assert deviation["grads"]["mtp_router_max_rel"] > 1e-2
+    assert deviation["vs_repeated_balance_over_depths"]["max_rel"] < TOL
+    z_only = one_rank["isolated_D2_repeated_sigmoid_z"]
+    assert z_only["grads"]["max_rel"] < TOL
+
+
+@pytest.mark.parametrize("layout", ["one_rank"] + [layout["name"] for layout in LAYOUTS])
+def test_expert_bias_after_the_step_is_the_reference_update(runs, layout):
+    """sign(mean - count) * rate over the step's global counts of the biased routing, whatever
+    the cut (1 x 4 micro-batches, DP4 x 2 of 1, DP4 x 1, DP2 x 2, PP2 x DP2)."""
+    one_rank, ranks = runs
+    results = [one_rank] if layout == "one_rank" else [{n: r[f"{layout}/{n}"] for n in SETUPS} for r in ranks]
+    for result in results:
+        for name, kwargs in SETUPS.items():
+            bias = result[name]["bias"]
+            assert not bias["missing"], (name, bias["missing"])
+            if kwargs.get("moe_router_enable_expert_bias"):
+                assert bias["copies"] > 0, name
+                assert bias["max_abs"] == 0.0, (name, bias["max_abs"])
+
+
+@pytest.mark.parametrize("layout", [layout["name"] for layout in LAYOUTS])
+def test_cut_invariance_against_one_rank(runs, layout):
+    """The same global batch as 1 x 4 micro-batches of 2 (one rank) and as this layout's cut
+    (DP4 x 2 of 1, DP4 x 1 of 2, DP2 x 2 of 2) gives the same gradients, compared directly
+    (megatron against megatron). The micro-batch balance loss is cut-dependent by definition:
+    it compares only where its micro-batches are the same."""
+    _, ranks = runs
+    for rank in ranks:
+        for name, kwargs in SETUPS.items():
+            result = rank[f"{layout}/{name}"]
+            if "aux_loss" == kwargs.get("moe_router_load_balancing_type") and result["micro_batch"] != 2:
+                assert result["vs_one_rank"]["max_rel"] > 1e-3, name  # (and it matched its own reference)
+                continue
+            assert result["vs_one_rank"]["max_rel"] < TOL, (name, result["vs_one_rank"]["worst"])
+
+
+def test_a_wrong_router_loss_denominator_is_detected(runs):
+    """The comparison fails when the router losses are divided by nothing (the loss scale
+    alone) or by the step's valid targets instead of its routed tokens."""
+    one_rank, _ = runs
+    for name, mode in BREAKS:
+        assert one_rank[f"broken-{mode}/{name}"]["grads"]["max_rel"] > 1e-2, (name, mode)
