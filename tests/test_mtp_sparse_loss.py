@@ -16,10 +16,21 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
+# The one-process bodies run in one launch (one megatron-core import), in this order.
+ONE_PROCESS = {name: [f"tests.bodies.sparse_loss:{body}", {}] for name, body in (
+    ("extremes", "mask_extremes"), ("rows", "last_depth_rows_by_mode"), ("lm_loss", "lm_loss_cases"),
+    ("chain", "confident_chain"))}
+
+
 @pytest.fixture(scope="module")
-def extremes(build):
-    (result,) = launch("tests.bodies.sparse_loss:mask_extremes", 1, timeout=600, build=build)
-    return result
+def one_process(build):
+    (results,) = launch("tests.harness.group:run_bodies", 1, {"bodies": ONE_PROCESS}, timeout=900, build=build)
+    return results
+
+
+@pytest.fixture(scope="module")
+def extremes(one_process):
+    return one_process["extremes"]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +65,8 @@ def test_the_last_depths_mlp_runs_only_where_its_loss_reads(extremes):
         assert case["dense"]["mlp_rows"] == [every_row] * 3, name
 
 
-def test_last_depth_rows_in_repeated_mode_and_where_the_layer_stays_dense(build):
-    (rows,) = launch("tests.bodies.sparse_loss:last_depth_rows_by_mode", 1, timeout=600, build=build)
+def test_last_depth_rows_in_repeated_mode_and_where_the_layer_stays_dense(one_process):
+    rows = one_process["rows"]
     every_row, valid_last = rows["every_row"], rows["valid_at_last_depth"]
     assert 0 < valid_last < every_row
     assert rows["repeated"] == [every_row, every_row, valid_last]
@@ -64,16 +75,16 @@ def test_last_depth_rows_in_repeated_mode_and_where_the_layer_stays_dense(build)
     assert rows["dense_loss"] == [every_row] * 3
 
 
-def test_sparse_lm_loss_matches_the_reference(build):
-    (result,) = launch("tests.bodies.sparse_loss:lm_loss_cases", 1, timeout=600, build=build)
+def test_sparse_lm_loss_matches_the_reference(one_process):
+    result = one_process["lm_loss"]
     assert len(result) == 8
     for name, case in result.items():
         assert case["same_grad_names"] and case["zero_where_masked"], name
         assert case["main_ce"] <= TOL and case["grads"] <= TOL, (name, case)
 
 
-def test_chain_counts_where_a_shallower_target_is_masked(build):
-    (result,) = launch("tests.bodies.sparse_loss:confident_chain", 1, timeout=600, build=build)
+def test_chain_counts_where_a_shallower_target_is_masked(one_process):
+    result = one_process["chain"]
     assert sorted(result) == ["holes", "mixed"]
     for name, case in result.items():
         assert len(case["sums"]) == len(case["reference"]) == 3, name  # DEPTHS of the body
