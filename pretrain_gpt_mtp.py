@@ -65,10 +65,55 @@ def datasets_provider(train_valid_test_num_samples, vp_stage=None):
         split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=build_tokenizer(args),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
     )
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(dataset_type, train_valid_test_num_samples, lambda: True, config).build()
+    return BlendedMegatronDatasetBuilder(dataset_type, train_valid_test_num_samples,
+                                         partial(is_dataset_built_on_rank, vp_stage=vp_stage), config).build()
+
+
+def _mtp_here(vp_stage=None) -> bool:
+    """Whether this rank (this virtual stage) holds MTP layers."""
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    from megatron.training import get_args
+
+    args = get_args()
+    if not args.mtp_num_layers:
+        return False
+    layout = None
+    if args.pipeline_model_parallel_layout is not None:  # e.g. "Et*2|m|L": MTP on a stage of its own
+        layout = PipelineParallelLayerLayout.from_str(layout=args.pipeline_model_parallel_layout,
+                                                      pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    return mtp_on_this_rank(layout=layout, mtp_num_layers=args.mtp_num_layers, ignore_virtual=vp_stage is None,
+                            vp_stage=vp_stage)
+
+
+def is_dataset_built_on_rank(vp_stage=None) -> bool:
+    """As Megatron-LM's pretrain_gpt.py: the datasets are built where get_batch reads them
+    (tensor-parallel rank 0 of the first and last stage, and here of every MTP stage)."""
+    from megatron.core import parallel_state
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    return parallel_state.get_tensor_model_parallel_rank() == 0 and (
+        is_first_or_last_pipeline_stage(vp_stage) or _mtp_here(vp_stage))
+
+
+def get_embedding_ranks(pp_ranks):
+    """As Megatron-LM's pretrain_gpt.py: the word-embedding group holds the first stage, the
+    last when embeddings and output weights are tied, and every stage with MTP layers (each
+    holds a copy of the embedding)."""
+    from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    ranks = [pp_ranks[0]]
+    if len(pp_ranks) > 1:
+        args = get_args()
+        if not args.untie_embeddings_and_output_weights:
+            ranks.append(pp_ranks[-1])
+        ranks.extend(get_mtp_ranks(pp_ranks, core_transformer_config_from_args(args)))
+    return sorted(set(ranks))
 
 
 def get_batch(data_iterator, vp_stage=None):
@@ -76,14 +121,13 @@ def get_batch(data_iterator, vp_stage=None):
     nothing on pipeline stages that neither embed nor compute a loss."""
     from megatron.core import parallel_state
     from megatron.core.fork import device as compute_device
-    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
     from megatron.core.utils import get_batch_on_this_tp_rank
     from megatron.training import get_args
 
     args = get_args()
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    mtp_here = mtp_on_this_rank(mtp_num_layers=args.mtp_num_layers, ignore_virtual=False, vp_stage=vp_stage)
+    mtp_here = _mtp_here(vp_stage)
     if not (first or last or mtp_here):
         return None, None, None, None
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -180,7 +224,7 @@ def _pretrain(args) -> int:
 
     try:
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
-                 forward_step, model_provider=model_provider)
+                 forward_step, model_provider=model_provider, get_embedding_ranks=get_embedding_ranks)
     except checkpoint.CheckpointError as error:  # raised alike on every rank: one line, not a traceback each
         launch.fail(error)
         return 1

@@ -135,9 +135,6 @@ def _check(args) -> None:
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     if groups and groups % tp:
         raise ArgumentError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
-    if args.num_layers % pp:
-        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
-                            f"--pipeline-model-parallel-size {pp}")
     if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                             f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")

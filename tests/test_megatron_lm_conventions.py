@@ -7,8 +7,12 @@
 - CPU defaults only where no GPU exists: a machine with NVIDIA devices whose CUDA is
   unusable (a driver problem, a CPU-only torch) is refused in one line, unless the run
   hides its GPUs on purpose (CUDA_VISIBLE_DEVICES=).
+- Pipeline layouts upstream accepts: MTP on a stage of its own (`m` in
+  --pipeline-model-parallel-layout) and uneven splits train; an even split that does not
+  divide is refused in one line with upstream's own reason.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -119,3 +123,37 @@ def test_a_machine_with_nvidia_gpus_but_unusable_cuda_is_refused_in_one_line():
                               "(/dev/nvidia0, /dev/nvidia1) but CUDA is unusable: "), refused
     assert "CPU-only build" in refused and "set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose" in refused
     assert lines[2:] == ["gpus '' True []", "gpus '-1' True []"], lines  # GPUs hidden on purpose
+
+
+# ---------------------------------------------------------------- pipeline layouts
+
+LAYOUT = (*MOCK, "--num-attention-heads", "4", "--hidden-size", "64", "--seq-length", "64",
+          "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+          "--train-iters", "2", "--mtp-num-layers", "1", "--log-interval", "1", "--eval-iters", "0",
+          "--lr-warmup-iters", "0")
+MTP_STAGE = ("--num-layers", "2", "--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout",
+             "Et*2|m|L")
+UNEVEN = ("--num-layers", "5", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2")
+
+
+def test_pipeline_layouts_upstream_accepts_are_accepted_and_the_rest_refused_in_one_line():
+    cases = [{"argv": [*LAYOUT, *MTP_STAGE], "env": {"WORLD_SIZE": "3", "RANK": "0"}},
+             {"argv": [*LAYOUT, *UNEVEN], "env": {"WORLD_SIZE": "2", "RANK": "0"}},
+             {"argv": [*LAYOUT, "--num-layers", "5", "--pipeline-model-parallel-size", "2"],
+              "env": {"WORLD_SIZE": "2", "RANK": "0"}}]
+    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 0, result.stderr[-3000:]
+    mtp_stage, uneven, refused = json.loads(result.stdout.splitlines()[-1])
+    assert mtp_stage["accepted"] and uneven["accepted"], (mtp_stage, uneven)
+    errors = [line for line in refused["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+    assert not refused["accepted"] and errors == [
+        "pretrain_gpt_mtp.py: error: Number of layers should be divisible by the pipeline-model-parallel size"], refused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,layout", [(3, MTP_STAGE), (2, UNEVEN)], ids=["mtp-stage", "uneven"])
+def test_the_issue_s_layouts_train(nproc, layout):
+    run = train(nproc, *LAYOUT, *layout)
+    assert sorted(run.iterations) == [1, 2] and "mtp_1 loss" in run.iterations[2], run.tail()
