@@ -10,13 +10,10 @@ Tolerance: relative 1e-5 of each parameter's largest reference gradient (float32
 measured <= 9e-7 on every layout, 7.6e-7 on one rank); the expert biases after the step exactly
 the reference's update (measured: 0 difference).
 
-Known deviation (xfail): a repeated MTP layer's balance loss (seq_aux_loss / aux_loss). Upstream's
-router divides it by mtp_num_layers at every depth (megatron/core/transformer/moe/router.py,
-attach_and_log_load_balancing_loss: `aux_loss = aux_loss / self.config.mtp_num_layers`), so the
-D depths together count it once; the spec (section 11) counts each depth's router losses once, as
-for distinct layers. Measured: relative 0.27 off the spec's gradient, 7e-7 off a reference that
-weights the repeated layer's balance losses by 1/D. Its z-loss is not divided (only the logged
-value is) and agrees with the spec.
+A repeated MTP layer's router losses count at every depth it runs, as distinct layers' do (spec
+section 11): upstream divided the repeated layer's balance loss by mtp_num_layers (relative 0.27
+off the spec's gradient here); the series' patch "MoE: a repeated MTP layer's balance loss counts
+at every depth" makes it the spec's.
 """
 
 import pytest
@@ -26,10 +23,6 @@ from tests.harness import launch
 pytestmark = pytest.mark.slow
 TOL = 1e-5
 ON_BUILD = "0.19.2"
-REPEATED_BALANCE = "attached_D2_repeated_sigmoid_seq_z"
-REPEATED_BALANCE_REASON = (
-    "upstream divides a repeated MTP layer's balance loss by mtp_num_layers at every depth "
-    "(router.py attach_and_log_load_balancing_loss), the spec counts each depth's once")
 
 MOE = dict(num_layers=2, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, add_bias_linear=False)
 SEQ_Z = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
@@ -73,24 +66,17 @@ def runs(build, tmp_path_factory):
     return one_rank, ranks
 
 
-def with_known_deviation(cases):
-    """pytest params of the cases (tuples whose last element is the setup), the known deviation xfail."""
-    marks = pytest.mark.xfail(reason=REPEATED_BALANCE_REASON, strict=True)
-    return [pytest.param(*case, marks=marks if case[-1] == REPEATED_BALANCE else ()) for case in cases]
-
-
 def assert_matches(grads):
     assert not grads["missing"] and not grads["extra"], (grads["missing"], grads["extra"])
     assert grads["copies"] >= len(SETUPS) and grads["max_rel"] < TOL, (grads["worst"], grads["max_rel"])
 
 
-@pytest.mark.parametrize("setup", with_known_deviation([(name,) for name in SETUPS]))
+@pytest.mark.parametrize("setup", list(SETUPS))
 def test_one_rank_matches_the_reference(runs, setup):
     assert_matches(runs[0][setup]["grads"])
 
 
-@pytest.mark.parametrize("layout,setup", with_known_deviation(
-    [(layout["name"], name) for layout in LAYOUTS for name in SETUPS]))
+@pytest.mark.parametrize("layout,setup", [(layout["name"], name) for layout in LAYOUTS for name in SETUPS])
 def test_layout_matches_the_reference(runs, layout, setup):
     """Every copy of every full gradient on every rank (experts gathered over EP, shards over
     TP / ETP, replicas over TP, both word-embedding copies under PP)."""
@@ -98,18 +84,6 @@ def test_layout_matches_the_reference(runs, layout, setup):
     assert len(ranks) == 4
     for rank in ranks:
         assert_matches(rank[f"{layout}/{setup}"]["grads"])
-
-
-def test_repeated_layer_balance_loss_is_upstreams_one_over_depths(runs):
-    """The xfail above is exactly upstream's 1/D weighting of the repeated layer's balance loss;
-    the same layer's z-loss counts once per depth, as the spec says."""
-    one_rank, _ = runs
-    deviation = one_rank[REPEATED_BALANCE]
-    assert deviation["grads"]["max_rel"] > 1e-2
-    assert deviation["grads"]["mtp_router_max_rel"] > 1e-2
-    assert deviation["vs_repeated_balance_over_depths"]["max_rel"] < TOL
-    z_only = one_rank["isolated_D2_repeated_sigmoid_z"]
-    assert z_only["grads"]["max_rel"] < TOL
 
 
 @pytest.mark.parametrize("layout", ["one_rank"] + [layout["name"] for layout in LAYOUTS])

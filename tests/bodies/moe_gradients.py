@@ -87,7 +87,7 @@ def compare_bias(bias: dict, reference: dict) -> dict:
     return {"max_abs": worst, "missing": missing, "copies": sum(len(bias.get(n, [])) for n in reference)}
 
 
-def reference_model(setup: Setup, chunks, config, repeated_balance_over_depths=False) -> ReferenceMoEGPT:
+def reference_model(setup: Setup, chunks, config) -> ReferenceMoEGPT:
     state = {k: v for k, v in chunks[0].module.state_dict().items()
              if not k.endswith("_extra_state") and not k.endswith("local_tokens_per_expert")}
     options = {f: getattr(setup, f) for f in MOE_FIELDS}
@@ -96,8 +96,7 @@ def reference_model(setup: Setup, chunks, config, repeated_balance_over_depths=F
                           setup.mtp_num_layers, options, ffn=config.ffn_hidden_size, tied=setup.tied,
                           repeated=setup.mtp_use_repeated_layer, detach_heads=setup.mtp_detach_heads,
                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor,
-                          mtp_inner_name=mtp_inner_layer_name(state),
-                          repeated_balance_over_depths=repeated_balance_over_depths)
+                          mtp_inner_name=mtp_inner_layer_name(state))
     ref.load_state_dict(state, strict=True)
     return ref
 
@@ -145,15 +144,10 @@ def reference(ckpt_root: str, setups: dict, breaks: list | None = None) -> dict:
                 torch.save({"grads": grads, "bias": bias}, f"{ckpt_root}/{name}-mb{mb}-reference.pt")
                 if mb == setup.micro_batch:
                     want_grads, want_bias, out_terms = grads, bias, terms
-            if setup.mtp_use_repeated_layer:  # upstream's weighting of a repeated layer's balance losses
-                upstream_grads = reference_grads(reference_model(setup, chunks, config, True), setup,
-                                                 setup.micro_batch)[0]
             got = one_step(setup, chunks, optimizer, config)
             torch.save({"grads": got["grads"]}, f"{ckpt_root}/{name}-one-rank.pt")
             out[name] = {"grads": compare(got["grads"], want_grads), "bias": compare_bias(got["bias"], want_bias),
                          "terms": out_terms, "metrics": got["metrics"]}
-            if setup.mtp_use_repeated_layer:
-                out[name]["vs_repeated_balance_over_depths"] = compare(got["grads"], upstream_grads)
         for name, mode in breaks or []:
             setup = Setup(**setups[name])
             chunks, optimizer, config = fresh_build(setup)

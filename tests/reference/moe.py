@@ -87,7 +87,6 @@ class MoE(nn.Module):
             self.shared_experts = Expert(hidden, o["moe_shared_expert_intermediate_size"], o["swiglu"],
                                          o["add_bias_linear"])
         self.counts = torch.zeros(o["num_moe_experts"], dtype=torch.float64)  # biased routing, all calls
-        self.balance_weight = 1.0  # (diagnosis only: see ReferenceMoEGPT's repeated_balance_over_depths)
         self._losses = [losses]  # (a list, not a submodule or parameter)
 
     def route(self, logits):
@@ -140,7 +139,7 @@ class MoE(nn.Module):
         p, chosen = self.loss_scores(logits)
         self._losses[0].append(dict(
             z=torch.logsumexp(logits, dim=-1).pow(2).reshape(b, s),
-            p=p.reshape(b, s, -1), chosen=chosen.reshape(b, s, -1), balance_weight=self.balance_weight,
+            p=p.reshape(b, s, -1), chosen=chosen.reshape(b, s, -1),
         ))
         return out.reshape(b, s, h)
 
@@ -171,7 +170,7 @@ def router_loss_terms(entries, options, micro_batch):
         for e in entries:
             b, s, _ = e["p"].shape
             if kind == "seq_aux_loss":
-                total = total + e["balance_weight"] * coeff * sum(
+                total = total + coeff * sum(
                     balance_loss(e["p"][q], e["chosen"][q], k) for q in range(b)) / b
             elif kind == "aux_loss":
                 assert b % micro_batch == 0, (b, micro_batch)
@@ -179,7 +178,7 @@ def router_loss_terms(entries, options, micro_batch):
                     rows = slice(start, start + micro_batch)
                     group_p = e["p"][rows].reshape(-1, e["p"].size(-1))
                     group_c = e["chosen"][rows].reshape(-1, e["p"].size(-1))
-                    total = total + e["balance_weight"] * coeff * (micro_batch / b) * balance_loss(group_p, group_c, k)
+                    total = total + coeff * (micro_batch / b) * balance_loss(group_p, group_c, k)
             else:
                 raise ValueError(f"no reference for {kind}")
         terms[kind] = total
@@ -196,13 +195,10 @@ def moe_layer_pattern(freq, layers):
 
 class ReferenceMoEGPT(ReferenceGPT):
     """ReferenceGPT with MoE MLPs where the options put them (the MTP layer is MoE when the
-    backbone's last layer is, as upstream builds it) and linear biases as add_bias_linear.
+    backbone's last layer is, as upstream builds it) and linear biases as add_bias_linear. A
+    repeated MTP layer's router losses count at every depth it runs (spec section 11)."""
 
-    `repeated_balance_over_depths` (diagnosis, not the spec): weight a repeated MTP layer's
-    balance losses by 1/D at every depth, as upstream's router does (z-loss not)."""
-
-    def __init__(self, vocab, hidden, heads, layers, mtp_depths, options, repeated_balance_over_depths=False,
-                 **kwargs):
+    def __init__(self, vocab, hidden, heads, layers, mtp_depths, options, **kwargs):
         super().__init__(vocab, hidden, heads, layers, mtp_depths, **kwargs)
         self.options = options
         self.router_entries = []
@@ -211,9 +207,6 @@ class ReferenceMoEGPT(ReferenceGPT):
         mtp_targets = [getattr(m, m.inner_name) for m in self.mtp.layers] if mtp_depths and pattern[-1] else []
         for layer in targets + mtp_targets:
             layer.mlp = MoE(hidden, options, self.router_entries)
-        if repeated_balance_over_depths and self.repeated:
-            for layer in mtp_targets:
-                layer.mlp.balance_weight = 1.0 / mtp_depths
         if not options.get("add_bias_linear", True):
             for module in self.modules():
                 if isinstance(module, nn.Linear) and module.bias is not None:
