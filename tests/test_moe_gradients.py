@@ -123,3 +123,22 @@ def test_a_wrong_router_loss_denominator_is_detected(runs):
     one_rank, _ = runs
     for name, mode in BREAKS:
         assert one_rank[f"broken-{mode}/{name}"]["grads"]["max_rel"] > 1e-2, (name, mode)
+
+
+@pytest.mark.parametrize("layout", ["one_rank"] + [layout["name"] for layout in LAYOUTS])
+def test_each_mtp_depths_router_losses_are_the_step_values(runs, layout):
+    """The step's `mtp_k z loss` (token mean) and `mtp_k seq load balancing loss` (sequence
+    mean) equal the reference's for every depth, distinct and repeated layers, on every layout
+    (TP / SP / EP / PP reductions); rel 1e-5 (float32)."""
+    one_rank, ranks = runs
+    results = [one_rank] if layout == "one_rank" else [{n: r[f"{layout}/{n}"] for n in SETUPS} for r in ranks]
+    checked = 0
+    for result in results:
+        for name in SETUPS:
+            want, got = result[name]["depth_router_losses"], result[name]["metrics"]
+            for key, value in want.items():
+                assert abs(got[key] - value) <= TOL * abs(value), (layout, name, key, got.get(key), value)
+                checked += 1
+            assert not {k for k in got if k.endswith(("load balancing loss", "z loss"))} - set(want), (name, got)
+    assert checked >= len(results) * 6, checked
+

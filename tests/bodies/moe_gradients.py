@@ -19,7 +19,7 @@ from tests.bodies.moe_full_grads import gathered_full_grads_and_buffers
 from tests.bodies.tiny_gpt import Setup, build, global_batch, train_step
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import mtp_inner_layer_name
-from tests.reference.moe import ReferenceMoEGPT
+from tests.reference.moe import ReferenceMoEGPT, balance_loss, moe_layer_pattern
 
 MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
               "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
@@ -112,6 +112,31 @@ def reference_grads(ref: ReferenceMoEGPT, setup: Setup, micro_batch: int):
     return grads, ref.updated_expert_bias(), {k: float(v) for k, v in terms.items()}
 
 
+def depth_router_losses(ref: ReferenceMoEGPT, setup: Setup, micro_batch: int) -> dict:
+    """Each MTP depth's z-loss (token mean) and sequence-wise balance loss (sequence mean) of
+    the reference's last step_objective, named as the step reports them; {} when the MTP
+    layer is dense. The MTP depths' calls are the last D router entries."""
+    o = ref.options
+    depths = setup.mtp_num_layers
+    if not depths or not moe_layer_pattern(o.get("moe_layer_freq", 1), setup.num_layers)[-1]:
+        return {}
+    values = {}
+    for k, e in enumerate(ref.router_entries[-depths:], start=1):
+        if o.get("moe_z_loss_coeff"):
+            values[f"mtp_{k} z loss"] = float(e["z"].mean())
+        b, experts = e["p"].size(0), e["p"].size(-1)
+        balancing = o.get("moe_router_load_balancing_type") if o.get("moe_aux_loss_coeff") else None
+        if balancing == "seq_aux_loss":
+            values[f"mtp_{k} seq load balancing loss"] = float(
+                sum(balance_loss(e["p"][q], e["chosen"][q], o["moe_router_topk"]) for q in range(b)) / b)
+        if balancing == "aux_loss":  # token-weighted over micro-batches
+            groups = [slice(start, start + micro_batch) for start in range(0, b, micro_batch)]
+            values[f"mtp_{k} load balancing loss"] = float(sum(
+                balance_loss(e["p"][g].reshape(-1, experts), e["chosen"][g].reshape(-1, experts),
+                             o["moe_router_topk"]) for g in groups) / len(groups))
+    return values
+
+
 def broken_scale(mode: str, setup: Setup):
     """A wrong router-loss denominator (to see the comparison fail): the loss scale alone, or
     over the step's valid targets instead of its routed tokens."""
@@ -141,13 +166,15 @@ def reference(ckpt_root: str, setups: dict, breaks: list | None = None) -> dict:
             ref = reference_model(setup, chunks, config)
             for mb in ((1, 2) if uses_aux_loss(kwargs) else (setup.micro_batch,)):
                 grads, bias, terms = reference_grads(ref, setup, mb)
-                torch.save({"grads": grads, "bias": bias}, f"{ckpt_root}/{name}-mb{mb}-reference.pt")
+                depth_losses = depth_router_losses(ref, setup, mb)
+                torch.save({"grads": grads, "bias": bias, "depth_router_losses": depth_losses},
+                           f"{ckpt_root}/{name}-mb{mb}-reference.pt")
                 if mb == setup.micro_batch:
-                    want_grads, want_bias, out_terms = grads, bias, terms
+                    want_grads, want_bias, out_terms, want_depths = grads, bias, terms, depth_losses
             got = one_step(setup, chunks, optimizer, config)
             torch.save({"grads": got["grads"]}, f"{ckpt_root}/{name}-one-rank.pt")
             out[name] = {"grads": compare(got["grads"], want_grads), "bias": compare_bias(got["bias"], want_bias),
-                         "terms": out_terms, "metrics": got["metrics"]}
+                         "terms": out_terms, "metrics": got["metrics"], "depth_router_losses": want_depths}
         for name, mode in breaks or []:
             setup = Setup(**setups[name])
             chunks, optimizer, config = fresh_build(setup)
@@ -180,5 +207,7 @@ def layouts(ckpt_root: str, layouts: list, setups: dict) -> dict:
                     "bias": compare_bias(got["bias"], want["bias"]),
                     "vs_one_rank": compare(got["grads"], {n: copies[0] for n, copies in one_rank.items()}),
                     "micro_batch": setup.micro_batch,
+                    "metrics": got["metrics"],
+                    "depth_router_losses": want["depth_router_losses"],
                 }
     return out

@@ -32,21 +32,21 @@ from megatron.core.fork import device as compute_device
 _GLOBAL = "global_aux_loss"
 
 
-def _load_balancing_types(config) -> list:
+def load_balancing_types(config) -> list:
     kinds = config.moe_router_load_balancing_type
     return list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
 
 
-def _coefficients(config) -> list:
+def coefficients(config) -> list:
     coeffs = config.moe_aux_loss_coeff
-    return list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(_load_balancing_types(config))
+    return list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(load_balancing_types(config))
 
 
 def active(config) -> bool:
     """True when the model has MoE layers with a router loss that reaches the backward pass."""
     if not getattr(config, "num_moe_experts", None):
         return False
-    balancing = any(c and c > 0 for c in _coefficients(config))
+    balancing = any(c and c > 0 for c in coefficients(config))
     return balancing or bool(config.moe_z_loss_coeff)
 
 
@@ -54,7 +54,7 @@ def check_exact_step(config) -> None:
     """Refuse what an exact step cannot normalize (before any state changes)."""
     if not getattr(config, "num_moe_experts", None):
         return
-    for kind, coeff in zip(_load_balancing_types(config), _coefficients(config), strict=True):
+    for kind, coeff in zip(load_balancing_types(config), coefficients(config), strict=True):
         if kind == _GLOBAL and coeff and coeff > 0:
             raise ValueError(
                 "the global balance loss (global_aux_loss) accumulates routing statistics over the "

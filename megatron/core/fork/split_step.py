@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads, reset_model_temporary_tensors
 from megatron.core.fork import device as compute_device
 from megatron.core.fork import normalization, router_losses
+from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -76,6 +77,7 @@ class SplitStep:
         self._main_sums = None
         self._mtp_loss_scale = None
         self._moe_loss_scale = None
+        self._microbatches = 0
 
     @property
     def in_progress(self) -> bool:
@@ -122,6 +124,8 @@ class SplitStep:
         for chunk in self.chunks:
             self._no_sync.enter_context(chunk.no_sync())
         STEP_STATISTICS.reset()
+        router_metrics.reset()
+        self._microbatches = 0
         self._main_sums = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
 
     def accumulate(self, microbatches: list) -> None:
@@ -143,6 +147,7 @@ class SplitStep:
             )
             for entry in losses:  # the last pipeline stage's loss reports
                 self._main_sums += entry["main loss sums"].double()
+            self._microbatches += len(microbatches)
         except BaseException:
             self.abort()
             raise
@@ -163,6 +168,7 @@ class SplitStep:
             totals = last_stage_sum(local)  # the step's one reduce of counts and metric sums
             main_sum, tokens, sequences = totals[:3].tolist()
             observed = normalization.StepCounts(tokens=int(round(tokens)), sequences=int(round(sequences)))
+            router = router_metrics.step_values(self.config, self._microbatches)
             step = self._normalization
             if step.counts is not None and step.counts != observed:
                 raise ValueError(
@@ -200,6 +206,7 @@ class SplitStep:
             sums = totals[3:].view(mtp_depths, 4)
             result["mtp sums"] = sums.tolist()
             result.update(metrics_from_sums(sums))
+        result.update(router)  # each MTP depth's router losses (MoE)
         return result
 
     def abort(self) -> None:

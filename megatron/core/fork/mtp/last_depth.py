@@ -11,7 +11,8 @@ the MLP's 8h^2 of the layer's ~14h^2 per-token work out of the masked positions.
 GPTModel's postprocess knows the rows (from labels and loss mask, see
 megatron.core.fork.mtp.heads) before the MTP block runs; ``taking_rows`` holds them while
 the block runs its D layers in depth order, and the D-th layer call takes them
-(repeated-layer mode runs one layer D times: the count is of calls, not of layers).
+(repeated-layer mode runs one layer D times: the count is of calls, not of layers). The same
+count says which depth is running (``current_depth``), for the per-depth router metrics.
 
 Where the rows cannot be taken this way the layer runs at every row, as before:
 sequence parallelism (the MLP exchanges equal sequence shards between ranks), full
@@ -58,6 +59,11 @@ def taking_rows(rows: Optional[torch.Tensor]):
         yield
     finally:
         _pending = outer
+
+
+def current_depth() -> Optional[int]:
+    """The MTP depth (1..D) whose layer is running, inside the MTP block's forward; else None."""
+    return _pending.layer_calls if _pending is not None and _pending.layer_calls else None
 
 
 def transformer_layer(layer):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
 from megatron.core.fork import normalization, router_losses
+from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.fork.split_step import last_stage_sum
 from megatron.core.fork.trainer import metrics
@@ -40,8 +41,9 @@ def loss_mask_of(batch) -> torch.Tensor:
 
 
 class _Step:
-    def __init__(self, config, counts):
+    def __init__(self, config, counts, num_microbatches):
         self.config = config
+        self.num_microbatches = num_microbatches
         self.counts = counts  # None: the step is not normalized here (exact steps off)
         self.finalize = config.finalize_model_grads_func
         self.moe_grad_scale_func = config.moe_grad_scale_func
@@ -104,8 +106,9 @@ def begin(model, data_iterator, num_microbatches: int):
     end()  # a step that exited early (rerun, signal) leaves nothing behind
     config = get_model_config(model[0])
     STEP_STATISTICS.reset()
+    router_metrics.reset()
     if _main_loss_level is None:
-        _current = _Step(config, None)
+        _current = _Step(config, None, num_microbatches)
         return data_iterator
     router_losses.check_exact_step(config)
     batches = _prefetch(data_iterator, num_microbatches)
@@ -115,7 +118,7 @@ def begin(model, data_iterator, num_microbatches: int):
     step_counts = normalization.StepCounts(tokens=tokens, sequences=sequences)
     normalization.activate(normalization.StepNormalization(
         _main_loss_level, bool(config.mtp_detach_heads), step_counts))
-    _current = _Step(config, step_counts)
+    _current = _Step(config, step_counts, num_microbatches)
     config.finalize_model_grads_func = _finalize_without_count(_current.finalize)
     if router_losses.active(config):
         config.moe_grad_scale_func = router_losses.scale_func(config, routed)
@@ -135,7 +138,8 @@ def end(optimizer=None, update_successful: bool = False) -> None:
     if optimizer is None:
         return
     norms = getattr(optimizer, "grad_norms_by_group", {}) if update_successful else {}
-    metrics.record_step(step.counts, reduced_mtp_sums(step.config), norms.get("mtp"))
+    metrics.record_step(step.counts, reduced_mtp_sums(step.config), norms.get("mtp"),
+                        router_metrics.step_values(step.config, step.num_microbatches))
 
 
 def reduced_mtp_sums(config) -> torch.Tensor | None:

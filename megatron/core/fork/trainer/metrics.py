@@ -17,6 +17,7 @@ import torch
 from megatron.core.fork.mtp.statistics import metrics_from_sums
 
 EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"
+ROUTER_LOSS_SUFFIXES = ("load balancing loss", "z loss")
 
 
 class _Tracker:
@@ -25,10 +26,12 @@ class _Tracker:
         self.cumulative = None  # [D, 4] sums since the start of training (checkpointed)
         self.tokens = 0
         self.mtp_grad_norms = []
+        self.router = {}  # "mtp_k <router loss>" -> sum of step values since the last log line
+        self.router_steps = 0
         self.interval_start = time.perf_counter()
         self.iterations = 0
 
-    def record(self, counts, sums, mtp_grad_norm) -> None:
+    def record(self, counts, sums, mtp_grad_norm, router=None) -> None:
         if sums is not None:
             sums = sums.detach().double().cpu()
             self.interval = sums.clone() if self.interval is None else self.interval + sums
@@ -37,6 +40,9 @@ class _Tracker:
             self.tokens += counts.tokens
         if mtp_grad_norm is not None:
             self.mtp_grad_norms.append(float(mtp_grad_norm))
+        if router:
+            self.router = {name: self.router.get(name, 0.0) + value for name, value in router.items()}
+            self.router_steps += 1
         self.iterations += 1
 
     def text(self, iteration: int, train_iters: int | None, writer=None, wandb_writer=None,
@@ -50,6 +56,7 @@ class _Tracker:
             for name, value in metrics_from_sums(self.cumulative).items():
                 if "acceptance" in name or name == EXPECTED_LENGTH:
                     values[f"{name} (cumulative)"] = value
+        values.update({name: total / self.router_steps for name, total in self.router.items()})
         if self.mtp_grad_norms:
             values["mtp grad norm"] = self.mtp_grad_norms[-1]
         if self.tokens and seconds > 0:
@@ -61,6 +68,7 @@ class _Tracker:
         if close_interval:
             _write(values, iteration, writer, wandb_writer)
             self.interval, self.tokens, self.mtp_grad_norms, self.iterations = None, 0, [], 0
+            self.router, self.router_steps = {}, 0
             self.interval_start = time.perf_counter()
         return text
 
@@ -73,6 +81,9 @@ def _console(values: dict, depths: int) -> str:
                  f" {values[f'mtp_{k} chain acceptance']:.4f} |")
     if depths:
         text += f" {EXPECTED_LENGTH}: {values[EXPECTED_LENGTH]:.4f} |"
+    for k in range(1, depths + 1):  # each depth's router losses (MoE), as step values
+        text += "".join(f" {name}: {value:.6E} |" for name, value in values.items()
+                        if name.startswith(f"mtp_{k} ") and name.endswith(ROUTER_LOSS_SUFFIXES))
     if "mtp grad norm" in values:
         text += f" mtp grad norm: {values['mtp grad norm']:.3f} |"
     if "tokens per second" in values:
@@ -92,10 +103,10 @@ def _write(values: dict, iteration: int, writer, wandb_writer, suffix: str = "")
 _TRACKER = _Tracker()
 
 
-def record_step(counts, sums, mtp_grad_norm) -> None:
-    """One step's global counts (or None), its reduced MTP sums [D, 4] (or None) and the
-    MTP group's gradient norm (or None)."""
-    _TRACKER.record(counts, sums, mtp_grad_norm)
+def record_step(counts, sums, mtp_grad_norm, router=None) -> None:
+    """One step's global counts (or None), its reduced MTP sums [D, 4] (or None), the
+    MTP group's gradient norm (or None) and its MTP depths' router losses (or None)."""
+    _TRACKER.record(counts, sums, mtp_grad_norm, router)
 
 
 def log_string(iteration: int, train_iters: int | None, writer=None, wandb_writer=None,
@@ -117,8 +128,10 @@ def state_dict() -> dict:
     """The counters that span steps, for the checkpoint: the sums since the start of training
     and those of the open log interval (a run resumed mid-interval logs what the
     uninterrupted run logs)."""
-    return {name: None if sums is None else sums.tolist()
-            for name, sums in (("cumulative_sums", _TRACKER.cumulative), ("interval_sums", _TRACKER.interval))}
+    state = {name: None if sums is None else sums.tolist()
+             for name, sums in (("cumulative_sums", _TRACKER.cumulative), ("interval_sums", _TRACKER.interval))}
+    state["interval_router_losses"] = [dict(_TRACKER.router), _TRACKER.router_steps]
+    return state
 
 
 def load_state_dict(state: dict | None) -> None:
@@ -127,3 +140,5 @@ def load_state_dict(state: dict | None) -> None:
         return None if sums is None else torch.tensor(sums, dtype=torch.float64)
 
     _TRACKER.cumulative, _TRACKER.interval = tensor("cumulative_sums"), tensor("interval_sums")
+    router, steps = (state or {}).get("interval_router_losses") or ({}, 0)
+    _TRACKER.router, _TRACKER.router_steps = dict(router), steps
