@@ -178,10 +178,17 @@ def loss_func(loss_mask, output_tensor, model=None):
     return loss, count, {"lm loss": torch.stack([main_sum, count.to(main_sum.dtype)])}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """As Megatron-LM's pretrain_gpt.py. The attention is causal without a mask (SDPA,
+    Transformer Engine): none is passed. `return_schedule_plan` (upstream's combined 1F1B
+    schedule, --overlap-moe-expert-parallel-comm: CUDA only, refused with MTP depths by
+    megatron_mtp.launch) returns the model's schedule plan instead of its output."""
     from megatron.core.utils import get_attr_wrapped_model
 
     tokens, labels, loss_mask, position_ids = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
+        return plan, partial(loss_func, loss_mask)
     output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 

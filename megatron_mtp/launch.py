@@ -6,7 +6,8 @@ that fail before anything is built, in one line (not one traceback per rank).
 - With no data flag the run is the embedded default: a tiny GPT with 2 MTP depths on the
   embedded corpus (megatron_mtp.data.embedded), saving to runs/default.
 - A dataset written by tools/preprocess_data.py names its vocabulary: the run takes it
-  (NullTokenizer of that size and end-of-document id) or refuses a contradicting one.
+  (NullTokenizer of that size and end-of-document id), or builds the --tokenizer-type /
+  --tokenizer-model it is given when that tokenizer matches it, and refuses a contradicting one.
 """
 
 import argparse
@@ -52,6 +53,10 @@ def _provider(defaults: dict):
                            help="train the MTP heads only (draft heads beside a backbone another objective "
                                 "owns): every parameter outside the MTP block is frozen; needs "
                                 "--mtp-detach-heads. The main loss is still computed and logged.")
+        group.add_argument("--create-attention-mask-in-dataloader", action="store_true",
+                           help="build the dataset's causal attention mask every micro-batch (Megatron-LM's "
+                                "default; off here: the attention is causal without it, SDPA or Transformer "
+                                "Engine, and the model does not read it)")
         group.add_argument("--dry-run", action="store_true",
                            help="check the arguments, the data and the checkpoint to load, print the "
                                 "layout, and exit without building anything")
@@ -67,7 +72,10 @@ def _given(flag: str) -> bool:
 def _defaults(on_cpu: bool, embedded: bool) -> dict:
     # Megatron-LM 0.19's loop needs an evaluation interval even without evaluation; 1000 was
     # its default before the flag lost it.
-    defaults = dict(calculate_per_token_loss=True, position_embedding_type="rope", eval_interval=1000)
+    # The model's attention is causal without a mask (SDPA, Transformer Engine) and forward_step
+    # passes none: the dataloader does not build one per micro-batch (benchmarks/README.md).
+    defaults = dict(calculate_per_token_loss=True, position_embedding_type="rope", eval_interval=1000,
+                    create_attention_mask_in_dataloader=False)
     if on_cpu:
         defaults.update(CPU_DEFAULTS)
     if embedded:
@@ -94,9 +102,32 @@ def _vocabulary_from_data(args, defaults: dict) -> None:
         raise ArgumentError(f"--vocab-size {args.vocab_size} does not match the dataset's tokenizer {tokenizer} "
                             f"(vocabulary {vocab_size}); drop --vocab-size or preprocess with the intended tokenizer")
     if _given("--tokenizer-type") and args.tokenizer_type != "NullTokenizer":
-        raise ArgumentError(f"the dataset is already tokenized by {tokenizer}; --tokenizer-type "
-                            f"{args.tokenizer_type} would not match its ids (drop --tokenizer-type)")
+        # Megatron-LM's way: the tokenizer the data was written with, built as upstream builds it.
+        from megatron_mtp.data.tokenizers import TokenizerError, UpstreamTokenizer
+
+        try:
+            given = UpstreamTokenizer(args).info
+        except TokenizerError as error:
+            raise ArgumentError(str(error)) from None
+        if (given.vocab_size, given.eod_id) != (vocab_size, eod_id):
+            raise ArgumentError(f"the dataset is tokenized by {tokenizer} (vocabulary {vocab_size}, end of document "
+                                f"{eod_id}) but {given.name} has vocabulary {given.vocab_size}, end of document "
+                                f"{given.eod_id}: its ids would not match (give the tokenizer the data was written "
+                                "with, or drop --tokenizer-type to take the dataset's vocabulary)")
+        return  # the run builds the tokenizer it was given, as Megatron-LM does
     defaults.update(tokenizer_type="NullTokenizer", vocab_size=vocab_size, null_tokenizer_eod_id=eod_id)
+
+
+def _schedule_plan(args) -> None:
+    """--overlap-moe-expert-parallel-comm runs the step through upstream's schedule plan
+    (combined 1F1B, forward_step(..., return_schedule_plan=True)): CUDA streams and events
+    only, and its MTP nodes re-implement the MTP layer outside the patched block."""
+    if not getattr(args, "overlap_moe_expert_parallel_comm", False) or not args.mtp_num_layers:
+        return
+    raise ArgumentError("--overlap-moe-expert-parallel-comm runs the MTP layers through upstream's schedule plan "
+                        "(combined 1F1B), which bypasses this project's exact MTP step (head isolation, repeated "
+                        "layers, the last depth at the rows its loss reads): drop it, or train without "
+                        "--mtp-num-layers")
 
 
 def _is_weight(item: str) -> bool:
@@ -315,6 +346,7 @@ def arguments():
             defaults = _defaults(on_cpu, embedded)
             args = parse_args(_provider(defaults))
             _vocabulary_from_data(args, defaults)
+            _schedule_plan(args)
             if embedded and not _given("--lr-warmup-iters") and args.train_iters:
                 # a shortened embedded run (--train-iters N) warms up for a tenth of it
                 defaults["lr_warmup_iters"] = min(EMBEDDED_DEFAULTS["lr_warmup_iters"], args.train_iters // 10)

@@ -18,6 +18,9 @@ CUDA_ONLY = {
                             "use --moe-token-dispatcher-type alltoall"),
     "--moe-use-legacy-grouped-gemm": (lambda a: getattr(a, "moe_use_legacy_grouped_gemm", False),
                                       "drop it (SequentialMLP experts)"),
+    # upstream's schedule plan (combined 1F1B): CUDA streams and events only
+    "--overlap-moe-expert-parallel-comm": (lambda a: getattr(a, "overlap_moe_expert_parallel_comm", False),
+                                           "drop it (the dispatch and combine are not overlapped)"),
 }
 
 

@@ -26,12 +26,17 @@ def metadata_path(prefix) -> Path:
 class IndexedWriter:
     """Documents in, PREFIX.{bin,idx,json} out (written under temporary names, then renamed)."""
 
-    def __init__(self, prefix, tokenizer: TokenizerInfo):
+    def __init__(self, prefix, tokenizer: TokenizerInfo, append_eod: bool = True, metadata: dict | None = None):
+        """`append_eod`: end every document with the tokenizer's end-of-document id (always
+        with this tool's --tokenizer; with Megatron-LM's flags only under --append-eod, as
+        upstream's tool). `metadata`: more fields for PREFIX.json (the tokenizer flags)."""
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
         self.prefix = Path(prefix)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self.tokenizer = tokenizer
+        self.append_eod = append_eod
+        self.extra = dict(metadata or {})
         self.partial = self.prefix.with_name(self.prefix.name + f".partial-{os.getpid()}")
         dtype = numpy.uint16 if tokenizer.vocab_size <= numpy.iinfo(numpy.uint16).max + 1 else numpy.int32
         self.builder = IndexedDatasetBuilder(f"{self.partial}.bin", dtype=dtype)
@@ -39,8 +44,8 @@ class IndexedWriter:
         self.tokens = 0
 
     def add(self, token_ids: list[int]) -> None:
-        """One document; its end-of-document token is appended."""
-        ids = list(token_ids) + [self.tokenizer.eod_id]
+        """One document; its end-of-document token is appended (with `append_eod`)."""
+        ids = list(token_ids) + ([self.tokenizer.eod_id] if self.append_eod else [])
         self.builder.add_document(ids, [len(ids)])
         self.documents += 1
         self.tokens += len(ids)
@@ -53,7 +58,8 @@ class IndexedWriter:
     def finish(self) -> dict:
         self.builder.finalize(f"{self.partial}.idx")
         metadata = {"tokenizer": self.tokenizer.name, "vocab_size": self.tokenizer.vocab_size,
-                    "eod_id": self.tokenizer.eod_id, "documents": self.documents, "tokens": self.tokens}
+                    "eod_id": self.tokenizer.eod_id, "append_eod": self.append_eod, **self.extra,
+                    "documents": self.documents, "tokens": self.tokens}
         metadata_path(self.partial).write_text(json.dumps(metadata, indent=2) + "\n")
         for suffix in (".bin", ".idx", ".json"):  # the metadata last: it marks a complete set
             os.replace(f"{self.partial}{suffix}", f"{self.prefix}{suffix}")

@@ -88,3 +88,52 @@ def load_tokenizer(spec: str, eod_token: str | None = None):
     if path.suffix == ".model":
         return SentencePieceTokenizer(path)
     raise TokenizerError(f"tokenizer file {path} is neither a tokenizer.json (.json) nor a SentencePiece model (.model)")
+
+
+# Megatron-LM's tokenizer flags (megatron.training.arguments._add_tokenizer_args) that name
+# what a tokenizer maps text to; what the dataset's metadata records for an upstream tokenizer.
+UPSTREAM_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+
+
+class UpstreamTokenizer:
+    """Megatron-LM's `--tokenizer-type T --tokenizer-model M` (HuggingFaceTokenizer with a
+    local tokenizer directory, SentencePieceTokenizer with a .model file, GPT2BPETokenizer with
+    --vocab-file/--merge-file, ...), built by megatron-core's build_tokenizer exactly as
+    Megatron-LM's tools/preprocess_data.py and training loop build it: the same ids, the
+    same end-of-document id (its `eod`), the same vocabulary size."""
+
+    def __init__(self, args):
+        import copy
+
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+        args = copy.copy(args)
+        args.pad_vocab_size = False  # padding is the trainer's business (by TP), not the data's
+        self.spec = describe(args)
+        try:
+            self.tokenizer = build_tokenizer(args)
+            vocab_size, eod = self.tokenizer.vocab_size, self.tokenizer.eod
+        except Exception as error:  # ValueError, OSError, the libraries' own errors
+            raise TokenizerError(f"{self.spec}: {_first_line(error)}") from error
+        if eod is None:
+            raise TokenizerError(f"{self.spec} has no end-of-document (eos) token")
+        self.info = TokenizerInfo(name=self.spec, vocab_size=int(vocab_size), eod_id=int(eod))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.tokenize(text))
+
+
+def describe(args) -> str:
+    """The tokenizer flags as a user writes them, e.g. "--tokenizer-type HuggingFaceTokenizer
+    --tokenizer-model tok/"."""
+    parts = []
+    for flag in UPSTREAM_FLAGS:
+        value = getattr(args, flag, None)
+        if value is not None:
+            parts.append(f"--{flag.replace('_', '-')} {value}")
+    return " ".join(parts)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
