@@ -354,8 +354,10 @@ def arguments():
                 defaults["load"] = args.save  # the embedded default resumes from its own directory
             args = parse_args(_provider(defaults))
         _check(args)
-        with quiet:
+        deferred = _capability_deferred(args)
+        with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext():
             args = parse_and_validate_args(_provider(defaults))
+        args.moe_grouped_gemm |= deferred
         _check_checkpoints(args)
         return args
     except (ArgumentError, DatasetError, checkpoint.CheckpointError, AssertionError, ValueError,
@@ -366,6 +368,25 @@ def arguments():
         if not exit.code:
             raise  # --help
         return None  # argparse has printed its message
+
+
+def _capability_deferred(args) -> bool:
+    """A --dry-run for GPUs (moe_arguments.targets_cuda) on a machine without CUDA: Megatron-LM's
+    validate_args asks the GPU's compute capability for --moe-grouped-gemm (>= 8.0), which only
+    that GPU answers; the dry run validates everything else, the run checks it when it starts."""
+    import torch
+
+    return args.moe_grouped_gemm and not torch.cuda.is_available() and moe_arguments.targets_cuda(args)
+
+
+@contextlib.contextmanager
+def _without_argument(flag: str):
+    argv = sys.argv
+    sys.argv = [arg for arg in argv if arg != flag]
+    try:
+        yield
+    finally:
+        sys.argv = argv
 
 
 def summary(args) -> str:
@@ -381,6 +402,10 @@ def summary(args) -> str:
             f"{f' (VPP {args.virtual_pipeline_model_parallel_size})' if args.virtual_pipeline_model_parallel_size else ''}"
             f" x CP {args.context_parallel_size}; {args.num_layers} layers, hidden {args.hidden_size}, "
             f"{args.num_attention_heads} heads, vocabulary {args.padded_vocab_size}; {mtp}; "
+            + (f"{args.num_experts} experts (top-{args.moe_router_topk}"
+               f"{', grouped GEMM' if args.moe_grouped_gemm else ''}), EP {args.expert_model_parallel_size}"
+               f"{' (compute capability checked on the GPUs)' if _capability_deferred(args) else ''}; "
+               if args.num_experts else "") +
             f"{'sparse lm loss; ' if args.sparse_lm_loss else ''}"
             f"{args.transformer_impl} layers, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}; "
             f"{args.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens; data: {data}; "

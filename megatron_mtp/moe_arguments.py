@@ -2,7 +2,8 @@
 
 Each refusal is one line naming the fix: what megatron-core would assert later on every
 rank (top-k, expert counts, the expert-parallel layout), the paths that need a CUDA-only
-kernel on a machine without CUDA, and what an exact step cannot normalize
+kernel on a machine without CUDA (a --dry-run of a Transformer Engine run, as the GPU
+scripts', checks them as on its GPUs), and what an exact step cannot normalize
 (megatron.core.fork.router_losses).
 """
 
@@ -24,10 +25,18 @@ CUDA_ONLY = {
 }
 
 
-def check(args, world: int, error) -> None:
-    """Raise `error(message)` for MoE arguments that cannot run; nothing without experts."""
+def targets_cuda(args) -> bool:
+    """Whether the run has CUDA: this machine's, or, for a --dry-run of a Transformer Engine
+    run (the GPU scripts), the GPUs it declares it is for: the dry run checks the CUDA-only
+    flags as there. A run without --dry-run is checked on this machine."""
     import torch
 
+    return torch.cuda.is_available() or (getattr(args, "dry_run", False)
+                                         and args.transformer_impl == "transformer_engine")
+
+
+def check(args, world: int, error) -> None:
+    """Raise `error(message)` for MoE arguments that cannot run; nothing without experts."""
     experts = args.num_experts
     if not experts:
         return
@@ -43,7 +52,7 @@ def check(args, world: int, error) -> None:
     if world % (etp * ep * pp):
         raise error(f"world size {world} is not a multiple of expert-tensor x expert x pipeline parallel "
                     f"= {etp} x {ep} x {pp}: choose --expert-model-parallel-size to divide the data-parallel ranks")
-    if not torch.cuda.is_available():
+    if not targets_cuda(args):
         for flag, (on, alternative) in CUDA_ONLY.items():
             if on(args):
                 raise error(f"{flag} needs a CUDA kernel and this machine has no CUDA: {alternative}")

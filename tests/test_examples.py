@@ -77,6 +77,7 @@ def dataset(tmp_path_factory):
     ("examples/gpu_single_node.sh", "deepseek_v3_d1", {}),
     ("examples/gpu_single_node.sh", "repeated_d3", {"TP": "2"}),
     ("examples/gpu_multi_node.sh", "draft_heads_frozen_backbone", {"NNODES": "1", "MASTER_ADDR": "127.0.0.1"}),
+    ("examples/gpu_single_node.sh", "deepseek_v3_moe_gpu", {"EP": "2"}),
 ])
 def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, tmp_path):
     output = bash(script, "--dry-run", env={"DATA": str(dataset), "SAVE": str(tmp_path / "run"), "GPUS_PER_NODE": "2",
@@ -85,3 +86,20 @@ def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, t
     (summary,) = [line.split("]:", 1)[-1] for line in output.splitlines() if "arguments OK" in line]
     assert "transformer_engine layers, bf16" in summary and "24 layers, hidden 2048" in summary, summary
     assert f"TP {extra.get('TP', '1')}" in summary
+    if "EP" in extra:
+        assert f"64 experts (top-6, grouped GEMM), EP {extra['EP']}" in summary, summary
+
+
+def test_only_a_dry_run_checks_cuda_only_moe_flags_for_the_gpus_it_targets():
+    """The MoE GPU config's dry run passes here as for its GPUs; a CPU run of it is still refused."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_mtp import moe_arguments
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    assert moe_arguments.targets_cuda(SimpleNamespace(dry_run=True, transformer_impl="transformer_engine"))
+    assert not moe_arguments.targets_cuda(SimpleNamespace(dry_run=False, transformer_impl="transformer_engine"))
+    assert not moe_arguments.targets_cuda(SimpleNamespace(dry_run=True, transformer_impl="local"))
