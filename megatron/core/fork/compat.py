@@ -17,3 +17,10 @@ def logit_multiplier(model) -> float:
     factor itself: the sparse MTP loss applies it inside its chunks and to its gradient."""
     config = model.config
     return config.mup_output_mult if getattr(config, "use_mup", False) else 1.0
+
+
+def has_moe_grad_scale_func(config) -> bool:
+    """megatron-core 0.19+ lets a step scale the MoE router losses (moe_grad_scale_func);
+    0.16.1's schedules take the main loss scale for them, with no hook."""
+    return hasattr(config, "moe_grad_scale_func")
+

@@ -27,6 +27,7 @@ is refused in exact steps.
 
 import torch
 
+from megatron.core.fork import compat
 from megatron.core.fork import device as compute_device
 
 _GLOBAL = "global_aux_loss"
@@ -67,6 +68,9 @@ def check_exact_step(config) -> None:
 
 def scale_func(config, routed_tokens: int):
     """A ``moe_grad_scale_func`` for one step: the optimizer's loss scale over T."""
+    if not compat.has_moe_grad_scale_func(config):
+        raise ValueError("MoE router losses in an exact step need megatron-core's moe_grad_scale_func "
+                         "(0.19 and later); this build has none: use the 0.19.2 series")
     if routed_tokens < 1:
         raise ValueError(f"a step with router losses routes at least one token, got T = {routed_tokens}")
     def scale():  # the loss scale of the moment (fp16's changes between steps)

@@ -106,7 +106,7 @@ class SplitStep:
         # Nothing has changed yet: everything above may refuse.
         normalization.activate(step)
         self._normalization = step
-        self._saved_hooks = {name: getattr(self.config, name) for name in _CONFIG_HOOKS}
+        self._saved_hooks = {name: getattr(self.config, name) for name in _CONFIG_HOOKS if hasattr(self.config, name)}
         self._mtp_loss_scale = MTPLossAutoScaler.main_loss_backward_scale
         self._moe_loss_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         self.config.finalize_model_grads_func = None
@@ -116,7 +116,8 @@ class SplitStep:
         # schedules and every MTP depth through MTPLossAutoScaler; unscaling then restores
         # each branch exactly (pinning a branch to 1 would leave it 1/S too small).
         self.config.grad_scale_func = self.optimizer.scale_loss
-        self.config.moe_grad_scale_func = moe_scale
+        if moe_scale is not None:
+            self.config.moe_grad_scale_func = moe_scale
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

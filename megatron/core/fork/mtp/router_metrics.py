@@ -17,13 +17,21 @@ import torch
 from megatron.core.fork import device as compute_device
 from megatron.core.fork import router_losses
 from megatron.core.fork.mtp import last_depth
-from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 
 LABELS = {"load_balancing_loss": "load balancing loss", "seq_load_balancing_loss": "seq load balancing loss",
           "global_load_balancing_loss": "global load balancing loss", "z_loss": "z loss"}
 _BALANCE_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                   "global_aux_loss": "global_load_balancing_loss"}
-_TRACKER = MoEMetricsTracker()
+_TRACKER = None  # upstream's MoEMetricsTracker (megatron-core 0.19+), made at the first record
+
+
+def _tracker():
+    global _TRACKER
+    if _TRACKER is None:
+        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+
+        _TRACKER = MoEMetricsTracker()
+    return _TRACKER
 
 
 def record(router, name: str, value: torch.Tensor, **reduction) -> None:
@@ -32,13 +40,13 @@ def record(router, name: str, value: torch.Tensor, **reduction) -> None:
         return
     depth = last_depth.current_depth()
     if depth is not None:
-        _TRACKER.record(name, value, depth, router.config.mtp_num_layers, **reduction)
+        _tracker().record(name, value, depth, router.config.mtp_num_layers, **reduction)
 
 
 def reset() -> None:
     """Start a step: nothing recorded (and no slots sized for another model's depths)."""
     global _TRACKER
-    _TRACKER = MoEMetricsTracker()
+    _TRACKER = None
 
 
 def _names(config) -> list:
@@ -55,13 +63,13 @@ def step_values(config, num_microbatches: int) -> dict:
     depths = config.mtp_num_layers or 0
     if not depths or not router_losses.active(config):
         return {}
-    names = _names(config)
+    names, tracker = _names(config), _tracker()
     for name in names:  # ranks without an MTP layer join the reduction with zeros
-        _TRACKER.ensure_initialized(name, depths, device=compute_device.current_device())
-    _TRACKER._sync_metrics(names)
+        tracker.ensure_initialized(name, depths, device=compute_device.current_device())
+    tracker._sync_metrics(names)
     values = {}
     for name in names:
-        per_depth = _TRACKER.metrics[name].values.double().cpu() / max(num_microbatches, 1)
+        per_depth = tracker.metrics[name].values.double().cpu() / max(num_microbatches, 1)
         values.update({f"mtp_{k + 1} {LABELS[name]}": float(v) for k, v in enumerate(per_depth)})
     reset()
     return values
