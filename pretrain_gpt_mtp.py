@@ -41,7 +41,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection,
     )
     if args.freeze_backbone:  # the MTP heads train; the backbone's parameters get no gradient
         for name, parameter in model.named_parameters():
