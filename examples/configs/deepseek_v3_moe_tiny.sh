@@ -1,0 +1,14 @@
+# A tiny DeepSeek-V3-shaped mixture of experts with MTP (runs on CPU): the first layer dense,
+# the others MoE with 8 routed experts (top-2 of 4 groups, at most 2 groups per token) and one
+# shared expert; sigmoid router scores with the auxiliary-loss-free expert bias, plus the
+# sequence-wise balance loss (seq_aux_loss) at a small weight; one MTP depth whose layer is an
+# MoE layer like the backbone's last (DeepSeek-V3's layer 61). RMSNorm, SwiGLU, no linear biases.
+# Every router loss here is exact in the step (README, "Mixture of experts").
+MTP_ARGS=(--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3
+          --normalization RMSNorm --swiglu --disable-bias-linear
+          --num-experts 8 --moe-ffn-hidden-size 64 --moe-shared-expert-intermediate-size 64
+          --moe-layer-freq "[0,1,1,1]" --moe-router-topk 2
+          --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5
+          --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
+          --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4
+          --moe-token-dispatcher-type alltoall)
