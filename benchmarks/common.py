@@ -4,6 +4,16 @@ a micro-batch, and the peak of live tensor memory during a step."""
 import os
 
 SHAPE = dict(vocab=8192, hidden=256, heads=8, layers=4, seq=256, batch=4)
+# The MoE variant of SHAPE (TransformerConfig fields): the first layer dense, the other three
+# and every MTP depth's layer MoE, 8 SequentialMLP experts of hidden 512 with top-2 routing
+# (as many multiply-adds per token as the dense MLP's 4h = 1024), softmax router,
+# seq_aux_loss and z-loss, the alltoall dispatcher (EP = 1 here), no linear biases (as
+# DeepSeek-V3; pristine upstream's experts add their bias in place of a view and fail on CPU,
+# which the fork's patch 0018 fixes).
+MOE = dict(add_bias_linear=False, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
+           moe_layer_freq=[0, 1, 1, 1],
+           moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_z_loss_coeff=1e-3,
+           moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
 
 
 def setup_process() -> None:
@@ -33,6 +43,12 @@ def build(depths: int, detach: bool = False, repeated: bool = False, vocab: int 
                                mtp_detach_heads=detach, mtp_use_repeated_layer=repeated,
                                hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
                                calculate_per_token_loss=True, **config_fields)
+    if config.num_moe_experts:
+        # megatron-core's MoE metrics tracker is process-global and sized by the first model's
+        # layers: start afresh for this one.
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
     torch.manual_seed(0)
     model = build_gpt(config, vocab, SHAPE["seq"])
     tokens = torch.randint(0, vocab, (SHAPE["batch"], SHAPE["seq"] + 1),

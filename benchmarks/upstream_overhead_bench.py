@@ -1,6 +1,7 @@
 """The fork's MTP step against pristine upstream, side by side in one run (isolation off).
 
     .venv/bin/python benchmarks/upstream_overhead_bench.py [--version 0.19.2] [--rounds 10] [--vocab 8192]
+        [--moe] [--threads N]
 
 Two sides build the same GPT (SDPA layer spec, same weights and data):
 - fork: this checkout's patched build of VERSION (default: `current`), its default MTP
@@ -12,9 +13,15 @@ with every position valid, or 30% valid (the leading 70% of each row masked, as 
 SFT prompt). Each side and D runs in its own long-lived process; the parent makes all six
 take turns, one step at a time, so all see the same machine load, and prints medians, the
 ratio fork / upstream for D = 0, 1 and 3, and the MTP overhead step(D) - step(0) of each
-side with its ratio. Peak memory: the peak of live tensor memory during a step, from
-torch.profiler's record of every CPU allocation and free (deterministic), one process per
-side, D and vocabulary size, and the ratio.
+side with its ratio, in wall-clock time and in the processes' CPU time (less sensitive to
+other load on the machine; the step's own work with --threads 1). Peak memory: the peak of
+live tensor memory during a step, from torch.profiler's record of every CPU allocation and
+free (deterministic), one process per side, D and vocabulary size, and the ratio.
+
+--moe: the same with the MoE layers of benchmarks.common.MOE (the backbone's last three
+layers and the MTP layer; seq_aux_loss and z-loss), D = 0 and 1, peak memory at the
+step-time vocabulary only. The fork's MoE MTP layer keeps its dense last-depth MLP
+(megatron/core/fork/mtp/last_depth.py): what it saves at 30% valid is the sparse loss.
 """
 
 import argparse
@@ -30,37 +37,45 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-from benchmarks.common import SHAPE, build, peak_step_memory_mib, setup_process, step  # noqa: E402
+from benchmarks.common import MOE, SHAPE, build, peak_step_memory_mib, setup_process, step  # noqa: E402
 
-def worker(depths: int, valid_fraction: float, vocab: int) -> None:
-    """Answer "step" with one step's seconds, until "quit"."""
+def worker(depths: int, valid_fraction: float, vocab: int, moe: bool, threads: int) -> None:
+    """Answer "step" with one step's wall-clock and CPU seconds, until "quit"."""
+    import torch
+
     setup_process()
-    model, tokens = build(depths, vocab=vocab)
+    if threads:
+        torch.set_num_threads(threads)
+    model, tokens = build(depths, vocab=vocab, **(MOE if moe else {}))
     step(model, tokens, valid_fraction)  # warm-up
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() != "step":
             break
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step(model, tokens, valid_fraction)
-        print(time.perf_counter() - start, flush=True)
+        print(time.perf_counter() - start, time.process_time() - cpu_start, flush=True)
 
 
-def peak_memory(depths: int, vocab: int) -> None:
+def peak_memory(depths: int, vocab: int, moe: int) -> None:
     setup_process()
-    print(peak_step_memory_mib(*build(depths, vocab=vocab)))
+    print(peak_step_memory_mib(*build(depths, vocab=vocab, **(MOE if moe else {}))))
 
 
 def side_env(tree: Path) -> dict:
     return dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([str(tree), str(REPO_ROOT)]))
 
 
-def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: int, rounds: int) -> dict:
-    """{D: {side: median seconds}}: one process per side and D, all taking turns one step at
-    a time, so that step(D) - step(0) subtracts steps measured under the same load."""
+def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: int, rounds: int,
+                      moe: bool = False, threads: int = 0) -> tuple:
+    """({D: {side: median wall seconds}}, {D: {side: median CPU seconds}}): one process per
+    side and D, all taking turns one step at a time, so that step(D) - step(0) subtracts steps
+    measured under the same load. CPU seconds (the process's, all its threads) depend less
+    on what else runs on the machine; with one thread (--threads 1) they are the step's work."""
     procs = {(d, side): subprocess.Popen([sys.executable, __file__, "--worker", str(d), str(valid_fraction),
-                                          str(vocab)], env=side_env(tree), stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                          str(vocab), str(int(moe)), str(threads)], env=side_env(tree),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True)
              for d in depths for side, tree in trees.items()}
     try:
         for proc in procs.values():
@@ -70,21 +85,22 @@ def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: 
             for key, proc in procs.items():
                 proc.stdin.write("step\n")
                 proc.stdin.flush()
-                times[key].append(float(proc.stdout.readline()))
+                times[key].append([float(x) for x in proc.stdout.readline().split()])
     finally:
         for proc in procs.values():
             proc.stdin.close()
             proc.wait(timeout=60)
-    return {d: {side: statistics.median(times[(d, side)]) for side in trees} for d in depths}
+    return tuple({d: {side: statistics.median(t[i] for t in times[(d, side)]) for side in trees} for d in depths}
+                 for i in (0, 1))
 
 
-def compare_peak_memory(trees: dict, depths: int, vocab: int) -> dict:
+def compare_peak_memory(trees: dict, depths: int, vocab: int, moe: bool = False) -> dict:
     peaks = {}
     for side, tree in trees.items():
         # torch.profiler's memory timeline sometimes asserts on its own records ("duplicate
         # outputs", tensor ids reused): measure again, the number itself is deterministic.
         for _ in range(3):
-            run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab)],
+            run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab), str(int(moe))],
                                  env=side_env(tree), capture_output=True, text=True)
             if run.returncode == 0 or "duplicate outputs" not in run.stderr:
                 break
@@ -99,28 +115,38 @@ def main() -> None:
     parser.add_argument("--version", help="upstream version (default: current)")
     parser.add_argument("--rounds", type=int, default=10, help="alternating steps per side and D")
     parser.add_argument("--vocab", type=int, default=SHAPE["vocab"], help="vocabulary size of the step-time runs")
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
-    parser.add_argument("--peak-memory", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--moe", action="store_true", help="the MoE model of benchmarks.common.MOE, D = 0 and 1")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of each step-time process (default: torch's own)")
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--peak-memory", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        return worker(int(args.worker[0]), float(args.worker[1]), int(args.worker[2]))
+        return worker(int(args.worker[0]), float(args.worker[1]), int(args.worker[2]), bool(int(args.worker[3])),
+                      int(args.worker[4]))
     if args.peak_memory is not None:
         return peak_memory(*args.peak_memory)
 
     from megatron_mtp.patched_core import build_tree, current_upstream_version, make_upstream_tree
 
     version = args.version or current_upstream_version()
+    depths = (0, 1) if args.moe else (0, 1, 3)
+    memory_vocabs = (args.vocab,) if args.moe else (SHAPE["vocab"], 4 * SHAPE["vocab"])
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"fork": build_tree(version), "upstream": make_upstream_tree(version, Path(tmp))}
-        print(f"megatron-core {version}, isolation off; shape {SHAPE}, vocab {args.vocab} in the step-time runs")
+        print(f"megatron-core {version}, isolation off; shape {SHAPE}, vocab {args.vocab} in the step-time runs"
+              + (f"; MoE {MOE}" if args.moe else "") + (f"; {args.threads} torch thread(s)" if args.threads else ""))
         for valid_fraction in (1.0, 0.3):
             print(f"step time, {valid_fraction:.0%} of positions valid (median of {args.rounds} alternating steps):")
-            seconds = compare_step_time(trees, (0, 1, 3), valid_fraction, args.vocab, args.rounds)
-            report("", {d: {side: t * 1000 for side, t in by_side.items()} for d, by_side in seconds.items()},
-                   "ms", "MTP overhead step(D) - step(0)")
+            for kind, seconds in zip(("wall", "CPU"), compare_step_time(
+                    trees, depths, valid_fraction, args.vocab, args.rounds, args.moe, args.threads)):
+                print(f" {kind} time:")
+                report("", {d: {side: t * 1000 for side, t in by_side.items()} for d, by_side in seconds.items()},
+                       "ms", "MTP overhead step(D) - step(0)")
         print("peak live tensor memory of a step, all positions valid:")
-        for vocab in (SHAPE["vocab"], 4 * SHAPE["vocab"]):
-            report(f"vocab {vocab:6d}, ", {depths: compare_peak_memory(trees, depths, vocab) for depths in (0, 1, 3)},
+        for vocab in memory_vocabs:
+            report(f"vocab {vocab:6d}, ",
+                   {d: compare_peak_memory(trees, d, vocab, args.moe) for d in depths},
                    "MiB", "MTP branch peak(D) - peak(0)")
 
 
