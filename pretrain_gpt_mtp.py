@@ -46,7 +46,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection,
     )
-    if args.freeze_backbone:  # the MTP heads train; the backbone's parameters get no gradient
+    if getattr(args, "freeze_backbone", False):  # this script's flag: the MTP heads train, the backbone is frozen
         for name, parameter in model.named_parameters():
             if not name.startswith("mtp."):
                 parameter.requires_grad_(False)

@@ -66,8 +66,9 @@ def check_exact_step(config) -> None:
             )
 
 
-def scale_func(config, routed_tokens: int):
-    """A ``moe_grad_scale_func`` for one step: the optimizer's loss scale over T."""
+def scale_func(config, routed_tokens: int, grad_scale_func=None):
+    """A ``moe_grad_scale_func`` for one step: the optimizer's loss scale over T (the loss
+    scale of ``grad_scale_func`` if given, else of the config's at the time it is applied)."""
     if not compat.has_moe_grad_scale_func(config):
         raise ValueError("MoE router losses in an exact step need megatron-core's moe_grad_scale_func "
                          "(0.19 and later); this build has none: use the 0.19.2 series")
@@ -75,6 +76,7 @@ def scale_func(config, routed_tokens: int):
         raise ValueError(f"a step with router losses routes at least one token, got T = {routed_tokens}")
     def scale():  # the loss scale of the moment (fp16's changes between steps)
         one = torch.ones(1, device=compute_device.current_device())
-        return (config.grad_scale_func(one) if config.grad_scale_func is not None else one) / routed_tokens
+        loss_scale = grad_scale_func or config.grad_scale_func
+        return (loss_scale(one) if loss_scale is not None else one) / routed_tokens
 
     return scale

@@ -27,6 +27,11 @@ def validate_mtp_options(config) -> None:
         raise ValueError(
             f"sparse_loss_chunk_size (--sparse-loss-chunk-size) must be >= 1 rows, got {config.sparse_loss_chunk_size}"
         )
+    if getattr(config, "exact_steps", False) and not config.calculate_per_token_loss:
+        raise ValueError(
+            "exact_steps (--exact-steps) normalizes the loss function's raw per-token sums once per step: "
+            "add --calculate-per-token-loss (without it the schedules divide each micro-batch by its own count)"
+        )
     if depths and (config.mtp_loss_scaling_factor is None or config.mtp_loss_scaling_factor < 0):
         raise ValueError(
             f"mtp_loss_scaling_factor must be a number >= 0, got {config.mtp_loss_scaling_factor}"

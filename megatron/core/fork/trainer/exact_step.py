@@ -30,6 +30,7 @@ from megatron.core.fork import normalization, router_losses
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.fork.split_step import last_stage_sum
+from megatron.core.fork.trainer import loss_contract
 from megatron.core.fork.trainer import metrics
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
@@ -45,10 +46,11 @@ class _Step:
         self.config = config
         self.num_microbatches = num_microbatches
         self.counts = counts  # None: the step is not normalized here (exact steps off)
-        self.finalize = config.finalize_model_grads_func
-        self.moe_grad_scale_func = config.moe_grad_scale_func
+        self.saved = {name: getattr(config, name) for name in _CONFIG_HOOKS}
 
 
+# What a step overrides on the model config, restored by end().
+_CONFIG_HOOKS = ("finalize_model_grads_func", "moe_grad_scale_func", "grad_scale_func", "mtp_grad_scale_func")
 _main_loss_level: str | None = None  # set by enable(): exact steps on
 _current: _Step | None = None
 
@@ -107,21 +109,25 @@ def begin(model, data_iterator, num_microbatches: int):
     config = get_model_config(model[0])
     STEP_STATISTICS.reset()
     router_metrics.reset()
-    if _main_loss_level is None:
+    upstream_loss = _main_loss_level is None and config.exact_steps  # --exact-steps, upstream's loss contract
+    if _main_loss_level is None and not upstream_loss:
         _current = _Step(config, None, num_microbatches)
         return data_iterator
+    level = normalization.TOKEN if upstream_loss else _main_loss_level
     router_losses.check_exact_step(config)
     batches = _prefetch(data_iterator, num_microbatches)
     counts = _local_counts(batches)
     dist.all_reduce(counts)  # one small all-reduce: each sample is counted by exactly one rank
     tokens, sequences, routed = (int(round(x)) for x in counts.tolist())
     step_counts = normalization.StepCounts(tokens=tokens, sequences=sequences)
-    normalization.activate(normalization.StepNormalization(
-        _main_loss_level, bool(config.mtp_detach_heads), step_counts))
+    step = normalization.StepNormalization(level, bool(config.mtp_detach_heads), step_counts)
+    normalization.activate(step)
     _current = _Step(config, step_counts, num_microbatches)
-    config.finalize_model_grads_func = _finalize_without_count(_current.finalize)
+    config.finalize_model_grads_func = _finalize_without_count(_current.saved["finalize_model_grads_func"])
     if router_losses.active(config):
-        config.moe_grad_scale_func = router_losses.scale_func(config, routed)
+        config.moe_grad_scale_func = router_losses.scale_func(config, routed, _current.saved["grad_scale_func"])
+    if upstream_loss:
+        loss_contract.seed_main_loss(config, step.main_scale(), _current.saved["grad_scale_func"])
     return _replayable(batches)
 
 
@@ -132,8 +138,8 @@ def end(optimizer=None, update_successful: bool = False) -> None:
         return
     step, _current = _current, None
     if step.counts is not None:
-        step.config.finalize_model_grads_func = step.finalize
-        step.config.moe_grad_scale_func = step.moe_grad_scale_func
+        for name, value in step.saved.items():
+            setattr(step.config, name, value)
         normalization.deactivate()
     if optimizer is None:
         return
