@@ -12,8 +12,7 @@ after the step with the reference's update.
 
 import torch
 
-from megatron.core.fork import router_losses
-from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+from megatron.core.fork import compat, router_losses
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.moe_full_grads import gathered_full_grads_and_buffers
 from tests.bodies.tiny_gpt import Setup, build, global_batch, train_step
@@ -36,7 +35,7 @@ def fresh_build(setup: Setup):
     """build(), with upstream's global MoE metrics tracker dropped first: the library's step
     never reports (clears) it, and its per-layer entries keep the size of the first model that
     recorded, so a model with more MoE layers in the same process fails with an IndexError."""
-    destroy_moe_metrics_tracker()
+    compat.drop_moe_metrics_tracker()
     return build(setup)
 
 

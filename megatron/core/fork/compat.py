@@ -20,7 +20,20 @@ def logit_multiplier(model) -> float:
 
 
 def has_moe_grad_scale_func(config) -> bool:
-    """megatron-core 0.19+ lets a step scale the MoE router losses (moe_grad_scale_func);
-    0.16.1's schedules take the main loss scale for them, with no hook."""
+    """Whether a step can scale the MoE router losses (moe_grad_scale_func): upstream's field
+    from megatron-core 0.19, backported by the 0.16.1 series ("MoE: the router losses' scale
+    from moe_grad_scale_func"); False only for a megatron-core without either."""
     return hasattr(config, "moe_grad_scale_func")
 
+
+def drop_moe_metrics_tracker() -> None:
+    """Drop upstream's global MoE metrics (its per-layer slots keep the size of the first model
+    that recorded): megatron-core 0.19's MoEMetricsTracker, 0.16.1's aux-losses tracker dict."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # 0.16.1
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()

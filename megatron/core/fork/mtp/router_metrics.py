@@ -4,16 +4,25 @@ Upstream's MoE metrics tracker keeps one slot per layer: a repeated MTP layer ru
 depth in one slot, and the console reports the mean over all MoE layers, backbone and MTP
 together. The spec asks for ``mtp_k load balancing loss`` and ``mtp_k z loss`` besides
 the backbone's as upstream reports them. The router hands each MTP depth's value (the one
-upstream logs, with the same reduction groups) to ``record``; the depth is the MTP block's
-current layer call (megatron.core.fork.mtp.last_depth counts them), so distinct and
-repeated layers report alike. ``step_values`` reduces them once per step with upstream's
-own tracker logic (sums over the reduce group, means over the average and data-parallel
-groups) and divides by the step's micro-batches: with micro-batches of equal size, which
-a step's are, that is the token-weighted step value of each loss.
+upstream logs) to ``record`` with its reduction groups; the depth is the MTP block's
+current layer call (megatron.core.fork.mtp.last_depth counts them; outside the MTP block
+there is none, so backbone routers record nothing), so distinct and repeated layers report
+alike. ``step_values`` reduces them once per step as megatron-core 0.19's MoEMetricsTracker
+reduces its metrics (a sum over the pipeline stages, a sum over the reduce group (balance
+losses: the router's TP-CP group), a mean over the average group (z-loss: TP-DP-CP), then
+a mean over the data-parallel ranks unless the reduce group already spans them) and
+divides by the step's micro-batches: with micro-batches of equal size, which a step's are,
+that is the token-weighted step value of each loss. The accumulator is the fork's own, so
+0.16.1 (whose tracker is a dict of per-layer slots, reduced differently) and 0.19 report
+the same values.
 """
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
 from megatron.core.fork import router_losses
 from megatron.core.fork.mtp import last_depth
@@ -22,31 +31,49 @@ LABELS = {"load_balancing_loss": "load balancing loss", "seq_load_balancing_loss
           "global_load_balancing_loss": "global load balancing loss", "z_loss": "z loss"}
 _BALANCE_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                   "global_aux_loss": "global_load_balancing_loss"}
-_TRACKER = None  # upstream's MoEMetricsTracker (megatron-core 0.19+), made at the first record
 
 
-def _tracker():
-    global _TRACKER
-    if _TRACKER is None:
-        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+@dataclass
+class _Entry:
+    values: torch.Tensor  # [D]: the step's sum over micro-batches, per depth
+    reduce_group: Optional[torch.distributed.ProcessGroup] = None
+    avg_group: Optional[torch.distributed.ProcessGroup] = None
+    needs_dp_avg: bool = True
 
-        _TRACKER = MoEMetricsTracker()
-    return _TRACKER
+
+_ENTRIES: dict = {}  # name -> _Entry, since the last reset
 
 
-def record(router, name: str, value: torch.Tensor, **reduction) -> None:
+def record(router, name: str, value: torch.Tensor, reduce_group=None, avg_group=None,
+           needs_dp_avg: bool = True) -> None:
     """One MTP depth's router loss of one micro-batch (ignored outside the MTP block)."""
-    if not router.is_mtp_layer:
-        return
     depth = last_depth.current_depth()
-    if depth is not None:
-        _tracker().record(name, value, depth, router.config.mtp_num_layers, **reduction)
+    if depth is None:
+        return
+    entry = _ENTRIES.get(name)
+    if entry is None:
+        entry = _ENTRIES[name] = _Entry(torch.zeros(router.config.mtp_num_layers, device=value.device))
+    entry.values[depth - 1] += value.detach()
+    entry.reduce_group, entry.avg_group, entry.needs_dp_avg = reduce_group, avg_group, needs_dp_avg
 
 
 def reset() -> None:
     """Start a step: nothing recorded (and no slots sized for another model's depths)."""
-    global _TRACKER
-    _TRACKER = None
+    _ENTRIES.clear()
+
+
+def _reduce(names: list) -> None:
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+    for name in names:
+        entry = _ENTRIES[name]
+        torch.distributed.all_reduce(entry.values, group=pp_group)
+        if entry.reduce_group is not None:
+            torch.distributed.all_reduce(entry.values, group=entry.reduce_group)
+        if entry.avg_group is not None:
+            torch.distributed.all_reduce(entry.values, group=entry.avg_group, op=torch.distributed.ReduceOp.AVG)
+        if entry.needs_dp_avg:
+            torch.distributed.all_reduce(entry.values, group=dp_group, op=torch.distributed.ReduceOp.AVG)
 
 
 def _names(config) -> list:
@@ -63,13 +90,14 @@ def step_values(config, num_microbatches: int) -> dict:
     depths = config.mtp_num_layers or 0
     if not depths or not router_losses.active(config):
         return {}
-    names, tracker = _names(config), _tracker()
+    names = _names(config)
     for name in names:  # ranks without an MTP layer join the reduction with zeros
-        tracker.ensure_initialized(name, depths, device=compute_device.current_device())
-    tracker._sync_metrics(names)
+        if name not in _ENTRIES:
+            _ENTRIES[name] = _Entry(torch.zeros(depths, device=compute_device.current_device()))
+    _reduce(names)
     values = {}
     for name in names:
-        per_depth = tracker.metrics[name].values.double().cpu() / max(num_microbatches, 1)
+        per_depth = _ENTRIES[name].values.double().cpu() / max(num_microbatches, 1)
         values.update({f"mtp_{k + 1} {LABELS[name]}": float(v) for k, v in enumerate(per_depth)})
     reset()
     return values
