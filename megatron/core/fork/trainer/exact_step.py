@@ -74,22 +74,25 @@ def _prefetch(data_iterator, num_microbatches: int):
     return [next(data_iterator) for _ in range(num_microbatches)]
 
 
-def _replayable(batches):
+def _replayable(batches, virtual: bool):
+    """Iterators over the prefetched micro-batches, shaped as the data iterator(s) were (a
+    virtual stage whose rank reads no data has None)."""
     if batches is None:
         return None
-    if batches and isinstance(batches[0], list):
-        return [RerunDataIterator(iter(b)) for b in batches]
+    if virtual:
+        return [None if b is None else RerunDataIterator(iter(b)) for b in batches]
     return RerunDataIterator(iter(batches))
 
 
-def _local_counts(batches) -> torch.Tensor:
+def _local_counts(batches, virtual: bool) -> torch.Tensor:
     """[valid targets, sequences, routed tokens] of this rank's micro-batches if it is the rank
-    that counts."""
+    that counts (with virtual stages, the last one's: it computes the loss)."""
     counts = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
     counting = (parallel_state.get_tensor_model_parallel_rank() == 0
                 and parallel_state.is_pipeline_last_stage(ignore_virtual=True))
-    if counting and batches:
-        for batch in batches[-1] if isinstance(batches[0], list) else batches:
+    mine = batches[-1] if virtual and batches else batches
+    if counting and mine:
+        for batch in mine:
             mask = loss_mask_of(batch)
             counts[:2] += normalization.target_counts(mask.to(counts.device))
             counts[2] += mask.numel()  # every input position is routed
@@ -115,8 +118,9 @@ def begin(model, data_iterator, num_microbatches: int):
         return data_iterator
     level = normalization.TOKEN if upstream_loss else _main_loss_level
     router_losses.check_exact_step(config)
+    virtual = isinstance(data_iterator, list)  # one iterator per virtual stage
     batches = _prefetch(data_iterator, num_microbatches)
-    counts = _local_counts(batches)
+    counts = _local_counts(batches, virtual)
     dist.all_reduce(counts)  # one small all-reduce: each sample is counted by exactly one rank
     tokens, sequences, routed = (int(round(x)) for x in counts.tolist())
     step_counts = normalization.StepCounts(tokens=tokens, sequences=sequences)
@@ -128,7 +132,7 @@ def begin(model, data_iterator, num_microbatches: int):
         config.moe_grad_scale_func = router_losses.scale_func(config, routed, _current.saved["grad_scale_func"])
     if upstream_loss:
         loss_contract.seed_main_loss(config, step.main_scale(), _current.saved["grad_scale_func"])
-    return _replayable(batches)
+    return _replayable(batches, virtual)
 
 
 def end(optimizer=None, update_successful: bool = False) -> None:
