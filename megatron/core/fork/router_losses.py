@@ -23,6 +23,10 @@ DP / EP / TP / PP layout, and the fp16 loss scale reaches every router loss.
 ``global_aux_loss`` uses routing statistics accumulated over the step's micro-batches so
 far (each micro-batch sees a different partial count), so it is not the step's loss and
 is refused in exact steps.
+
+Upstream's routers compute their losses only in training with gradients, so an evaluation
+reported none. While ``report_in_evaluation`` is on, a router in eval mode computes them
+too, for the evaluation's record: they reach the metrics trackers, and no gradient flows.
 """
 
 import torch
@@ -31,6 +35,7 @@ from megatron.core.fork import compat
 from megatron.core.fork import device as compute_device
 
 _GLOBAL = "global_aux_loss"
+_IN_EVALUATION = False
 
 
 def load_balancing_types(config) -> list:
@@ -64,6 +69,22 @@ def check_exact_step(config) -> None:
                 "(DeepSeek-V3's sequence-wise loss, exact) or aux_loss (per micro-batch, weighted by "
                 "its tokens)"
             )
+
+
+def report_in_evaluation(on: bool) -> None:
+    """Routers in eval mode compute their losses (on: an evaluation that reports them runs)."""
+    global _IN_EVALUATION
+    _IN_EVALUATION = on
+
+
+def reporting_in_evaluation() -> bool:
+    return _IN_EVALUATION
+
+
+def computes_losses(router) -> bool:
+    """Whether `router` computes its losses in this forward pass: upstream's condition
+    (training, with gradients), or in eval mode while an evaluation reports them."""
+    return (router.training and torch.is_grad_enabled()) or (_IN_EVALUATION and not router.training)
 
 
 def scale_func(config, routed_tokens: int, grad_scale_func=None):

@@ -76,12 +76,13 @@ def _reduce(names: list) -> None:
             torch.distributed.all_reduce(entry.values, group=dp_group, op=torch.distributed.ReduceOp.AVG)
 
 
-def _names(config) -> list:
+def names(config) -> list:
+    """The router losses the config's routers record (megatron-core's tracker names)."""
     kinds = router_losses.load_balancing_types(config)
     coeffs = router_losses.coefficients(config)
-    names = [_BALANCE_NAMES[kind] for kind, coeff in zip(kinds, coeffs, strict=True)
-             if coeff and coeff > 0 and kind in _BALANCE_NAMES]
-    return names + (["z_loss"] if config.moe_z_loss_coeff else [])
+    balance = [_BALANCE_NAMES[kind] for kind, coeff in zip(kinds, coeffs, strict=True)
+               if coeff and coeff > 0 and kind in _BALANCE_NAMES]
+    return balance + (["z_loss"] if config.moe_z_loss_coeff else [])
 
 
 def step_values(config, num_microbatches: int) -> dict:
@@ -90,13 +91,13 @@ def step_values(config, num_microbatches: int) -> dict:
     depths = config.mtp_num_layers or 0
     if not depths or not router_losses.active(config):
         return {}
-    names = _names(config)
-    for name in names:  # ranks without an MTP layer join the reduction with zeros
+    recorded = names(config)
+    for name in recorded:  # ranks without an MTP layer join the reduction with zeros
         if name not in _ENTRIES:
             _ENTRIES[name] = _Entry(torch.zeros(depths, device=compute_device.current_device()))
-    _reduce(names)
+    _reduce(recorded)
     values = {}
-    for name in names:
+    for name in recorded:
         per_depth = _ENTRIES[name].values.double().cpu() / max(num_microbatches, 1)
         values.update({f"mtp_{k + 1} {LABELS[name]}": float(v) for k, v in enumerate(per_depth)})
     reset()

@@ -21,6 +21,7 @@ import tempfile
 
 import torch
 
+from megatron.core.fork import chained_optimizer_state
 from megatron.core.fork.model_shape import check_same_shape, model_shape
 from megatron.core.fork.trainer import metrics
 from megatron.core.msc_utils import MultiStorageClientFeature, maybe_msc
@@ -38,9 +39,14 @@ def state(model) -> dict:
     return {"model_shape": model_shape(model[0]), "metrics": metrics.state_dict()}
 
 
-def check(common_state: dict, model, finetune: bool) -> None:
-    """Raise CheckpointError if the checkpoint's model shape differs from `model`'s."""
+def check(common_state: dict, model, finetune: bool, optimizer=None) -> None:
+    """Raise CheckpointError if the checkpoint's model shape differs from `model`'s, or if its
+    optimizer state cannot load into `optimizer` (None: the optimizer state is not loaded)."""
     check_shape((common_state or {}).get(KEY), model_shape(model[0]), finetune)
+    try:
+        chained_optimizer_state.check_reshardable((common_state or {}).get("optimizer"), optimizer)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
 
 
 def check_shape(saved: dict | None, current: dict, finetune: bool) -> None:

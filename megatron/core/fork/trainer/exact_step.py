@@ -65,6 +65,37 @@ def enable(main_loss_level: str) -> None:
     normalization.set_default_level(main_loss_level)
 
 
+def exact(config) -> bool:
+    """Whether this run's steps are exact (the trainer's loss function, or --exact-steps)."""
+    return _main_loss_level is not None or bool(config.exact_steps)
+
+
+def begin_evaluation(config) -> None:
+    """Before an evaluation: in exact steps, routers report their losses there too."""
+    router_metrics.reset()
+    router_losses.report_in_evaluation(exact(config) and router_losses.active(config))
+
+
+def evaluation_router_losses(config, microbatches: int, pg_collection=None) -> dict:
+    """After an evaluation of `microbatches` micro-batches (of equal size): its router losses
+    as step values, {} unless ``begin_evaluation`` turned them on. The backbone's are
+    reduced by upstream's MoE metrics tracker as it reduces a training step's (the mean over
+    the MoE layers), each MTP depth's by router_metrics (collectives: every rank calls it)."""
+    if not router_losses.reporting_in_evaluation():
+        return {}
+    router_losses.report_in_evaluation(False)
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # 0.19's tracker
+
+    backbone = {}
+    get_moe_metrics_tracker().report(
+        loss_scale=1 / microbatches, iteration=0, force_initialize=True, track_names=router_metrics.names(config),
+        num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq, mtp_num_layers=config.mtp_num_layers,
+        pg_collection=pg_collection, total_loss_dict=backbone)
+    values = {name: float(value) for name, value in backbone.items()}
+    values.update(router_metrics.step_values(config, microbatches))
+    return values
+
+
 def _prefetch(data_iterator, num_microbatches: int):
     """The step's micro-batches of each iterator (one per virtual stage, or one)."""
     if data_iterator is None:
@@ -113,7 +144,7 @@ def begin(model, data_iterator, num_microbatches: int):
     STEP_STATISTICS.reset()
     router_metrics.reset()
     upstream_loss = _main_loss_level is None and config.exact_steps  # --exact-steps, upstream's loss contract
-    if _main_loss_level is None and not upstream_loss:
+    if not exact(config):
         _current = _Step(config, None, num_microbatches)
         return data_iterator
     level = normalization.TOKEN if upstream_loss else _main_loss_level

@@ -115,13 +115,17 @@ def log_string(iteration: int, train_iters: int | None, writer=None, wandb_write
     return _TRACKER.text(iteration, train_iters, writer, wandb_writer, close_interval)
 
 
-def evaluation_string(sums, iteration: int, writer=None, wandb_writer=None, suffix: str = "") -> str:
-    """Console text and scalars of an evaluation's reduced MTP sums."""
-    if sums is None:
-        return ""
-    values = metrics_from_sums(sums.detach().double().cpu())
+def evaluation_string(sums, iteration: int, writer=None, wandb_writer=None, suffix: str = "",
+                      router: dict | None = None) -> str:
+    """Console text and scalars of an evaluation: its reduced MTP sums (None without MTP) and
+    its router losses (``{name: value}``: the backbone's as upstream names them, each MTP
+    depth's as ``mtp_k ...``)."""
+    router = router or {}
+    values = metrics_from_sums(sums.detach().double().cpu()) if sums is not None else {}
+    values.update(router)
     _write(values, iteration, writer, wandb_writer, suffix=f" validation{suffix}")
-    return _console(values, sums.size(0))
+    backbone = "".join(f" {name}: {value:.6E} |" for name, value in router.items() if not name.startswith("mtp_"))
+    return _console(values, sums.size(0) if sums is not None else 0) + backbone
 
 
 def state_dict() -> dict:
