@@ -14,11 +14,20 @@ the block runs its D layers in depth order, and the D-th layer call takes them
 (repeated-layer mode runs one layer D times: the count is of calls, not of layers). The same
 count says which depth is running (``current_depth``), for the per-depth router metrics.
 
+An MoE MLP routes every row: its router losses and the expert bias's token counts are
+defined over every token (spec section 11), and its shared experts run at every row. Only
+the routed experts' work is taken to the rows: after the router, ``routed_rows`` hands the
+dispatcher the taken rows (hidden states, probabilities, routing), and
+``routed_output_at_every_row`` puts the combined output back, 0 at the other rows, which
+nothing reads. Tokens dropped for capacity are chosen by the router over every row, but
+with a capacity factor, MoE recompute (whose backward reruns the layer outside this
+context), or a dispatcher that gathers equal shares from its ranks (allgather with EP or
+expert TP, flex) the layer runs at every row.
+
 Where the rows cannot be taken this way the layer runs at every row, as before:
 sequence parallelism (the MLP exchanges equal sequence shards between ranks), full
 activation recompute (its backward reruns the layer outside this context), fp8/fp4
-(GEMM row alignment), CUDA graphs (fixed shapes), and MoE MLPs (the router's
-load-balancing loss is defined over every token).
+(GEMM row alignment) and CUDA graphs (fixed shapes).
 """
 
 import contextlib
@@ -36,6 +45,13 @@ class _PendingRows:
 
 
 _pending: Optional[_PendingRows] = None
+
+
+@dataclass
+class _RoutedRows:
+    rows: torch.Tensor
+    shape: Optional[torch.Size] = None  # the MoE layer's input shape, once routed
+_routed: Optional["_RoutedRows"] = None  # while the last depth's MoE layer runs
 
 
 def rows_can_be_taken(config) -> bool:
@@ -72,9 +88,51 @@ def transformer_layer(layer):
     if pending is None:
         return layer
     pending.layer_calls += 1
-    if pending.layer_calls != layer.config.mtp_num_layers or pending.rows is None or layer.is_moe_layer:
+    if pending.layer_calls != layer.config.mtp_num_layers or pending.rows is None:
         return layer
+    if layer.is_moe_layer:
+        return functools.partial(_experts_at_rows, layer, pending.rows) if _experts_take_rows(layer) else layer
     return functools.partial(_mlp_at_rows, layer, pending.rows)
+
+
+def _experts_take_rows(layer) -> bool:
+    config = layer.config
+    dispatcher = config.moe_token_dispatcher_type
+    gathers_equal_shares = dispatcher == "allgather" and (
+        config.expert_model_parallel_size * (config.expert_tensor_parallel_size or 1) > 1)
+    return (config.moe_expert_capacity_factor is None and not getattr(config, "moe_latent_size", None)
+            and not getattr(layer.mlp, "moe_layer_recompute", False)
+            and dispatcher in ("alltoall", "allgather") and not gathers_equal_shares)
+
+
+def routed_rows(hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+    """What an MoE layer dispatches to its routed experts (called after its router): inside
+    the last depth's layer the rows its loss reads (hidden states as [rows, 1, h]);
+    elsewhere everything."""
+    rows = None if _routed is None else _routed.rows
+    if rows is None or rows.numel() == routing_map.size(0):  # every row read: nothing to take
+        return hidden_states, probs, routing_map
+    _routed.shape = hidden_states.shape
+    taken = hidden_states.reshape(-1, hidden_states.size(-1)).index_select(0, rows).unsqueeze(1)
+    return taken, probs.index_select(0, rows), routing_map.index_select(0, rows)
+
+
+def routed_output_at_every_row(output: torch.Tensor) -> torch.Tensor:
+    """The routed experts' combined output at every row of the layer's input (0 at the rows
+    ``routed_rows`` left out, which nothing reads); elsewhere unchanged."""
+    if _routed is None or _routed.shape is None:
+        return output
+    every_row = output.new_zeros(_routed.shape.numel() // output.size(-1), output.size(-1))
+    return every_row.index_copy(0, _routed.rows, output.reshape(-1, output.size(-1))).view(_routed.shape)
+
+
+def _experts_at_rows(layer, rows, **layer_kwargs):
+    global _routed
+    outer, _routed = _routed, _RoutedRows(rows)
+    try:
+        return layer(**layer_kwargs)
+    finally:
+        _routed = outer
 
 
 def _mlp_at_rows(layer, rows, **layer_kwargs):
