@@ -192,6 +192,12 @@ def _check(args) -> None:
                             "--mtp-detach-heads (isolation keeps the heads' loss off the frozen backbone)")
     if depths and cp > 1:
         raise ArgumentError("MTP with context parallelism is not supported yet: use --context-parallel-size 1")
+    if args.reset_attention_mask:
+        # Megatron-LM's pretrain_gpt.py passes the dataset's per-document mask to the model; this
+        # trainer passes none (its attention is causal without one), so the flag would do nothing.
+        raise ArgumentError("--reset-attention-mask is not supported: this trainer's attention is causal over the "
+                            "whole sequence (no mask is passed to the model), so documents would still attend "
+                            "across their boundaries; drop it (--reset-position-ids still restarts positions)")
     moe_arguments.check(args, world, ArgumentError)
     if depths and pp > 1 and args.position_embedding_type == "learned_absolute":
         raise ArgumentError("MTP under pipeline parallelism needs --position-embedding-type rope "

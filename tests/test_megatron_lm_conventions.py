@@ -82,12 +82,19 @@ def test_the_loss_function_checks_nan_inf_and_spiky_loss_through_the_rerun_state
 def test_a_nan_loss_is_caught_at_the_loss(tmp_path):
     """An absurd learning rate makes step 2's weights non-finite: the loss check finds the NaN
     before any gradient exists; upstream's rerun state machine reruns the step, finds it
-    reproducible, saves the last good iteration and exits with its status 16."""
+    reproducible, saves the last good iteration and exits with its status 16; without --save it
+    exits so too."""
     run = train(1, *TINY, *MOCK, "--lr", "1e35", "--train-iters", "4", "--mtp-num-layers", "1",
                 "--save", str(tmp_path / "run"), "--save-interval", "100", check=False)
     assert run.returncode != 0 and "exitcode  : 16" in run.output, run.tail()
     assert "(message='found NaN in local forward loss calculation')" in run.output, run.tail()
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+    # Without --save there is nothing to write: the run exits with the same status (upstream's
+    # loop saved to no directory and died in a TypeError, status 1).
+    unsaved = train(1, *TINY, *MOCK, "--lr", "1e35", "--train-iters", "4", "--mtp-num-layers", "1", check=False)
+    assert unsaved.returncode != 0 and "exitcode  : 16" in unsaved.output, unsaved.tail()
+    assert "TypeError" not in unsaved.output, unsaved.tail()
 
 
 # ---------------------------------------------------------------- CPU defaults only without GPUs

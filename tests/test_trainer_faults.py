@@ -105,6 +105,7 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
          "--sparse-lm-loss needs the token-level main loss"),
         ([*data, "--mtp-num-layers", "1", "--context-parallel-size", "2"], two,
          "MTP with context parallelism is not supported yet"),
+        ([*data, "--reset-attention-mask"], one, "--reset-attention-mask is not supported: this trainer's attention"),
         ([*data, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--position-embedding-type",
           "learned_absolute"], two, "MTP under pipeline parallelism needs --position-embedding-type rope"),
         ([*data, "--lr-warmup-iters", "10"], one, "--lr-warmup-iters 10 must be below the decay length"),
