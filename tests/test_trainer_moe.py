@@ -160,15 +160,21 @@ def test_the_deepseek_v3_moe_example_trains_on_cpu(tmp_path):
     assert iterations[3]["seq_load_balancing_loss"] > 0 and "mtp_1 loss" in iterations[3]
 
 
-def test_a_dense_first_pipeline_stage_reports_the_router_losses(dataset):
+def test_a_dense_first_pipeline_stage_reports_the_router_losses(dataset, tmp_path):
     """Upstream's #3401: with MTP, a pipeline stage without MoE layers gave the MoE metrics
     tracker fewer slots than the stages that route, and the all-reduce over the pipeline hung
     (0.19.2 sizes every stage's slots alike). Stage 1 here is dense (--moe-layer-freq [0,1]);
-    stage 2 holds the MoE layer and the MTP depth's."""
+    stage 2 holds the MoE layer and the MTP depth's. Upstream's per-layer logging keeps one
+    slot per layer, the MTP layer's after the backbone's."""
     run = train(2, *COMMON, "--micro-batch-size", "2", "--data-path", str(dataset), "--train-iters", "2",
-                "--pipeline-model-parallel-size", "2", "--moe-layer-freq", "[0,1]")
+                "--pipeline-model-parallel-size", "2", "--moe-layer-freq", "[0,1]", "--moe-per-layer-logging",
+                "--tensorboard-dir", str(tmp_path / "tb"))
     assert sorted(run.iterations) == [1, 2], run.tail()
     assert all(run.iterations[2][name] > 0 for name in ROUTER_LOSSES), run.iterations[2]
+    per_layer = scalars(tmp_path / "tb")
+    dense, moe, mtp = (per_layer[f"moe/seq_load_balancing_loss_layer_{i}"][2] for i in range(3))
+    assert dense == 0 and moe > 0 and mtp > 0, (dense, moe, mtp)
+    assert mtp == pytest.approx(run.iterations[2]["mtp_1 seq load balancing loss"], rel=1e-5)
 
 
 REFUSALS = [
