@@ -212,12 +212,10 @@ def _check(args) -> None:
 
 def _shape_of(args) -> dict:
     """The model_shape (megatron.core.fork.model_shape) the arguments build, without building it."""
-    from megatron.core.fork.model_shape import ABSENT_MEANS, SHAPE_FIELDS
+    from megatron.core.fork.model_shape import config_shape
     from megatron.training.arguments import core_transformer_config_from_args
 
-    config = core_transformer_config_from_args(args)
-    shape = {field: getattr(config, field, ABSENT_MEANS.get(field)) for field in SHAPE_FIELDS}
-    shape["mtp_num_layers"] = shape["mtp_num_layers"] or 0
+    shape = config_shape(core_transformer_config_from_args(args))
     shape["vocab_size"] = args.padded_vocab_size
     shape["share_embeddings_and_output_weights"] = not args.untie_embeddings_and_output_weights
     return shape

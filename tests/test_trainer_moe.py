@@ -177,6 +177,28 @@ def test_a_dense_first_pipeline_stage_reports_the_router_losses(dataset, tmp_pat
     assert mtp == pytest.approx(run.iterations[2]["mtp_1 seq load balancing loss"], rel=1e-5)
 
 
+def test_a_checkpoint_of_another_expert_shape_is_refused_before_anything_is_built(dataset, initial_weights):
+    """The expert count, the experts' size and the MoE layers' placement are part of the
+    checkpoint's shape: experts are keyed by global index, so another count would load some
+    and leave the others as initialized."""
+    base = [*COMMON, "--micro-batch-size", "2", "--data-path", str(dataset), "--train-iters", "2",
+            "--load", str(initial_weights)]
+    expected = [(("--num-experts", "8", "--moe-router-topk", "2"), "num_moe_experts: checkpoint 4, model 8"),
+                (("--moe-layer-freq", "[0,1]"), "moe_layers: checkpoint [1, 1], model [0, 1]"),
+                (("--moe-ffn-hidden-size", "16"), "moe_ffn_hidden_size: checkpoint 32, model 16")]
+    cases = [{"argv": [*base, *extra], "env": {"WORLD_SIZE": "1", "RANK": "0"}} for extra, _ in expected]
+    cases.append({"argv": base, "env": {"WORLD_SIZE": "1", "RANK": "0"}})
+    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 0, result.stderr[-3000:]
+    *refused, accepted = json.loads(result.stdout.splitlines()[-1])
+    assert accepted["accepted"], accepted
+    for (extra, message), outcome in zip(expected, refused, strict=True):
+        errors = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        assert not outcome["accepted"] and len(errors) == 1 and message in errors[0], (extra, outcome)
+
+
 REFUSALS = [
     (("--moe-router-topk", "8"), "--moe-router-topk 8 exceeds --num-experts 4"),
     (("--expert-model-parallel-size", "3"), "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),

@@ -4,7 +4,10 @@ Distributed checkpoints load by key: a model with fewer MTP depths than the chec
 simply never asks for the extra depths' tensors, so a depth mismatch would load
 silently. A trainer saves ``model_shape`` beside the weights and calls
 ``check_same_shape`` before loading any tensor. Isolation on or off
-(``mtp_detach_heads``) is a training choice, not a shape: it is not compared.
+(``mtp_detach_heads``) is a training choice, not a shape: it is not compared. With mixture
+of experts the expert count, the experts' sizes and which layers are MoE layers are part of
+the shape (dist checkpoints key experts by global index: another count or placement would
+load some experts and leave others as initialized).
 """
 
 from megatron.core.utils import get_attr_wrapped_model
@@ -19,23 +22,41 @@ SHAPE_FIELDS = (
     "mtp_num_layers",
     "mtp_use_repeated_layer",
 )
+MOE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layers")
 # A config without the field (pristine megatron-core 0.16.1) has that shape.
 ABSENT_MEANS = {"mtp_use_repeated_layer": False}
 
 
-def model_shape(model) -> dict:
-    """The shape of a GPTModel (or a wrapper of one: DDP, Float16Module): config sizes, MTP
-    depths and mode, vocabulary, tied or untied output weights."""
-    gpt = get_attr_wrapped_model(model, "share_embeddings_and_output_weights", return_model_obj=True)
-    shape = {field: getattr(gpt.config, field, ABSENT_MEANS.get(field)) for field in SHAPE_FIELDS}
+def config_shape(config) -> dict:
+    """The part of the shape a TransformerConfig fixes: sizes, MTP depths and mode, experts."""
+    shape = {field: getattr(config, field, ABSENT_MEANS.get(field)) for field in SHAPE_FIELDS}
     shape["mtp_num_layers"] = shape["mtp_num_layers"] or 0  # None and 0 both mean no MTP
+    experts = getattr(config, "num_moe_experts", None) or 0
+    shape["num_moe_experts"] = experts
+    if experts:
+        shape["moe_ffn_hidden_size"] = config.moe_ffn_hidden_size
+        shape["moe_shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
+        frequency = config.moe_layer_freq
+        shape["moe_layers"] = (list(frequency) if isinstance(frequency, (list, tuple))
+                               else [int(layer % frequency == 0) for layer in range(config.num_layers)])
+    return shape
+
+
+def model_shape(model) -> dict:
+    """The shape of a GPTModel (or a wrapper of one: DDP, Float16Module): ``config_shape``,
+    vocabulary, tied or untied output weights."""
+    gpt = get_attr_wrapped_model(model, "share_embeddings_and_output_weights", return_model_obj=True)
+    shape = config_shape(gpt.config)
     shape["vocab_size"] = gpt.vocab_size
     shape["share_embeddings_and_output_weights"] = gpt.share_embeddings_and_output_weights
     return shape
 
 
 def check_same_shape(saved: dict, current: dict) -> None:
-    """Raise ValueError naming every field where the checkpoint and the model differ."""
+    """Raise ValueError naming every field where the checkpoint and the model differ (a shape
+    saved before the experts were recorded is compared without them)."""
+    if "num_moe_experts" not in saved:
+        current = {field: value for field, value in current.items() if field not in MOE_FIELDS}
     differences = [
         f"{field}: checkpoint {saved.get(field)!r}, model {current.get(field)!r}"
         for field in sorted(set(saved) | set(current))
