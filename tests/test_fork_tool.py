@@ -215,8 +215,59 @@ def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk(tmp_path):
     assert not out.exists()
 
 
+def _checkout(sdist: Path, root: Path, *edits) -> Path:
+    """A Megatron-LM-like git repository: the pristine tree, then one commit per edit."""
+    with tarfile.open(sdist) as archive:
+        archive.extractall(root / "src", filter="data")
+    (tree,) = (root / "src").iterdir()
+    run = lambda *args: subprocess.run(["git", "-C", tree, "-c", "user.name=t", "-c", "user.email=t@t", *args],  # noqa: E731
+                                       check=True, capture_output=True)
+    run("init", "-q")
+    run("add", "-A")
+    run("commit", "-q", "-m", "pristine")
+    for edit in edits:
+        edit(tree)
+        run("commit", "-q", "-a", "-m", "upstream change")
+    return tree
+
+
+def test_carry_onto_a_checkout_at_any_commit_merges_three_ways_and_reports_each_patch(tmp_path):
+    """Megatron-LM main moves between releases: `carry` takes the series onto a checkout's
+    commit with 3-way merges from the pinned upstream's blobs; --keep-going tries every patch
+    and names what merged, what applied as is, and each conflict's patch, file and hunk."""
+    patches = series_patches(CURRENT)
+    tied = next(p.name for p in patches if "tied-MTP" in p.name)
+    scaler = next(p.name for p in patches if "grad-scaler" in p.name)
+
+    def context_edit(tree):
+        _replace(tree / "megatron/core/models/gpt/gpt_model.py", "                bias=False,\n",
+                 "                bias=False,  # a comment added upstream\n")
+
+    def conflicting_edit(tree):
+        _replace(tree / "megatron/core/optimizer/grad_scaler.py",
+                 "self._scale = torch.tensor([initial_scale], dtype=torch.float, device='cuda')",
+                 "self._scale = torch.full([1], initial_scale, dtype=torch.float, device='cuda')")
+
+    checkout = _checkout(sdist_of(CURRENT), tmp_path, context_edit, conflicting_edit)
+    # at the commit before the conflicting change the whole series carries over
+    result = fork("carry", "--version", CURRENT, "--checkout", checkout, "--rev", "HEAD~1",
+                  "--workdir", tmp_path / "clean", check_rc=0)
+    assert all(f"{p.name}: ok" in result.stdout for p in patches), result.stdout
+    assert "a comment added upstream" in (tmp_path / "clean/megatron/core/models/gpt/gpt_model.py").read_text()
+
+    result = fork("carry", "--version", CURRENT, "--checkout", checkout, "--workdir", tmp_path / "measured",
+                  "--keep-going", check_rc=1)
+    assert f"{tied}: merged (3-way)" in result.stdout, result.stdout
+    assert f"{scaler}: CONFLICT, skipped" in result.stdout
+    assert "conflict in megatron/core/optimizer/grad_scaler.py at line" in result.stdout
+    before = [p.name for p in patches[:[p.name for p in patches].index(scaler)]]
+    assert all(f"{name}: applied" in result.stdout for name in before), result.stdout
+    # every later patch is tried (one that builds on the skipped patch's lines may conflict too)
+    assert all(f"{p.name}: " in result.stdout for p in patches), result.stdout
+
+
 def test_every_subcommand_has_help():
-    for command in ["prepare", "install", "build", "export", "check", "rebase"]:
+    for command in ["prepare", "install", "build", "export", "check", "rebase", "carry"]:
         result = fork(command, "--help", check_rc=0)
         assert "usage: tools/fork " + command in result.stdout
 

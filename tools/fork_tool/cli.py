@@ -59,6 +59,13 @@ def cmd_rebase(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_carry(args) -> int:
+    ok, lines = rebase.carry(args.version, args.checkout, rev=args.rev, workdir=args.workdir, force=args.force,
+                             keep_going=args.keep_going)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="tools/fork",
@@ -113,6 +120,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sdist", type=Path, help="the target sdist file, instead of downloading it")
     p.add_argument("--workdir", type=Path, help="where to build the rebased tree")
     p.add_argument("--out", type=Path, help="write the rebased series here instead of patches/megatron-core-ONTO")
+    p.add_argument("--force", action="store_true", help="replace an existing tree at the target")
+
+    p = add("carry", cmd_carry, "Carry the series onto a Megatron-LM git checkout at any commit with "
+            "3-way merges from the pinned upstream, stopping at the first conflict (or, with "
+            "--keep-going, trying every patch and reporting each).")
+    p.add_argument("--checkout", type=Path, required=True, help="a Megatron-LM git repository (bare or not)")
+    p.add_argument("--rev", default="HEAD", help="the commit to carry the series onto (default HEAD)")
+    p.add_argument("--workdir", type=Path, help="where to build the carried tree")
+    p.add_argument("--keep-going", action="store_true",
+                   help="skip a conflicting patch and try the rest (a measure, not a finished tree)")
     p.add_argument("--force", action="store_true", help="replace an existing tree at the target")
     return top
 

@@ -1,12 +1,14 @@
 """Move the series onto another upstream version with 3-way merges (`git am -3`)."""
 
 import shutil
+import subprocess
 from pathlib import Path
 
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine
-from fork_tool.series import PRISTINE_TAG, apply_series, default_workdir, format_series, link_fork_owned
+from fork_tool.series import (PRISTINE_TAG, apply_series, default_workdir, describe_failure, format_series,
+                              link_fork_owned)
 from megatron_mtp.patched_core import series_dir, series_patches
 
 OLD_SERIES_REF = "refs/heads/series-{version}"
@@ -65,3 +67,49 @@ def rebase(from_version: str, onto: str, sha256: str | None = None, sdist: Path 
     lines.append(f"wrote {len(names)} patch(es) to {out_dir}; set `current` in patches/upstream.toml "
                  f"(with the sdist_sha256 of {onto}) to build it")
     return True, lines
+
+
+def carry(from_version: str, checkout: Path, rev: str = "HEAD", workdir: Path | None = None,
+          force: bool = False, keep_going: bool = False) -> tuple[bool, list[str]]:
+    """The series onto a Megatron-LM checkout at any commit (`rev` of the git repository at
+    `checkout`, bare or not): its `megatron/` tree becomes the base, and each patch is merged
+    three ways from the pinned upstream's blobs, as `rebase` does with a released sdist.
+    Stops at the first conflict unless `keep_going`, which tries every patch (skipping
+    those that conflict) and reports each: `applied`, `merged (3-way)` or the conflict's
+    files and hunks: a measure of how far the series is from that commit."""
+    patches = series_patches(from_version)
+    commit = git(checkout, "rev-parse", "--verify", f"{rev}^{{commit}}").stdout.strip()
+    tree = Path(workdir or default_workdir(f"main-{commit[:12]}"))
+    if tree.exists():
+        if not force:
+            raise ForkError(f"{tree} already exists; pass --force to replace it")
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(checkout), "archive", commit, "megatron"], capture_output=True)
+    if archive.returncode != 0:
+        raise ForkError(f"{checkout} at {commit[:12]} has no megatron/ tree: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    init_pristine(tree, PRISTINE_TAG)
+    old_series_objects(tree, from_version, patches)
+    link_fork_owned(tree)
+
+    lines = [f"carry of {len(patches)} patch(es) from {from_version} onto {checkout} at {commit[:12]} in {tree}"]
+    if not keep_going:
+        report = apply_series(tree, patches, three_way=True)
+        lines += [f"  {name}: {status}" for name, status in report]
+        if report and report[-1][1] != "ok":
+            lines += [f"Stopped at {report[-1][0]}. Resolve the conflict in {tree}, then run",
+                      f"  git -C {tree} add <files> && git -C {tree} am --continue"]
+            return False, lines
+        return True, lines
+    clean = True
+    for patch in patches:
+        exact = git(tree, "apply", "--check", str(patch), check=False).returncode == 0
+        result = git(tree, "am", "--quiet", "--keep-cr", "-3", str(patch), check=False)
+        if result.returncode == 0:
+            lines.append(f"  {patch.name}: {'applied' if exact else 'merged (3-way)'}")
+            continue
+        clean = False
+        lines.append(f"  {patch.name}: CONFLICT, skipped\n{describe_failure(tree, result)}")
+        git(tree, "am", "--abort", check=False)
+    return clean, lines
