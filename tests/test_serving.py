@@ -8,6 +8,9 @@ One module-scoped pipeline, so megatron-core is imported in few processes:
    at TP = 2 x PP = 2 (D = 2), 4 iterations;
 3. one process checks: parity with transformers and with plain-PyTorch MiMo / DeepSeek-V3 MTP
    forwards, the loaders' tensor names, round trips, the frozen backbone, speculative decoding.
+A repeated MTP layer (issue 17): its own short run (pretrain_gpt_mtp.py --mtp-use-repeated-layer,
+D = 2, a Qwen2-shaped model from scratch, one rank) and one process that exports, re-imports and
+runs it.
 Bad input runs the command line, one subprocess per case.
 """
 
@@ -103,6 +106,109 @@ def test_eval_speculative_on_a_trained_checkpoint_is_lossless(pipeline):
     assert summary["accept length incl. bonus (SGLang)"] == summary["mean acceptance length incl. bonus (vLLM)"]
     assert 1 / 3 <= summary["target forwards per generated token"] <= 1.0
     assert all(0.0 <= rate <= 1.0 for rate in summary["teacher-forced acceptance per depth"])
+
+
+# ---------------------------------------------------------------- a repeated MTP layer
+
+# The Qwen2 shape of the imported models (tests/bodies/serving.py), trained from scratch here; the
+# vocabulary unpadded (257), so that every tensor, the embedding's and the output layer's too,
+# survives export (which drops padded rows) and import (which pads with zero rows).
+QWEN2_FLAGS = ("--ffn-hidden-size", "96", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
+               "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear",
+               "--position-embedding-type", "rope", "--rotary-base", "1000000", "--add-qkv-bias",
+               "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "1")
+LAYOUTS = ("mimo", "deepseek_v3")
+# Found while writing these tests (issue 17): megatron_mtp.serving.mapping.megatron_to_hf reads every
+# depth of a repeated layer from mtp.layers.0 and passes most of its tensors on uncopied (layer norms,
+# o_proj, gate/up/down_proj, DeepSeek-V3's eh_proj): the depths' names share storage, which
+# safetensors' save_file refuses in files.write_hf; at bf16 the cast (.to) copies them.
+FP32_SHARED_MEMORY = ("convert_checkpoint.py export (fp32, the default) of a --mtp-use-repeated-layer checkpoint "
+                      "raises safetensors' RuntimeError 'Some tensors share memory, this will lead to duplicate "
+                      "memory on disk...' (traceback, exit status 1, nothing written) in both MTP layouts")
+
+
+@pytest.fixture(scope="module")
+def repeated(tmp_path_factory):
+    """A checkpoint trained with --mtp-use-repeated-layer at D = 2 (one rank, 2 iterations), and
+    what tests.bodies.serving:repeated_layer finds when it exports, re-imports and runs it."""
+    root = tmp_path_factory.mktemp("serving-repeated")
+    train(1, *TINY, *QWEN2_FLAGS, "--mtp-num-layers", "2", "--mtp-use-repeated-layer", "--train-iters", "2",
+          "--lr", "3e-3", "--save", str(root / "trained-repeated"), "--save-interval", "2", timeout=300)
+    return root, launch("tests.bodies.serving:repeated_layer", 1, {"root": str(root)}, timeout=400)[0]
+
+
+def check_repeated_export(export: dict, dtype: str) -> None:
+    """One layer trained at every depth is written once per depth (num_nextn_predict_layers = D), the
+    copies bit-identical; each copy, run as MiMo's / DeepSeek-V3's MTP forward on the exported tensors,
+    computes the logits of the model the export holds at its depth; import with
+    --mtp-use-repeated-layer gives back that model's tensors and names, bit for bit."""
+    assert export["status"] == 0, export
+    assert export["num_nextn_predict_layers"] == 2, export
+    assert "the one repeated layer written 2 times, identical" in export["said"], export["said"]
+    assert export["depth tensors"][0] == export["depth tensors"][1] > 0 == export["depth tensors"][2], export
+    assert export["depths differ in"] == [], export["depths differ in"]
+    trip = export["round trip"]
+    assert trip["status"] == 0 and trip["tensors"] > 0, trip
+    assert trip["names only before"] == trip["names only after"] == [], trip
+    assert trip["differing"] == [], trip["differing"][:5]
+    assert trip["args"] == [2, True], trip["args"]
+    flags = trip["flags"]
+    assert "--mtp-use-repeated-layer" in flags and flags[flags.index("--mtp-num-layers") + 1] == "2", flags
+    assert sorted(export["parity"]) == ["backbone logits", "depth 1 logits", "depth 2 logits"], export["parity"]
+    for name, value in export["parity"].items():
+        assert value <= PARITY, (dtype, name, export["parity"])
+
+
+def test_a_repeated_mtp_layer_trains_as_one_layer_run_at_every_depth(repeated):
+    _, results = repeated
+    assert results["runner"] == {"repeated": True, "depths": 2}, results["runner"]
+    assert results["trained mtp layers"] == ["mtp.layers.0"]  # the checkpoint holds the one layer
+
+
+def test_a_repeated_mtp_layer_exports_in_bf16_as_identical_depths_and_round_trips(repeated):
+    """bf16: the exported model is the trained one rounded, so logits are compared with its re-import
+    (the trained tensors rounded to bf16, checked bit for bit)."""
+    _, results = repeated
+    for layout in LAYOUTS:
+        check_repeated_export(results["bf16"][layout], "bf16")
+
+
+@pytest.mark.xfail(strict=True, reason=FP32_SHARED_MEMORY)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_repeated_mtp_layer_exports_in_fp32_as_identical_depths_and_round_trips(repeated, layout):
+    """fp32 (the default): the exported depths compute the trained model's logits, and the round trip
+    gives back the trained checkpoint's tensors, bit for bit."""
+    _, results = repeated
+    check_repeated_export(results["fp32"][layout], "fp32")
+
+
+def test_a_failed_repeated_fp32_export_writes_nothing(repeated):
+    """While the fp32 export fails (above), it leaves no output or staging directory behind."""
+    _, results = repeated
+    for layout in LAYOUTS:
+        export = results["fp32"][layout]
+        if export["status"] is None:
+            assert "share memory" in export["error"] and not export["written"], export
+
+
+def test_a_repeated_layer_export_imports_as_distinct_layers_without_the_flag(repeated):
+    _, results = repeated
+    distinct = results["distinct import"]
+    assert distinct["status"] == 0 and distinct["args"] == [2, False], distinct
+    assert distinct["layers"] == ["mtp.layers.0", "mtp.layers.1"] and distinct["differing"] == [], distinct
+
+
+def test_differing_depths_imported_as_one_repeated_layer_are_refused_in_one_line(repeated):
+    """An export whose second depth differs from its first in one tensor: --mtp-use-repeated-layer is
+    refused in one line naming the tensor and the alternative, and nothing is written."""
+    _, results = repeated
+    refusal = results["differing depths"]
+    assert refusal["status"] == 2 and len(refusal["stderr"]) == 1, refusal
+    line = refusal["stderr"][0]
+    assert line.startswith("convert_checkpoint.py: error: --mtp-use-repeated-layer: MTP depth 1 differs from "
+                           "depth 0 (transformer_layer.mlp.linear_fc1.weight)"), line
+    assert line.endswith("import the depths as distinct layers"), line
+    assert not refusal["written"], refusal
 
 
 # ---------------------------------------------------------------- bad input

@@ -379,3 +379,128 @@ def check(root: str) -> dict:
     return {"parity": parity(root), "names": names(root), "round trips": round_trips(root),
             "frozen backbone": frozen_backbone(root), "speculative": speculative_cases(root),
             "evaluate": evaluate(root)}
+
+
+
+# ---------------------------------------------------------------- a repeated MTP layer
+
+def _convert_captured(*argv: str) -> tuple[int, str, str]:
+    """convert_checkpoint.main in this process: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    import convert_checkpoint
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = convert_checkpoint.main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+def _leftovers(root: Path, name: str) -> bool:
+    return (root / name).exists() or any(p.name.startswith(f".{name}.partial-") for p in root.iterdir())
+
+
+def _layer_names(tensors: dict) -> list:
+    return sorted({".".join(n.split(".")[:3]) for n in tensors if n.startswith("mtp.")})
+
+
+def _repeated_export(root: Path, trained: str, layout: str, dtype: str, forward, tokens, before: dict,
+                     teacher_forced) -> dict:
+    """Export the repeated checkpoint in `layout` at `dtype`, import it back with
+    --mtp-use-repeated-layer, and run the exported depths as `forward` (MiMo's / DeepSeek-V3's)."""
+    from transformers import AutoModelForCausalLM
+
+    name = f"export-repeated-{layout}-{dtype}"
+    out = root / name
+    try:
+        status, said, _ = _convert_captured("export", trained, str(out), "--mtp-layout", layout, "--dtype", dtype)
+    except Exception as error:  # not a one-line refusal: the converter raised
+        return {"status": None, "error": f"{type(error).__name__}: {' '.join(str(error).split())[:400]}",
+                "written": _leftovers(root, name)}
+    config, w = _hf(str(out))
+    w = {k: v.float() for k, v in w.items()}  # bf16 holds values exactly representable in fp32
+    L = config["num_hidden_layers"]
+    prefixes = [f"model.mtp_layers.{k}." if layout == "mimo" else f"model.layers.{L + k}." for k in range(3)]
+    depth_names = [{n[len(p):] for n in w if n.startswith(p)} for p in prefixes]
+    entry = {"status": status, "said": said, "num_nextn_predict_layers": config.get("num_nextn_predict_layers"),
+             "depth tensors": [len(names) for names in depth_names],
+             "depths differ in": sorted(s for s in depth_names[0] & depth_names[1]
+                                        if not torch.equal(w[prefixes[0] + s], w[prefixes[1] + s]))}
+    # back as one repeated layer: the trained tensors (rounded to bf16 when exported so), bit for bit
+    back = root / f"reimport-repeated-{layout}-{dtype}"
+    status, _, stderr = _convert_captured("import", str(out), str(back), "--mtp-use-repeated-layer",
+                                          "--make-vocab-size-divisible-by", "1")
+    if status != 0:
+        entry["round trip"] = {"status": status, "stderr": stderr.strip().splitlines()[-1:]}
+        return entry
+    args, after, _ = _megatron(str(back))
+    expected = before if dtype == "fp32" else {n: t.to(torch.bfloat16).float() for n, t in before.items()}
+    entry["round trip"] = {
+        "status": status, "names only before": sorted(set(expected) - set(after)),
+        "names only after": sorted(set(after) - set(expected)), "tensors": len(after),
+        "differing": sorted(n for n in set(expected) & set(after) if not torch.equal(expected[n], after[n])),
+        "args": [args.mtp_num_layers, args.mtp_use_repeated_layer],
+        "flags": (back / "megatron_flags.txt").read_text().split()}
+    # the exported depths, run as MiMo's / DeepSeek-V3's MTP forward on the exported tensors, against
+    # the model they hold (fp32: the trained model; bf16: its re-import, the trained weights rounded)
+    main, per_depth = teacher_forced(trained if dtype == "fp32" else str(back))
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        output = hf(tokens, output_hidden_states=True)
+    entry["parity"] = {"backbone logits": _rel(main, output.logits)}
+    hidden = output.hidden_states[-1]
+    for depth in range(2):
+        k = depth + 1
+        hidden = hidden[:, : tokens.shape[1] - k]
+        hidden, logits = forward(w, config, depth, hidden, tokens[:, k:])
+        assert logits.shape == per_depth[depth].shape, (logits.shape, per_depth[depth].shape)
+        entry["parity"][f"depth {k} logits"] = _rel(per_depth[depth], logits)
+    return entry
+
+
+def repeated_layer(root: str) -> dict:
+    """A checkpoint trained with --mtp-use-repeated-layer (D = 2, one MTP layer at every depth):
+    exported in both layouts at fp32 and bf16 and imported back; imported without
+    --mtp-use-repeated-layer; an export whose depths differ imported as one repeated layer."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    trained = str(root / "trained-repeated")
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(3))
+    runner = _runner(trained)
+    _, before, _ = _megatron(trained)
+    results = {"runner": {"repeated": runner.repeated, "depths": runner.depths},
+               "trained mtp layers": _layer_names(before)}
+
+    def teacher_forced(path):
+        return _runner(path).teacher_forced(tokens)
+
+    for dtype in ("fp32", "bf16"):
+        results[dtype] = {layout: _repeated_export(root, trained, layout, dtype, forward, tokens, before,
+                                                   teacher_forced)
+                          for layout, forward in (("mimo", mimo_mtp), ("deepseek_v3", deepseek_mtp))}
+    source = root / "export-repeated-mimo-bf16"
+    rounded = {n: t.to(torch.bfloat16).float() for n, t in before.items()}
+    # without --mtp-use-repeated-layer: two distinct layers, each the trained layer
+    status, _, _ = _convert_captured("import", str(source), str(root / "reimport-distinct"),
+                                     "--make-vocab-size-divisible-by", "1")
+    args, distinct, _ = _megatron(str(root / "reimport-distinct"))
+    layer = {n[len("mtp.layers.0."):]: t for n, t in rounded.items() if n.startswith("mtp.layers.0.")}
+    results["distinct import"] = {
+        "status": status, "args": [args.mtp_num_layers, args.mtp_use_repeated_layer],
+        "layers": _layer_names(distinct),
+        "differing": sorted(f"mtp.layers.{k}.{s}" for k in range(2) for s, t in layer.items()
+                            if not torch.equal(distinct.get(f"mtp.layers.{k}.{s}", torch.empty(0)), t))}
+    # an export whose second depth differs from its first in one tensor, imported as one repeated layer
+    config, w = _hf(str(source))
+    w["model.mtp_layers.1.mlp.up_proj.weight"] = w["model.mtp_layers.1.mlp.up_proj.weight"] * 2
+    differing = root / "repeated-differing"
+    differing.mkdir()
+    (differing / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(differing / "model.safetensors"))
+    status, _, stderr = _convert_captured("import", str(differing), str(root / "reimport-differing"),
+                                          "--mtp-use-repeated-layer", "--make-vocab-size-divisible-by", "1")
+    results["differing depths"] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
+                                   "written": _leftovers(root, "reimport-differing")}
+    return results
