@@ -2,10 +2,22 @@
 stage) and DP=2 layouts as in one process (spec section 4's invariance, model side):
 every copy of every parameter's full gradient, the group norms, loss and per-depth sums.
 
+Upstream's pipeline layouts with `m` (issue 16): the MTP depths alone with the loss on the
+last stage (PP=2 x DP=2), on a stage of their own before the loss stage (PP=4), alone
+with the loss on the last virtual stage of an interleaved pipeline (PP=2 x VPP=2 x DP=2)
+and on a virtual stage of their own (PP=4 x VPP=2), with the trainer's embedding group
+(the first stage, the last when tied, every MTP stage). Every word-embedding copy (each
+stage with the embedding or MTP, and tied, the loss stage's output weight) is compared,
+and the stages are checked to hold what the layout says (measured <= 5e-7 on both builds).
+MTP on the first pipeline rank's last virtual stage, which upstream's validation accepts,
+is a known defect (a strict xfail: that rank's two embedding copies are not reduced).
+
 Data: loss-mask holes and very uneven valid-token counts across samples and therefore
 across data-parallel ranks. Tolerance: relative 1e-5 of each parameter's largest gradient
 magnitude (float32 round-off); valid, correct and chain-correct counts exact.
 """
+
+import re
 
 import pytest
 
@@ -21,17 +33,44 @@ SETUPS = {
     # Tied: under PP the MTP stage holds the embedding copy that also serves as output weight.
     "attached_D2_tied": dict(mtp_num_layers=2, tied=True),
 }
+# Only for the layouts that name them: five decoder layers fill PP=4 x VPP=2 without an empty stage.
+LAYOUT_ONLY_SETUPS = {
+    "attached_D2_L5": dict(mtp_num_layers=2, num_layers=5),
+    "attached_D2_L5_tied": dict(mtp_num_layers=2, num_layers=5, tied=True),
+}
+# A layout runs every setup of SETUPS unless it names its own. "pipeline_layout" is upstream's
+# pipeline_model_parallel_layout ({m}: the setup's MTP depths; E embedding, t decoder layer,
+# L loss; stages "|"-separated, virtual stage by virtual stage), its virtual stages follow.
+MTP_ON_FIRST_RANK = (
+    "defect (issue 16; upstream's, accepted by pretrain_gpt_mtp.py as upstream's validation accepts it): "
+    "MTP on the first pipeline rank's last virtual stage gives that rank two word-embedding copies (its "
+    "first virtual stage's and its MTP stage's) and finalize_model_grads all-reduces only the first; measured "
+    "relative error 0.048 (first copy: lacks the MTP depths' part) and 1.05 (MTP copy: lacks the main part)")
 LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), dict(name="tp2_pp2", tp=2, pp=2),
-           dict(name="dp4_distributed_optimizer", tp=1, pp=1, distributed_optimizer=True)]
+           dict(name="dp4_distributed_optimizer", tp=1, pp=1, distributed_optimizer=True),
+           dict(name="pp2_dp2_mtp_with_loss", tp=1, pp=2, pipeline_layout="Et*4|{m}L",
+                setups=["attached_D2", "attached_D2_tied"]),
+           dict(name="pp4_mtp_stage", tp=1, pp=4, pipeline_layout="Et*2|t*2|{m}|L"),
+           dict(name="pp2_vpp2_dp2_mtp_with_loss", tp=1, pp=2, pipeline_layout="Et|t*2|t|{m}L", micro_batch=1,
+                setups=["attached_D2", "isolated_D3", "attached_D2_tied"]),
+           dict(name="pp4_vpp2_mtp_stage", tp=1, pp=4, pipeline_layout="E|t|t|t|t|t|{m}|L", micro_batch=1,
+                setups=["attached_D2_L5", "attached_D2_L5_tied"]),
+           # (Tied, this layout hangs at build: the first rank enters the embedding group's
+           # all-reduce of initial weights for each of its two copies, the loss stage once. Not run.)
+           dict(name="pp2_vpp2_mtp_on_first_rank", tp=1, pp=2, pipeline_layout="Et|t|t*2{m}|L", micro_batch=1,
+                setups=["attached_D2"], xfail=MTP_ON_FIRST_RANK)]
+ALL_SETUPS = {**SETUPS, **LAYOUT_ONLY_SETUPS}
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 @pytest.fixture(scope="module")
 def runs(build, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("mtp-ckpt"))
-    (reference,) = launch("tests.bodies.mtp_layouts:reference", 1, {"ckpt_root": root, "setups": SETUPS},
+    (reference,) = launch("tests.bodies.mtp_layouts:reference", 1, {"ckpt_root": root, "setups": ALL_SETUPS},
                           timeout=600, build=build)
-    ranks = launch("tests.bodies.mtp_layouts:layouts", 4, {"ckpt_root": root, "layouts": LAYOUTS, "setups": SETUPS},
-                   timeout=600, build=build)
+    layouts = [dict(layout, setups=setups_of(layout)) for layout in LAYOUTS]
+    ranks = launch("tests.bodies.mtp_layouts:layouts", 4,
+                   {"ckpt_root": root, "layouts": layouts, "setups": ALL_SETUPS}, timeout=600, build=build)
     return reference, ranks
 
 
@@ -39,28 +78,71 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def setups_of(layout: dict) -> list:
+    return layout.get("setups", list(SETUPS))
+
+
 def cases():
-    return [(layout["name"], setup) for layout in LAYOUTS for setup in SETUPS]
+    def marks(layout):  # a known defect: strict, so that its fix shows
+        if "xfail" not in layout:
+            return []
+        return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=layout["xfail"])]
+
+    return [pytest.param(layout["name"], setup, marks=marks(layout))
+            for layout in LAYOUTS for setup in setups_of(layout)]
+
+
+def expanded(layout: str) -> str:
+    """A layout string with its repetitions written out ("Et*2|m" -> "Ett|m"), as upstream parses it."""
+    return re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), layout)
+
+
+def embedding_copies(placement: str, tied: bool) -> int:
+    """The word-embedding copies a built model holds: one per stage with the embedding or MTP
+    depths, and tied, the loss stage's output weight where neither is."""
+    stages = placement.split("|")
+    return sum("E" in s or "m" in s for s in stages) + sum(tied and "L" in s and not ("E" in s or "m" in s)
+                                                          for s in stages)
 
 
 @pytest.mark.parametrize("layout,setup", cases())
 def test_layout_matches_one_process(runs, layout, setup):
     reference, ranks = runs
     want = reference[setup]
+    spec = next(entry for entry in LAYOUTS if entry["name"] == layout)
+    kwargs = ALL_SETUPS[setup]
     for got in (rank[f"{layout}/{setup}"] for rank in ranks):
+        if "pipeline_layout" in spec:  # the stages hold what the layout says
+            assert got["placement"] == expanded(spec["pipeline_layout"].replace("{m}", "m" * kwargs["mtp_num_layers"]))
+        # every copy of the word embedding is among the compared gradients
+        assert got["copies"][WORD_EMBEDDING] == embedding_copies(got["placement"], kwargs.get("tied", False))
         # (distributed optimizer: the reduced shards of every rank gathered into full gradients)
         assert got["grads_rel"] < TOL, got["grads_rel"]
         assert got["grad norms"].keys() == want["grad norms"].keys()
         for group, norm in want["grad norms"].items():
             assert rel(got["grad norms"][group], norm) < TOL, group
         assert rel(got["lm loss"], want["lm loss"]) < TOL
-        assert len(got["mtp sums"]) == len(want["mtp sums"]) == SETUPS[setup]["mtp_num_layers"]
-        for got_row, want_row in zip(got["mtp sums"], want["mtp sums"]):
+        assert len(got["mtp sums"]) == len(want["mtp sums"]) == kwargs["mtp_num_layers"]
+        for got_row, want_row in zip(got["mtp sums"], want["mtp sums"], strict=True):
             assert rel(got_row[0], want_row[0]) < TOL  # CE sum
             assert got_row[1:] == want_row[1:]  # valid, correct, chain-correct counts: exact
         for key in want:
             if key.startswith("mtp_") or key.startswith("expected"):
                 assert rel(got[key], want[key]) < TOL, key
+
+
+def test_every_word_embedding_copy_is_compared(runs):
+    """Guards the comparison: the first stage's copy, each MTP stage's, and tied, the loss
+    stage's output weight are each compared with the reference, not one of them."""
+    _, ranks = runs
+    copies = {key: result["copies"][WORD_EMBEDDING] for key, result in ranks[0].items()}
+    assert copies["pp2_dp2/attached_D2"] == copies["pp2_dp2/attached_D2_tied"] == 2
+    assert copies["pp2_dp2_mtp_with_loss/attached_D2"] == copies["pp2_dp2_mtp_with_loss/attached_D2_tied"] == 2
+    assert copies["pp4_mtp_stage/attached_D2"] == 2 and copies["pp4_mtp_stage/attached_D2_tied"] == 3
+    assert copies["pp2_vpp2_dp2_mtp_with_loss/attached_D2"] == 2
+    assert copies["pp4_vpp2_mtp_stage/attached_D2_L5"] == 2 and copies["pp4_vpp2_mtp_stage/attached_D2_L5_tied"] == 3
+    assert copies["pp2_vpp2_mtp_on_first_rank/attached_D2"] == 2  # both on the first rank
+    assert copies["tp2_dp2/attached_D2"] == 1
 
 
 def test_isolation_reports_a_separate_mtp_norm(runs):

@@ -1,16 +1,30 @@
-"""MTP across parallel layouts: TP=2, PP=2 (MTP on the last stage) and DP=2 against one process.
+"""MTP across parallel layouts: TP=2, PP=2 (MTP on the last stage) and DP=2 against one process,
+and upstream's pipeline layouts with `m` (megatron-core's `pipeline_model_parallel_layout`):
+the MTP depths on a stage of their own, alone with the loss or before the loss stage, also on
+the last virtual stage of an interleaved (VPP) pipeline.
 
 Compared after one step: every copy of every parameter's full gradient (TP shards joined,
-each TP replica, both word-embedding copies under PP; tests.bodies.full_grads) against the
-one-process run's, the main and MTP group norms, the loss and the per-depth MTP sums.
+each TP replica, every word-embedding copy under PP: the first stage's, each MTP stage's and,
+tied, the loss stage's output weight; tests.bodies.full_grads) against the one-process
+run's, the main and MTP group norms, the loss and the per-depth MTP sums.
 """
+
+import contextlib
+from types import SimpleNamespace
 
 import torch
 
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
+from tests.bodies import tiny_gpt
 from tests.bodies.full_grads import all_gather_distributed_optimizer_shards, gathered_full_grads, max_rel_to_reference
 from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def group_norms_of_grads(chunks) -> dict:
@@ -62,17 +76,110 @@ def reference(ckpt_root: str, setups: dict) -> dict:
     return out
 
 
+def pipeline_layout(layout: dict, mtp_num_layers: int) -> str | None:
+    """The layout's upstream pipeline layout string, its "{m}" made the setup's D MTP layers."""
+    template = layout.get("pipeline_layout")
+    return None if template is None else template.replace("{m}", "m" * mtp_num_layers)
+
+
+@contextlib.contextmanager
+def layout_parallel(layout: dict, mtp_num_layers: int, tied: bool, seed: int = 1234):
+    """TP x PP (x VPP) x DP for an upstream pipeline layout, with the trainer's word-embedding
+    group (pretrain_gpt_mtp.get_embedding_ranks): the first stage, the last when tied, and
+    every stage with MTP layers (each holds a copy). (The library's initialize keeps
+    upstream's default, the first and the last stage: right only when MTP is on the last.)"""
+    parsed = PipelineParallelLayerLayout(pipeline_layout(layout, mtp_num_layers), layout["pp"])
+    mtp_config = SimpleNamespace(mtp_num_layers=mtp_num_layers, pipeline_model_parallel_layout=parsed)
+
+    def get_embedding_ranks(pp_ranks, *_):
+        ranks = [pp_ranks[0]]
+        if len(pp_ranks) > 1:
+            if tied:
+                ranks.append(pp_ranks[-1])
+            ranks.extend(get_mtp_ranks(pp_ranks, mtp_config))
+        return sorted(set(ranks))
+
+    vpp = parsed.virtual_pipeline_model_parallel_size
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, get_embedding_ranks=get_embedding_ranks)
+    model_parallel_cuda_manual_seed(seed)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def build_on_layout(setup: Setup, text: str | None):
+    """tiny_gpt.build, with the upstream pipeline layout (if any) in its TransformerConfig
+    (tiny_gpt.build takes no layout: its config class is wrapped for the call)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if text is None:
+        return build(setup, vpp)
+    config_class = tiny_gpt.TransformerConfig
+    tiny_gpt.TransformerConfig = lambda **kwargs: config_class(**kwargs, pipeline_model_parallel_layout=text)
+    try:
+        return build(setup, vpp)
+    finally:
+        tiny_gpt.TransformerConfig = config_class
+
+
+def by_reference_name(grads: dict, tied: bool) -> dict:
+    """Tied, a loss stage without the embedding holds the shared weight as its output
+    layer's: one more copy of the word embedding."""
+    if tied and "output_layer.weight" in grads:
+        grads = dict(grads)
+        grads[WORD_EMBEDDING] = grads[WORD_EMBEDDING] + grads.pop("output_layer.weight")
+    return grads
+
+
+def placement(chunks) -> str:
+    """What each (virtual) stage of the built model holds, in upstream's layout notation
+    (stages "|"-separated, virtual stage by virtual stage: E embedding, t decoder layer,
+    m MTP depth, L loss), so a test sees which layout was really built."""
+    mine = []
+    for chunk in chunks:
+        model = chunk.module
+        mtp_depths = model.config.mtp_num_layers if getattr(model, "mtp_process", False) else 0
+        mine.append("E" * model.pre_process + "t" * len(model.decoder.layers) + "m" * mtp_depths
+                    + "L" * model.post_process)
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (parallel_state.get_pipeline_model_parallel_rank(), mine))
+    stages = dict(everyone)  # pipeline rank -> its virtual stages (the same on every TP and DP rank)
+    assert len({len(v) for v in stages.values()}) == 1
+    return "|".join(stages[pp][vp] for vp in range(len(chunks)) for pp in sorted(stages))
+
+
 def layouts(ckpt_root: str, layouts: list[dict], setups: dict) -> dict:
+    """Each layout with each of its setups (all by default). A layout may carry an upstream
+    pipeline layout ("pipeline_layout", "{m}" for the MTP layers; its virtual stages follow
+    from it; the parallel state is set up per setup, whose tying decides the embedding group)
+    and a micro-batch size."""
     out = {}
     for layout in layouts:
-        distributed_optimizer = layout.get("distributed_optimizer", False)
-        with model_parallel(tp=layout["tp"], pp=layout["pp"]):
-            for name, kwargs in setups.items():
-                setup = Setup(**kwargs, distributed_optimizer=distributed_optimizer)
-                chunks, optimizer, _ = build(setup)
-                load_checkpoint(f"{ckpt_root}/{name}", chunks)
-                result = one_step(setup, chunks, optimizer)
-                grads = result.pop("grads")
-                result["grads_rel"] = max_rel_to_reference(grads, torch.load(f"{ckpt_root}/{name}-grads.pt"))
-                out[f"{layout['name']}/{name}"] = result
+        names = layout.get("setups", list(setups))
+        if layout.get("pipeline_layout") is None:
+            with model_parallel(tp=layout["tp"], pp=layout["pp"], vpp=layout.get("vpp")):
+                for name in names:
+                    out[f"{layout['name']}/{name}"] = one_layout_step(ckpt_root, layout, name, setups[name])
+        else:
+            for name in names:
+                setup = setups[name]
+                with layout_parallel(layout, setup["mtp_num_layers"], setup.get("tied", False)):
+                    out[f"{layout['name']}/{name}"] = one_layout_step(ckpt_root, layout, name, setup)
     return out
+
+
+def one_layout_step(ckpt_root: str, layout: dict, name: str, setup_kwargs: dict) -> dict:
+    kwargs = dict(setup_kwargs, distributed_optimizer=layout.get("distributed_optimizer", False))
+    if "micro_batch" in layout:
+        kwargs["micro_batch"] = layout["micro_batch"]
+    setup = Setup(**kwargs)
+    chunks, optimizer, _ = build_on_layout(setup, pipeline_layout(layout, setup.mtp_num_layers))
+    load_checkpoint(f"{ckpt_root}/{name}", chunks)
+    result = one_step(setup, chunks, optimizer)
+    grads = by_reference_name(result.pop("grads"), setup.tied)
+    result["grads_rel"] = max_rel_to_reference(grads, torch.load(f"{ckpt_root}/{name}-grads.pt"))
+    result["copies"] = {n: len(copies) for n, copies in grads.items()}
+    result["placement"] = placement(chunks)
+    return result
