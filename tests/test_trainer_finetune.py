@@ -139,11 +139,6 @@ def test_without_finetune_the_same_load_is_refused_in_one_line(dataset, backbone
         assert with_finetune["accepted"], with_finetune
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "--finetune --load of a D = 1 checkpoint with --mtp-num-layers 2 passes the shape check (check_shape lets "
-    "MTP depths differ under --finetune) and then dies in dist_checkpointing's load with a traceback per rank, "
-    "KeyError: \"mtp.layers.1.enorm.weight from model not in state dict: [...]\", unless "
-    "--dist-ckpt-strictness log_all is given"))
 def test_finetune_with_more_depths_under_the_default_strictness_trains_or_names_the_flag(dataset, backbones):
     run = train(1, *RUN, "--data-path", str(dataset), "--mtp-num-layers", "2", "--finetune", "--train-iters", "1",
                 "--load", str(backbones / "d1"), check=False)
