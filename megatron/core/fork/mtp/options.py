@@ -1,6 +1,20 @@
 """Validate the MTP options of a TransformerConfig before any module is built."""
 
 
+def _mtp_on_the_first_pipeline_rank(config) -> bool:
+    """Upstream's layout check means to keep MTP off the first pipeline rank but skips that rank's
+    last virtual stage, the only one MTP may take."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is None or config.pipeline_model_parallel_size < 2:
+        return False
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    if isinstance(layout, str):
+        layout = PipelineParallelLayerLayout.from_str(layout, config.pipeline_model_parallel_size)
+    return any(LayerType.mtp in stage for stage in layout.layout[0])
+
+
 def validate_mtp_options(config) -> None:
     """Raise ValueError naming the contradiction and the fix; called from TransformerConfig."""
     depths = config.mtp_num_layers or 0
@@ -31,6 +45,13 @@ def validate_mtp_options(config) -> None:
         raise ValueError(
             "exact_steps (--exact-steps) normalizes the loss function's raw per-token sums once per step: "
             "add --calculate-per-token-loss (without it the schedules divide each micro-batch by its own count)"
+        )
+    if depths and _mtp_on_the_first_pipeline_rank(config):
+        raise ValueError(
+            f"the pipeline layout {config.pipeline_model_parallel_layout!r} puts the MTP depths on the first "
+            "pipeline rank's last virtual stage: that rank would hold two word-embedding copies, of which "
+            "megatron-core's finalize_model_grads reduces only one (wrong gradients; tied, the build hangs). "
+            "Put them on another pipeline rank, e.g. with the loss (...|mmL)"
         )
     if depths and (config.mtp_loss_scaling_factor is None or config.mtp_loss_scaling_factor < 0):
         raise ValueError(
