@@ -138,6 +138,9 @@ def _is_weight(item: str) -> bool:
         return False
 
 
+LOCAL_HYBRID_LAYERS = "*-E"  # megatron.core.fork.specs.get_hybrid_stack_spec
+
+
 def _check(args) -> None:
     """What Megatron-LM would assert on every rank (or not check at all), in one message."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -192,6 +195,15 @@ def _check(args) -> None:
                             "--mtp-detach-heads (isolation keeps the heads' loss off the frozen backbone)")
     if depths and cp > 1:
         raise ArgumentError("MTP with context parallelism is not supported yet: use --context-parallel-size 1")
+    pattern = args.hybrid_layer_pattern
+    if pattern is not None and args.transformer_impl != "transformer_engine":
+        others = sorted(set(pattern) - set(LOCAL_HYBRID_LAYERS) - set("|/"))
+        if others:
+            raise ArgumentError(f"--hybrid-layer-pattern layers {' '.join(others)} need Transformer Engine (Mamba 'M' "
+                                "also mamba-ssm's CUDA kernels); without it the hybrid layers are attention '*', "
+                                "MLP '-' and MoE 'E' (with --num-experts)")
+        if "E" in pattern and not args.num_experts:
+            raise ArgumentError("--hybrid-layer-pattern has MoE layers 'E': give --num-experts")
     if args.reset_attention_mask:
         # Megatron-LM's pretrain_gpt.py passes the dataset's per-document mask to the model; this
         # trainer passes none (its attention is causal without one), so the flag would do nothing.
@@ -212,10 +224,11 @@ def _check(args) -> None:
 
 def _shape_of(args) -> dict:
     """The model_shape (megatron.core.fork.model_shape) the arguments build, without building it."""
-    from megatron.core.fork.model_shape import config_shape
+    from megatron.core.fork.model_shape import config_shape, hybrid_layers
     from megatron.training.arguments import core_transformer_config_from_args
 
     shape = config_shape(core_transformer_config_from_args(args))
+    shape["hybrid_layer_pattern"] = hybrid_layers(args.hybrid_layer_pattern)
     shape["vocab_size"] = args.padded_vocab_size
     shape["share_embeddings_and_output_weights"] = not args.untie_embeddings_and_output_weights
     return shape
@@ -240,6 +253,11 @@ def _check_checkpoints(args) -> None:
                                     f"overwrite ({'; '.join(differences)}): give another --save for this run, "
                                     f"or resume them with --load {args.save} and their model flags")
         checkpoint.check_shape(saved, _shape_of(args), args.finetune)
+        if saved is not None and args.finetune and not _given("--dist-ckpt-strictness") and \
+                (saved["model_shape"].get("mtp_num_layers") or 0) < (args.mtp_num_layers or 0):
+            # heads added to a pretrained model: their tensors are not in the checkpoint and keep
+            # their initialization (the shape check has compared everything else)
+            args.dist_ckpt_strictness = "log_all"
     if args.save is None or not os.path.isdir(args.save):
         return
     latest = checkpoint.tracked_iteration(args.save)
@@ -332,7 +350,7 @@ def arguments():
     import torch
 
     from megatron.core.fork.trainer import checkpoint
-    from megatron.training.arguments import parse_and_validate_args, parse_args
+    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args, parse_args
 
     on_cpu = not torch.cuda.is_available()
     unusable = _unusable_gpus() if on_cpu else None
@@ -362,6 +380,7 @@ def arguments():
         with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext():
             args = parse_and_validate_args(_provider(defaults))
         args.moe_grouped_gemm |= deferred
+        core_transformer_config_from_args(args)  # the config's own checks (the MTP options'), before anything is built
         _check_checkpoints(args)
         return args
     except (ArgumentError, DatasetError, checkpoint.CheckpointError, AssertionError, ValueError,
@@ -404,7 +423,9 @@ def summary(args) -> str:
     return (f"pretrain_gpt_mtp.py: arguments OK: world {args.world_size} = DP {args.data_parallel_size} x "
             f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"
             f"{f' (VPP {args.virtual_pipeline_model_parallel_size})' if args.virtual_pipeline_model_parallel_size else ''}"
-            f" x CP {args.context_parallel_size}; {args.num_layers} layers, hidden {args.hidden_size}, "
+            f" x CP {args.context_parallel_size}; "
+            f"{f'HybridModel {args.hybrid_layer_pattern!r}, ' if args.hybrid_layer_pattern else ''}"
+            f"{args.num_layers} layers, hidden {args.hidden_size}, "
             f"{args.num_attention_heads} heads, vocabulary {args.padded_vocab_size}; {mtp}; "
             + (f"{args.num_experts} experts (top-{args.moe_router_topk}"
                f"{', grouped GEMM' if args.moe_grouped_gemm else ''}), EP {args.expert_model_parallel_size}"

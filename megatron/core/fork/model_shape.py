@@ -42,11 +42,17 @@ def config_shape(config) -> dict:
     return shape
 
 
+def hybrid_layers(pattern: str | None) -> str | None:
+    """HybridModel's layers and MTP depths: its pattern without the pipeline-stage marks."""
+    return None if pattern is None else pattern.replace("|", "")
+
+
 def model_shape(model) -> dict:
     """The shape of a GPTModel (or a wrapper of one: DDP, Float16Module): ``config_shape``,
     vocabulary, tied or untied output weights."""
     gpt = get_attr_wrapped_model(model, "share_embeddings_and_output_weights", return_model_obj=True)
     shape = config_shape(gpt.config)
+    shape["hybrid_layer_pattern"] = hybrid_layers(getattr(gpt, "hybrid_layer_pattern", None))
     shape["vocab_size"] = gpt.vocab_size
     shape["share_embeddings_and_output_weights"] = gpt.share_embeddings_and_output_weights
     return shape

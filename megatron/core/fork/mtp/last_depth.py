@@ -24,6 +24,9 @@ with a capacity factor, MoE recompute (whose backward reruns the layer outside t
 context), or a dispatcher that gathers equal shares from its ranks (allgather with EP or
 expert TP, flex) the layer runs at every row.
 
+HybridModel's MTP depth is a stack of hybrid layers: it is counted as a depth (for the
+per-depth router metrics) and runs at every row.
+
 Where the rows cannot be taken this way the layer runs at every row, as before:
 sequence parallelism (the MLP exchanges equal sequence shards between ranks), full
 activation recompute (its backward reruns the layer outside this context), fp8/fp4
@@ -89,6 +92,8 @@ def transformer_layer(layer):
         return layer
     pending.layer_calls += 1
     if pending.layer_calls != layer.config.mtp_num_layers or pending.rows is None:
+        return layer
+    if not hasattr(layer, "_forward_mlp"):  # HybridModel's depth: a stack of layers, run at every row
         return layer
     if layer.is_moe_layer:
         return functools.partial(_experts_at_rows, layer, pending.rows) if _experts_take_rows(layer) else layer

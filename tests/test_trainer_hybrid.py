@@ -1,0 +1,109 @@
+"""pretrain_gpt_mtp.py with --hybrid-layer-pattern: HybridModel (upstream's successor of GPTModel),
+its MTP depths the pattern's "/" parts, trained exactly as GPTModel (issue 18).
+
+Cut invariance. From the same weights, 1 rank x 4 micro-batches, 2 DP ranks x 2, 2 DP
+ranks x 1, TP = 2 and PP = 2 (a "|" in the pattern) log the same lm loss, per-depth MTP
+losses and grad norm at every iteration (rel 2e-5). Data: short documents with --eod-mask-loss, so micro-batches and ranks hold
+different numbers of valid targets (a local normalization, upstream's process_mtp_loss,
+differs by cut). Resume: saved at iteration 2 of 4 with dropout, the resumed run repeats
+iterations 3-4 bit for bit. Refused in one line before anything is built: a checkpoint of
+another pattern (naming both), and layers the local (CPU) hybrid stack does not build.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness.corpora import preprocess, sentences, write_jsonl
+from tests.harness.launcher import REPO_ROOT
+from tests.harness.trainer import TINY, scalars, train
+from tests.test_examples import bash
+
+pytestmark = pytest.mark.slow
+
+PATTERN = "*-*-/*-/*-"  # two attention + MLP layers, two MTP depths of one each
+COMMON = (*TINY, "--hybrid-layer-pattern", PATTERN, "--eod-mask-loss", "--global-batch-size", "8", "--lr", "1e-3",
+          "--make-vocab-size-divisible-by", "256")
+CUTS = {"1x4": (1, ("--micro-batch-size", "2")), "dp2x2": (2, ("--micro-batch-size", "2")),
+        "dp2x1": (2, ("--micro-batch-size", "4")),
+        "tp2": (2, ("--micro-batch-size", "2", "--tensor-model-parallel-size", "2")),
+        # the same layers on two pipeline stages (a "|" in the pattern; the shape ignores it)
+        "pp2": (2, ("--micro-batch-size", "2", "--pipeline-model-parallel-size", "2",
+                    "--hybrid-layer-pattern", "*-|*-/*-/*-"))}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
+
+
+@pytest.fixture(scope="module")
+def initial_weights(dataset, tmp_path_factory):
+    root = tmp_path_factory.mktemp("initial")
+    train(1, *COMMON, "--micro-batch-size", "8", "--data-path", str(dataset), "--train-iters", "1",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(root), "--save-interval", "1")
+    return root
+
+
+def close(a: float, b: float, rel: float = 2e-5) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def test_losses_and_grad_norm_are_the_same_however_the_step_is_cut(dataset, initial_weights, tmp_path):
+    measured = {}
+    for cut, (nproc, args) in CUTS.items():
+        train(nproc, *COMMON, *args, "--data-path", str(dataset), "--load", str(initial_weights), "--finetune",
+              "--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--tensorboard-dir", str(tmp_path / cut))
+        measured[cut] = scalars(tmp_path / cut)
+    reference = measured.pop("1x4")
+    for cut, values in measured.items():
+        for tag in ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm"):
+            assert sorted(values[tag]) == sorted(reference[tag]) == [1, 2, 3], (cut, tag)
+            for step in (1, 2, 3):
+                assert close(values[tag][step], reference[tag][step]), (cut, tag, step, values[tag][step],
+                                                                        reference[tag][step])
+
+
+def test_resume_is_bit_exact_with_dropout(dataset, tmp_path):
+    common = (*COMMON, "--micro-batch-size", "2", "--data-path", str(dataset), "--train-iters", "4",
+              "--save-interval", "2", "--hidden-dropout", "0.1")
+    whole = train(2, *common, "--save", str(tmp_path / "whole"))
+    resumed = train(2, *common, "--load", str(tmp_path / "whole"), "--ckpt-step", "2")
+    assert sorted(resumed.iterations) == [3, 4], resumed.tail()
+    timing = ("elapsed time per iteration (ms)", "tokens/s", "ETA")
+    for step in (3, 4):
+        drop = lambda values: {k: v for k, v in values.items() if not k.startswith(timing)}  # noqa: E731
+        assert drop(resumed.iterations[step]) == drop(whole.iterations[step]), step
+
+
+def test_another_pattern_and_layers_without_a_local_build_are_refused_in_one_line(dataset, initial_weights):
+    base = [*COMMON, "--micro-batch-size", "2", "--data-path", str(dataset), "--train-iters", "2"]
+    expected = [
+        (("--load", str(initial_weights), "--hybrid-layer-pattern", "*-*-*-/*-/*-"),
+         f"hybrid_layer_pattern: checkpoint '{PATTERN}', model '*-*-*-/*-/*-'"),
+        (("--hybrid-layer-pattern", "M-M-/*-"), "--hybrid-layer-pattern layers M need Transformer Engine"),
+        (("--hybrid-layer-pattern", "*E*E/*E"), "--hybrid-layer-pattern has MoE layers 'E': give --num-experts"),
+    ]
+    cases = [{"argv": [*base, *extra], "env": {"WORLD_SIZE": "1", "RANK": "0"}} for extra, _ in expected]
+    cases.append({"argv": [*base, "--load", str(initial_weights)], "env": {"WORLD_SIZE": "1", "RANK": "0"}})
+    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 0, result.stderr[-3000:]
+    *refused, accepted = json.loads(result.stdout.splitlines()[-1])
+    assert accepted["accepted"], accepted
+    for (extra, message), outcome in zip(expected, refused, strict=True):
+        errors = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        assert not outcome["accepted"] and len(errors) == 1 and message in errors[0], (extra, outcome)
+
+
+def test_the_hybrid_example_passes_every_argument_check(tmp_path):
+    output = bash("examples/cpu_quickstart.sh", "--dry-run",
+                  env={"WORK": str(tmp_path), "CONFIG": "examples/configs/hybrid_d2.sh"})
+    (summary,) = [line.split("]:", 1)[-1] for line in output.splitlines() if "arguments OK" in line]
+    assert "HybridModel '*-*-*-*-/*-/*-', 8 layers" in summary and "MTP D=2" in summary, summary
