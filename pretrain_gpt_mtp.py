@@ -20,7 +20,9 @@ import signal
 import sys
 from functools import partial
 
-import torch
+# No module-level import of torch or megatron: megatron-core's checkpoint writer starts a
+# multiprocessing "spawn" helper, which re-imports this file (as __mp_main__) in a fresh
+# interpreter; what is imported here, each rank's helper imports again.
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -136,22 +138,22 @@ def get_embedding_ranks(pp_ranks):
     """As Megatron-LM's pretrain_gpt.py: the word-embedding group holds the first stage, the
     last when embeddings and output weights are tied, and every stage with MTP layers (each
     holds a copy of the embedding)."""
-    from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
+    from megatron_mtp.library.initialize import embedding_ranks
 
-    ranks = [pp_ranks[0]]
-    if len(pp_ranks) > 1:
-        args = get_args()
-        if not args.untie_embeddings_and_output_weights:
-            ranks.append(pp_ranks[-1])
-        ranks.extend(get_mtp_ranks(pp_ranks, core_transformer_config_from_args(args)))
-    return sorted(set(ranks))
+    args = get_args()
+    if len(pp_ranks) == 1:
+        return list(pp_ranks)
+    return embedding_ranks(pp_ranks, not args.untie_embeddings_and_output_weights,
+                           core_transformer_config_from_args(args))
 
 
 def get_batch(data_iterator, vp_stage=None):
     """This rank's micro-batch: read on tensor-parallel rank 0, broadcast to the others;
     nothing on pipeline stages that neither embed nor compute a loss."""
+    import torch
+
     from megatron.core import parallel_state
     from megatron.core.fork import device as compute_device
     from megatron.core.utils import get_batch_on_this_tp_rank
@@ -190,6 +192,8 @@ def loss_func(loss_mask, output_tensor, model=None):
     Megatron-LM's pretrain_gpt.py, this rank's raw loss sum goes through the rerun state
     machine before any reduction: NaN or Inf (--check-for-nan-in-loss-and-grad, on by
     default) and, with --check-for-spiky-loss, a spike."""
+    import torch
+
     from megatron.core.fork.normalization import main_loss
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args

@@ -24,9 +24,47 @@ def initialize_distributed(tp: int, pp: int, vpp: int | None, seed: int, timeout
     initialize_model_parallel(tp, pp, vpp, seed)
 
 
-def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1) -> None:
+def embedding_ranks(pp_ranks: list[int], tied: bool, mtp_config) -> list[int]:
+    """The word-embedding group of one pipeline (as Megatron-LM's pretrain_gpt.py): the first
+    stage, the last when embeddings and output weights are tied, and every stage with MTP
+    layers (each holds a copy of the embedding). `mtp_config` carries `mtp_num_layers` and
+    the parsed `pipeline_model_parallel_layout` (a TransformerConfig does)."""
+    from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
+
+    ranks = [pp_ranks[0]]
+    if len(pp_ranks) > 1:
+        if tied:
+            ranks.append(pp_ranks[-1])
+        ranks.extend(get_mtp_ranks(pp_ranks, mtp_config))
+    return sorted(set(ranks))
+
+
+def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1, *,
+                              pipeline_layout: str | None = None, tied_embeddings: bool | None = None) -> None:
     """TP x PP (x VPP) groups, data parallel over the rest of the world (expert parallel EP
-    over it for MoE layers), and seeded RNG trackers."""
+    over it for MoE layers), and seeded RNG trackers. `pipeline_layout` is upstream's
+    (e.g. "Et*2|m|L"; its virtual stages are the ones used when `vpp` is None). The
+    word-embedding group is the model's (`embedding_ranks`): a layout with MTP layers before
+    the loss stage needs `tied_embeddings` (tied, the loss stage's output weight is one more
+    copy; untied, it must stay out); otherwise the first and last stage serve tied and
+    untied models alike."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    mtp_config = SimpleNamespace(mtp_num_layers=None, pipeline_model_parallel_layout=None)
+    if pipeline_layout is not None:
+        parsed = PipelineParallelLayerLayout(pipeline_layout, pp)
+        layout_vpp = parsed.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp != layout_vpp:
+            raise ValueError(f"virtual pipeline size {vpp} contradicts the layout {pipeline_layout!r} ({layout_vpp})")
+        vpp = layout_vpp if layout_vpp > 1 else None
+        mtp_config = SimpleNamespace(mtp_num_layers=pipeline_layout.count("m"), pipeline_model_parallel_layout=parsed)
+        if tied_embeddings is None and set(get_mtp_ranks(list(range(pp)), mtp_config)) - {pp - 1}:
+            raise ValueError(f"the layout {pipeline_layout!r} puts MTP layers before the loss stage: "
+                             "say whether embeddings and output weights are tied (tied_embeddings=)")
+    tied = True if tied_embeddings is None else tied_embeddings
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(
@@ -37,5 +75,6 @@ def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: 
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
+        get_embedding_ranks=lambda pp_ranks, *_: embedding_ranks(pp_ranks, tied, mtp_config),
     )
     model_parallel_cuda_manual_seed(seed)

@@ -6,9 +6,7 @@ import re
 
 import torch
 
-from megatron.core.fork.specs import get_hybrid_stack_spec
-from megatron.core.models.hybrid.hybrid_model import HybridModel
-from megatron_mtp.library.model import build_gpt
+from megatron_mtp.library.model import build_gpt, build_hybrid
 from tests.bodies.mtp_model import (
     HIDDEN, LAMBDA, SEQ, SPARSE_CHUNK, VOCAB, make_config, max_rel, padded_batch, reference_for, reference_sums,
     run_megatron,
@@ -32,18 +30,13 @@ def hybrid_name(gpt_name: str) -> str:
     return gpt_name.replace("decoder.final_layernorm.", "decoder.final_norm.")
 
 
-def build_hybrid(config, depths: int) -> HybridModel:
-    pattern = "*-" * config.num_layers + "/*-" * depths
-    return HybridModel(config=config, hybrid_stack_spec=get_hybrid_stack_spec(config), vocab_size=VOCAB,
-                       max_sequence_length=SEQ, hybrid_layer_pattern=pattern, position_embedding_type="rope")
-
-
 def compare_case(depths: int, detach: bool, sparse: bool) -> dict:
     config = make_config(depths, detach=detach, mtp_sparse_loss=sparse, sparse_loss_chunk_size=SPARSE_CHUNK)
     torch.manual_seed(2000 + depths)
     gpt = build_gpt(config, VOCAB, SEQ)
     hybrid = build_hybrid(make_config(depths, detach=detach, mtp_sparse_loss=sparse,
-                                      sparse_loss_chunk_size=SPARSE_CHUNK), depths)
+                                      sparse_loss_chunk_size=SPARSE_CHUNK),
+                          VOCAB, SEQ, "*-" * config.num_layers + "/*-" * depths)
     names = {name: hybrid_name(name) for name, _ in gpt.named_parameters()}
     hybrid_params = dict(hybrid.named_parameters())
     errors = {"same_parameters": sorted(names.values()) == sorted(hybrid_params)}

@@ -10,15 +10,12 @@ run's, the main and MTP group norms, the loss and the per-depth MTP sums.
 """
 
 import contextlib
-from types import SimpleNamespace
 
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
-from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
+from megatron_mtp.library.initialize import initialize_model_parallel
 from tests.bodies import tiny_gpt
 from tests.bodies.full_grads import all_gather_distributed_optimizer_shards, gathered_full_grads, max_rel_to_reference
 from tests.bodies.tiny_gpt import Setup, build, train_step
@@ -84,26 +81,11 @@ def pipeline_layout(layout: dict, mtp_num_layers: int) -> str | None:
 
 @contextlib.contextmanager
 def layout_parallel(layout: dict, mtp_num_layers: int, tied: bool, seed: int = 1234):
-    """TP x PP (x VPP) x DP for an upstream pipeline layout, with the trainer's word-embedding
-    group (pretrain_gpt_mtp.get_embedding_ranks): the first stage, the last when tied, and
-    every stage with MTP layers (each holds a copy). (The library's initialize keeps
-    upstream's default, the first and the last stage: right only when MTP is on the last.)"""
-    parsed = PipelineParallelLayerLayout(pipeline_layout(layout, mtp_num_layers), layout["pp"])
-    mtp_config = SimpleNamespace(mtp_num_layers=mtp_num_layers, pipeline_model_parallel_layout=parsed)
-
-    def get_embedding_ranks(pp_ranks, *_):
-        ranks = [pp_ranks[0]]
-        if len(pp_ranks) > 1:
-            if tied:
-                ranks.append(pp_ranks[-1])
-            ranks.extend(get_mtp_ranks(pp_ranks, mtp_config))
-        return sorted(set(ranks))
-
-    vpp = parsed.virtual_pipeline_model_parallel_size
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, get_embedding_ranks=get_embedding_ranks)
-    model_parallel_cuda_manual_seed(seed)
+    """TP x PP (x VPP) x DP for an upstream pipeline layout, through the library's
+    initialize_model_parallel (the word-embedding group of the trainer: the first stage, the
+    last when tied, and every stage with MTP layers, each holding a copy)."""
+    initialize_model_parallel(layout["tp"], layout["pp"], None, seed,
+                              pipeline_layout=pipeline_layout(layout, mtp_num_layers), tied_embeddings=tied)
     try:
         yield
     finally:

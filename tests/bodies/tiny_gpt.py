@@ -56,6 +56,16 @@ class Setup:
     moe_token_dispatcher_type: str = "allgather"
     add_bias_linear: bool = True
     swiglu: bool = False
+    # HybridModel instead of GPTModel: the same network, each layer an attention layer then an
+    # MLP layer ("*-"), each MTP depth likewise ("/*-"); "|" between (virtual) pipeline stages.
+    hybrid: bool = False
+
+
+def hybrid_layer_pattern(setup: Setup, stages: int) -> str:
+    """The setup's network as upstream's hybrid pattern, its layers split evenly over `stages`."""
+    per_stage, rest = divmod(setup.num_layers, stages)
+    assert rest == 0, "a hybrid setup's layers split evenly over the pipeline stages"
+    return "|".join(["*-" * per_stage] * stages) + "/*-" * setup.mtp_num_layers
 
 
 def moe_config_kwargs(setup: Setup) -> dict:
@@ -89,8 +99,10 @@ def moe_config_kwargs(setup: Setup) -> dict:
 def build(setup: Setup, vpp: int | None = None):
     """Model chunks (DDP-wrapped) and optimizer on the current layout."""
     dtype = torch.bfloat16 if setup.bf16 else torch.float32
+    stages = parallel_state.get_pipeline_model_parallel_world_size() * (vpp or 1)
+    pattern = hybrid_layer_pattern(setup, stages) if setup.hybrid else None
     config = TransformerConfig(
-        num_layers=setup.num_layers,
+        num_layers=setup.num_layers * (2 if setup.hybrid else 1),  # a hybrid layer is half a GPT layer
         hidden_size=setup.hidden_size,
         num_attention_heads=setup.num_heads,
         mtp_num_layers=setup.mtp_num_layers or None,
@@ -110,7 +122,7 @@ def build(setup: Setup, vpp: int | None = None):
     )
     chunks = build_model(config, setup.vocab_size, setup.seq_length,
                          use_distributed_optimizer=setup.distributed_optimizer,
-                         share_embeddings_and_output_weights=setup.tied)
+                         share_embeddings_and_output_weights=setup.tied, hybrid_layer_pattern=pattern)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=setup.lr, clip_grad=setup.clip_grad, bf16=setup.bf16,
                         params_dtype=dtype, use_distributed_optimizer=setup.distributed_optimizer),

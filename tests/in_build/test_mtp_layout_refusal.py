@@ -28,3 +28,14 @@ def test_mtp_on_the_first_pipeline_rank_is_refused_naming_the_way_out():
 @pytest.mark.parametrize("layout", ["Et|t|t*2|mmL", "Et*4|mmL", "Et*2|t*2mmL"])
 def test_mtp_on_another_rank_is_accepted(layout):
     config(layout)
+
+
+def test_the_library_asks_whether_embeddings_are_tied_for_an_mtp_stage_before_the_loss():
+    """An MTP stage before the loss stage holds an embedding copy; the loss stage's output
+    weight is one more only when tied: the library's word-embedding group cannot guess."""
+    from megatron_mtp.library.initialize import initialize_model_parallel
+
+    with pytest.raises(ValueError, match=r"before the loss stage: say whether .*tied_embeddings="):
+        initialize_model_parallel(1, 4, None, 1234, pipeline_layout="Et*2|t*2|mm|L")
+    with pytest.raises(ValueError, match="contradicts the layout"):
+        initialize_model_parallel(1, 2, 3, 1234, pipeline_layout="Et|t|t|mmL")
