@@ -142,7 +142,9 @@ LOCAL_HYBRID_LAYERS = "*-E"  # megatron.core.fork.specs.get_hybrid_stack_spec
 
 
 def _check(args) -> None:
-    """What Megatron-LM would assert on every rank (or not check at all), in one message."""
+    """What neither Megatron-LM's validate_args nor the TransformerConfig's checks (upstream's
+    and the fork's MTP options, megatron.core.fork.mtp.options) refuse, or refuse only once
+    something is built, in one message. Theirs reach the user as one line too (`fail`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -160,41 +162,21 @@ def _check(args) -> None:
         raise ArgumentError("give --train-iters (or --train-samples)")
     if args.eval_iters is not None and args.eval_iters < 0:
         raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    if world % (tp * pp * cp):
-        raise ArgumentError(f"world size {world} is not a multiple of TP x PP x CP = {tp} x {pp} x {cp}")
-    dp = world // (tp * pp * cp)
-    if args.num_attention_heads % tp:
-        raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                            f"--tensor-model-parallel-size {tp}")
-    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    if groups and groups % tp:
-        raise ArgumentError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
-    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
+    dp, uneven = divmod(world, tp * pp * cp)  # uneven: Megatron-LM's validate_args refuses the world size
+    if args.global_batch_size is not None and not uneven and args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                             f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
     decay = args.lr_decay_iters or args.train_iters
     if decay is not None and args.lr_warmup_iters >= decay:
         raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below the decay length "
                             f"(--lr-decay-iters, else --train-iters) {decay}")
-    if args.save is not None and args.save_interval is None:
-        raise ArgumentError("--save needs --save-interval N (a checkpoint every N iterations; "
-                            "one is also written when training ends)")
-    if args.fp16 and args.bf16:
-        raise ArgumentError("--fp16 and --bf16 exclude each other; choose one")
     depths = args.mtp_num_layers or 0
-    if not depths and (args.mtp_detach_heads or args.mtp_use_repeated_layer):
-        flag = "--mtp-detach-heads" if args.mtp_detach_heads else "--mtp-use-repeated-layer"
-        raise ArgumentError(f"{flag} needs MTP depths: give --mtp-num-layers D >= 1 or drop {flag}")
-    if ((depths and args.mtp_sparse_loss) or args.sparse_lm_loss) and args.sparse_loss_chunk_size < 1:
-        raise ArgumentError(f"--sparse-loss-chunk-size must be >= 1 rows, got {args.sparse_loss_chunk_size}")
     if args.sparse_lm_loss and args.main_loss_level == "sequence":
         raise ArgumentError("--sparse-lm-loss needs the token-level main loss (its per-token losses weighted by "
                             "the loss mask); drop it or use --main-loss-level token")
     if args.freeze_backbone and not (depths and args.mtp_detach_heads):
         raise ArgumentError("--freeze-backbone trains the MTP heads only: it needs --mtp-num-layers D >= 1 and "
                             "--mtp-detach-heads (isolation keeps the heads' loss off the frozen backbone)")
-    if depths and cp > 1:
-        raise ArgumentError("MTP with context parallelism is not supported yet: use --context-parallel-size 1")
     pattern = args.hybrid_layer_pattern
     if pattern is not None and args.transformer_impl != "transformer_engine":
         others = sorted(set(pattern) - set(LOCAL_HYBRID_LAYERS) - set("|/"))
@@ -211,9 +193,6 @@ def _check(args) -> None:
                             "whole sequence (no mask is passed to the model), so documents would still attend "
                             "across their boundaries; drop it (--reset-position-ids still restarts positions)")
     moe_arguments.check(args, world, ArgumentError)
-    if depths and pp > 1 and args.position_embedding_type == "learned_absolute":
-        raise ArgumentError("MTP under pipeline parallelism needs --position-embedding-type rope "
-                            "(a learned absolute position embedding would be duplicated out of sync)")
     if args.load is not None and not os.path.isdir(args.load) and not args.save == args.load:
         raise ArgumentError(f"--load {args.load}: no such directory")
     if args.load is not None and os.path.isdir(args.load):

@@ -82,35 +82,37 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
     data = [*TINY, "--data-path", str(dataset), "--lr", "1e-3", "--train-iters", "4"]
     one, two, three = {"WORLD_SIZE": "1", "RANK": "0"}, {"WORLD_SIZE": "2", "RANK": "0"}, {"WORLD_SIZE": "3", "RANK": "0"}
     return [
-        ([*data, "--num-attention-heads", "3", "--tensor-model-parallel-size", "2"], two,
-         "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
+        # Megatron-LM's own checks (validate_args, TransformerConfig, the fork's MTP options),
+        # in one line: this script repeats none of them
+        ([*data, "--hidden-size", "48", "--num-attention-heads", "3", "--tensor-model-parallel-size", "2"], two,
+         "num_attention_heads (3) must be a multiple of tensor_model_parallel_size (2)"),
         ([*data, "--global-batch-size", "6", "--micro-batch-size", "4"], one,
          "--global-batch-size 6 is not a multiple of --micro-batch-size 4 x data-parallel size 1"),
         ([*data, "--global-batch-size", "8", "--micro-batch-size", "2"], three,
          "--global-batch-size 8 is not a multiple of --micro-batch-size 2 x data-parallel size 3"),
-        ([*data, "--tensor-model-parallel-size", "2"], three,
-         "world size 3 is not a multiple of TP x PP x CP = 2 x 1 x 1"),
+        ([*data, "--tensor-model-parallel-size", "2"], three, "world size (3) is not divisible by total_model_size"),
         ([*data, "--train-iters", "0"], one, "--train-iters must be a positive integer, got 0"),
         ([*data, "--train-iters", "-5"], one, "--train-iters must be a positive integer, got -5"),
         ([*data, "--micro-batch-size", "0"], one, "--micro-batch-size must be a positive integer, got 0"),
         ([*data, "--hidden-size", "-64"], one, "--hidden-size must be a positive integer, got -64"),
         ([*data, "--eval-iters", "-1"], one, "--eval-iters must be >= 0, got -1"),
-        ([*data, "--fp16", "--bf16"], one, "--fp16 and --bf16 exclude each other"),
-        ([*data, "--mtp-num-layers", "0", "--mtp-detach-heads"], one, "--mtp-detach-heads needs MTP depths"),
+        ([*data, "--fp16", "--bf16"], one, "Megatron-LM refused the arguments: assert not args.bf16 (arguments.py:"),
+        ([*data, "--mtp-num-layers", "0", "--mtp-detach-heads"], one,
+         "mtp_detach_heads (--mtp-detach-heads) isolates MTP heads, but mtp_num_layers is not set"),
         ([*data, "--mtp-num-layers", "0", "--mtp-use-repeated-layer"], one,
-         "--mtp-use-repeated-layer needs MTP depths"),
+         "mtp_use_repeated_layer (--mtp-use-repeated-layer) applies one MTP layer at every depth, but"),
         ([*data, "--mtp-num-layers", "1", "--sparse-loss-chunk-size", "0"], one,
-         "--sparse-loss-chunk-size must be >= 1 rows, got 0"),
+         "sparse_loss_chunk_size (--sparse-loss-chunk-size) must be >= 1 rows, got 0"),
         ([*data, "--sparse-lm-loss", "--main-loss-level", "sequence"], one,
          "--sparse-lm-loss needs the token-level main loss"),
         ([*data, "--mtp-num-layers", "1", "--context-parallel-size", "2"], two,
-         "MTP with context parallelism is not supported yet"),
+         "MTP (mtp_num_layers=1) with context parallelism (context_parallel_size=2) is not supported"),
         ([*data, "--reset-attention-mask"], one, "--reset-attention-mask is not supported: this trainer's attention"),
         ([*data, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--position-embedding-type",
-          "learned_absolute"], two, "MTP under pipeline parallelism needs --position-embedding-type rope"),
+          "learned_absolute"], two, "(MTP) is not supported with learned_absolute position embedding type"),
         ([*data, "--lr-warmup-iters", "10"], one, "--lr-warmup-iters 10 must be below the decay length"),
         ([*TINY, "--data-path", str(dataset), "--train-iters", "4"], one, "give --lr"),
-        ([*data, "--save", str(tmp_path / "new")], one, "--save needs --save-interval"),
+        ([*data, "--save", str(tmp_path / "new")], one, "assert args.save_interval is not None (arguments.py:"),
         ([*data, "--load", str(tmp_path / "nowhere")], one, f"--load {tmp_path / 'nowhere'}: no such directory"),
         ([*data, "--data-path", str(tmp_path / "missing")], one,
          f"missing {tmp_path / 'missing'}.bin"),
@@ -141,28 +143,35 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
 
 def test_bad_input_is_refused_in_one_line_before_anything_is_built(dataset, checkpoint, tmp_path):
     cases = refusals(dataset, checkpoint, tmp_path)
-    control = {"argv": [*TINY, "--data-path", str(dataset), "--lr", "1e-3", "--train-iters", "4"],
-               "env": {"WORLD_SIZE": "1", "RANK": "0"}}
-    given = [{"argv": argv, "env": env} for argv, env, _ in cases] + [control]
+    good = [*TINY, "--data-path", str(dataset), "--lr", "1e-3", "--train-iters", "4"]
+    controls = [{"argv": good, "env": {"WORLD_SIZE": "1", "RANK": "0"}},
+                # what upstream accepts and this script once refused: query groups a divisor of TP
+                {"argv": [*good, "--group-query-attention", "--num-query-groups", "1",
+                          "--tensor-model-parallel-size", "2"], "env": {"WORLD_SIZE": "2", "RANK": "0"}}]
+    given = [{"argv": argv, "env": env} for argv, env, _ in cases] + controls
     result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(given),
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert result.returncode == 0, result.stderr[-3000:]
     outcomes = json.loads(result.stdout.splitlines()[-1])
-    assert outcomes[-1]["accepted"], outcomes[-1]  # the driver itself accepts good arguments
-    for (argv, env, expected), outcome in zip(cases, outcomes):
+    assert len(outcomes) == len(given)
+    assert all(outcome["accepted"] for outcome in outcomes[len(cases):]), outcomes[len(cases):]
+    wrong = []  # every case that is not refused as expected, reported together
+    for (argv, env, expected), outcome in zip(cases, outcomes[:len(cases)], strict=True):
         errors = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
-        assert not outcome["accepted"] and len(errors) == 1, (argv, outcome)
-        assert expected in errors[0], (expected, errors[0])
-        assert not any("Traceback" in line for line in outcome["stderr"]), outcome
+        if outcome["accepted"] or len(errors) != 1 or expected not in errors[0] \
+                or any("Traceback" in line for line in outcome["stderr"]):
+            wrong.append((expected, outcome))
+    assert not wrong, "\n".join(f"want {expected!r}, got {outcome}" for expected, outcome in wrong)
 
 
 def test_under_torchrun_a_refusal_is_one_line_from_one_rank(dataset):
-    run = train(2, *RUN, "--data-path", str(dataset), "--train-iters", "4", "--num-attention-heads", "3",
+    run = train(2, *RUN, "--data-path", str(dataset), "--train-iters", "4", "--hidden-size", "48",
+                "--num-attention-heads", "3",
                 "--tensor-model-parallel-size", "2", check=False, timeout=120)
     assert run.returncode != 0
     assert len(run.errors()) == 1, run.output[-3000:]
-    assert "is not divisible by --tensor-model-parallel-size 2" in run.errors()[0]
+    assert "num_attention_heads (3) must be a multiple of tensor_model_parallel_size (2)" in run.errors()[0]
     assert "[rank" not in run.output  # no rank's traceback
 
 
