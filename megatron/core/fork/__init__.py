@@ -3,5 +3,5 @@
 Everything under ``megatron/core/fork`` is new code, kept out of upstream files
 so that the patch series in ``patches/`` stays a set of thin hooks. The install
 tool links (development install) or copies (``--copy``) this directory into the
-patched megatron-core; see README.md, "How fork-owned files reach megatron.core".
+patched megatron-core; see docs/series.md, "Builds, and how fork-owned files reach megatron.core".
 """
