@@ -30,9 +30,14 @@ def _steps(use_transformer_engine: bool) -> list[dict]:
 
 
 def bf16_steps() -> dict:
+    from megatron.core.fork import device as compute_device
+
     has_te = importlib.util.find_spec("transformer_engine") is not None
     return {
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        # upstream's torch.cuda.current_device(): the index, an int
+        "current_device": [type(compute_device.current_device()).__name__, compute_device.current_device()
+                           == torch.cuda.current_device()],
         "local": _steps(False),
         "transformer_engine": _steps(True) if has_te else None,
     }

@@ -14,10 +14,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def current_device() -> torch.device:
-    """The device this rank computes on: its current CUDA device, else the CPU."""
+def current_device() -> int | torch.device:
+    """The device this rank computes on: on GPUs exactly what ``torch.cuda.current_device()``
+    returns (the device index, an int, as the calls it replaces gave; the rerun state machine
+    stores it in checkpoints), else the CPU device (there is no index to give)."""
     if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.cuda.current_device()
     return torch.device("cpu")
 
 
