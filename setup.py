@@ -2,7 +2,8 @@
 
 This installs the fork-owned trainer package (megatron_mtp) and the project's
 dependencies. The patched megatron-core itself is built and installed by
-`tools/fork install` (see README.md): it is upstream source plus patches/, not a
+`tools/fork install` (see docs/series.md, "Builds, and how fork-owned files reach
+`megatron.core`", and docs/fork-tool.md): it is upstream source plus patches/, not a
 package published from here.
 """
 
@@ -32,7 +33,7 @@ setup(
         "serve": ["transformers>=5", "safetensors>=0.4"],
         "test": ["pytest>=8", "tokenizers>=0.20", "sentencepiece>=0.2", "tensorboard>=2.16", "wandb>=0.17",
                  "transformers>=5", "safetensors>=0.4"],
-        # GPU only, never needed on CPU. NVIDIA apex is built from source (see README);
+        # GPU only, never needed on CPU. NVIDIA apex is built from source (see docs/gpus.md);
         # the PyPI package named `apex` is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.6"],
     },

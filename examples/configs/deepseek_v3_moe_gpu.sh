@@ -5,8 +5,8 @@
 # (seq_aux_loss) at a small weight; one MTP depth whose layer is an MoE layer like the
 # backbone's last (DeepSeek-V3's layer 61). Experts run as Transformer Engine grouped GEMMs
 # and are spread over EP GPUs (default 8: one node) with the alltoall token dispatcher; EP
-# divides the data-parallel size. Every router loss here is exact in the step (README,
-# "Mixture of experts"). gpu_args.sh's model is otherwise unchanged (24 layers, hidden 2048,
+# divides the data-parallel size. Every router loss here is exact in the step
+# (docs/moe.md). gpu_args.sh's model is otherwise unchanged (24 layers, hidden 2048,
 # RMSNorm, SwiGLU, no linear biases).
 #
 #   CONFIG=examples/configs/deepseek_v3_moe_gpu.sh EP=8 DATA=... bash examples/gpu_single_node.sh

@@ -3,7 +3,7 @@
 # shared expert; sigmoid router scores with the auxiliary-loss-free expert bias, plus the
 # sequence-wise balance loss (seq_aux_loss) at a small weight; one MTP depth whose layer is an
 # MoE layer like the backbone's last (DeepSeek-V3's layer 61). RMSNorm, SwiGLU, no linear biases.
-# Every router loss here is exact in the step (README, "Mixture of experts").
+# Every router loss here is exact in the step (docs/moe.md).
 MTP_ARGS=(--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3
           --normalization RMSNorm --swiglu --disable-bias-linear
           --num-experts 8 --moe-ffn-hidden-size 64 --moe-shared-expert-intermediate-size 64
