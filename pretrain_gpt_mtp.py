@@ -187,14 +187,14 @@ SPIKY_LOSS_FACTOR = 10
 
 
 def loss_func(loss_mask, output_tensor, model=None):
-    """The exact main loss at the step's level (megatron.core.fork.normalization.main_loss),
+    """The exact main loss at the step's level (megatron.core.fork.step_loss.main_loss),
     reported as [sum, count] so that upstream's loop reduces it into the exact mean. As
     Megatron-LM's pretrain_gpt.py, this rank's raw loss sum goes through the rerun state
     machine before any reduction: NaN or Inf (--check-for-nan-in-loss-and-grad, on by
     default) and, with --check-for-spiky-loss, a spike."""
     import torch
 
-    from megatron.core.fork.normalization import main_loss
+    from megatron.core.fork.step_loss import main_loss
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args
 
@@ -219,7 +219,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """As Megatron-LM's pretrain_gpt.py. The attention is causal without a mask (SDPA,
     Transformer Engine): none is passed. `return_schedule_plan` (upstream's combined 1F1B
     schedule, --overlap-moe-expert-parallel-comm: CUDA only, refused with MTP depths by
-    megatron_mtp.launch) returns the model's schedule plan instead of its output."""
+    megatron_mtp.arguments) returns the model's schedule plan instead of its output."""
     from megatron.core.utils import get_attr_wrapped_model
 
     tokens, labels, loss_mask, position_ids = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
@@ -231,16 +231,16 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def main() -> int:
-    from megatron_mtp import launch
+    from megatron_mtp import arguments
 
-    args = launch.arguments()
+    args = arguments.parse()
     if args is None:
         return 2
     if args.dry_run:
         if os.environ.get("RANK", "0") == "0":
-            print(launch.summary(args), flush=True)
+            print(arguments.summary(args), flush=True)
         return 0
-    done = launch.finished(args)
+    done = arguments.finished(args)
     if done:  # rerunning a finished run trains nothing and overwrites nothing
         if os.environ.get("RANK", "0") == "0":
             print(done, flush=True)
@@ -264,18 +264,18 @@ def _pretrain(args) -> int:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from megatron_mtp import launch
+    from megatron_mtp import arguments
 
     try:
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider, get_embedding_ranks=get_embedding_ranks)
     except checkpoint.CheckpointError as error:  # raised alike on every rank: one line, not a traceback each
-        launch.fail(error)
+        arguments.fail(error)
         return 1
     except AssertionError as error:
         if not str(error).startswith("OptimizerParamScheduler"):
             raise
-        launch.fail(f"{error} (the checkpoint's learning-rate schedule differs from this run's: resume with "
+        arguments.fail(f"{error} (the checkpoint's learning-rate schedule differs from this run's: resume with "
                     "its values, or add --override-opt_param-scheduler to take this run's, or "
                     "--use-checkpoint-opt_param-scheduler to keep the checkpoint's)")
         return 1

@@ -101,17 +101,17 @@ def test_a_nan_loss_is_caught_at_the_loss(tmp_path):
 
 UNUSABLE_CUDA = """
     import contextlib, io, os, sys
-    from megatron_mtp import launch
+    from megatron_mtp import arguments
     devices = {"none": [], "gpus": ["/dev/nvidia0", "/dev/nvidia1"]}
     for name, visible in (("none", None), ("gpus", None), ("gpus", ""), ("gpus", "-1")):
-        launch._nvidia_devices = lambda: devices[name]  # the probe: what the kernel driver exposes
+        arguments._nvidia_devices = lambda: devices[name]  # the probe: what the kernel driver exposes
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         if visible is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
         sys.argv = ["pretrain_gpt_mtp.py", "--dry-run", *ARGS]
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            accepted = launch.arguments() is not None
+            accepted = arguments.parse() is not None
         from megatron.training.global_vars import unset_global_variables
         unset_global_variables()
         errors = [line for line in stderr.getvalue().splitlines() if line.startswith("pretrain_gpt_mtp.py: error")]

@@ -113,14 +113,14 @@ def test_upstream_command_lines_write_prefix_key_document_with_upstreams_ids(dat
 
 ARGUMENTS = """
     import contextlib, io, os, sys
-    from megatron_mtp import launch
+    from megatron_mtp import arguments
     from megatron.training.global_vars import unset_global_variables
     for name, world, argv in CASES:
         os.environ["WORLD_SIZE"] = str(world)
         sys.argv = ["pretrain_gpt_mtp.py", "--dry-run", *argv]
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            args = launch.arguments()
+            args = arguments.parse()
         unset_global_variables()
         errors = [line for line in stderr.getvalue().splitlines() if line.startswith("pretrain_gpt_mtp.py: error")]
         print("CASE", repr((name, None if args is None else (args.tokenizer_type, args.padded_vocab_size,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.fork import normalization
+from megatron.core.fork import step_loss
 from megatron.core.fork.model_shape import check_same_shape, model_shape
 
 MODEL_SHAPE_KEY = "model_shape"
@@ -28,7 +28,7 @@ def model_state(chunks) -> dict:
 
 
 def save_checkpoint(path, chunks, optimizer=None) -> None:
-    if normalization.active() is not None:
+    if step_loss.active() is not None:
         raise RuntimeError(
             "a training step is in progress (begin() without finish()/abort()); its gradients and "
             "loss scaling are not part of a checkpoint. Finish or abort the step, then save."

@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
-from megatron.core.fork.normalization import StepCounts, count_targets, main_loss
+from megatron.core.fork.step_loss import StepCounts, count_targets, main_loss
 from megatron.core.fork.split_step import SplitStep
 
 
 def gpt_forward_step(data_iterator, model):
     """Micro-batch = (tokens [b, s+1], loss_mask [b, s]); targets are tokens shifted by one.
-    The main loss's level is the running step's (normalization.main_loss reads it)."""
+    The main loss's level is the running step's (step_loss.main_loss reads it)."""
     tokens, loss_mask = next(data_iterator)
     device = compute_device.current_device()
     tokens, loss_mask = tokens.to(device), loss_mask.to(device)

@@ -7,7 +7,7 @@ objective L = L_main + (lambda / D) * sum_k S_k / N_tok, token- or sequence-leve
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.fork.normalization import StepCounts, active
+from megatron.core.fork.step_loss import StepCounts, active
 from megatron.core.fork.split_step import SplitStep
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig

@@ -15,7 +15,7 @@ import sys
 
 
 def run(case: dict) -> dict:
-    from megatron_mtp import launch
+    from megatron_mtp import arguments
 
     saved_env = dict(os.environ)
     os.environ.update(case.get("env", {}))
@@ -23,7 +23,7 @@ def run(case: dict) -> dict:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            accepted = launch.arguments() is not None
+            accepted = arguments.parse() is not None
     finally:
         os.environ.clear()
         os.environ.update(saved_env)

@@ -2,7 +2,7 @@
 
 Its loss function keeps upstream pretrain_gpt.py's contract (the raw masked CE sum, its
 token count, and [sum, count] for the 'lm loss' report), it parses Megatron-LM's flags with
-nothing of this project's trainer (no megatron_mtp.launch checks, no exact_step.enable),
+nothing of this project's trainer (no megatron_mtp.arguments checks, no exact_step.enable),
 and it calls megatron.training.pretrain(). Only the model, data and batch come from
 pretrain_gpt_mtp.py, so that both scripts train the same network on the same samples.
 The series' --exact-steps flag is what makes its steps exact.
@@ -41,7 +41,7 @@ def main() -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_mtp.launch import CPU_DEFAULTS
+    from megatron_mtp.arguments import CPU_DEFAULTS
 
     def cpu_defaults(parser):  # what a user passes on the command line to run on CPU
         parser.set_defaults(**CPU_DEFAULTS)

@@ -5,11 +5,11 @@ a plain trainer calls it once. Chunks run forward/backward through megatron-core
 schedules (``get_forward_backward_func``) on raw loss sums, with gradient
 synchronisation and finalize_model_grads held back; ``finish`` reduces the step's counts
 once, runs finalize_model_grads once (which reduces the gradients and applies the exact
-normalization of megatron.core.fork.normalization), clips each gradient-norm group by its
+normalization of megatron.core.fork.step_loss), clips each gradient-norm group by its
 own norm, steps the optimizer and returns the step's exact metrics.
 
 Requires ``calculate_per_token_loss=True`` and a forward step whose loss function is
-``normalization.main_loss`` (or returns the same triple). Micro-batches are opaque to the
+``step_loss.main_loss`` (or returns the same triple). Micro-batches are opaque to the
 step (tensors, tuples or dicts, whatever the forward step reads); the schedule's shapes
 are given to the constructor. Not thread-safe: one step per process at a time.
 """
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads, reset_model_temporary_tensors
 from megatron.core.fork import device as compute_device
-from megatron.core.fork import normalization, router_losses
+from megatron.core.fork import router_losses, step_loss
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
@@ -53,13 +53,13 @@ def _no_sync_inside_step():
 
 class SplitStep:
     def __init__(self, model_chunks, optimizer, forward_step_func, *, seq_length: int, micro_batch_size: int,
-                 main_loss: str = normalization.TOKEN):
+                 main_loss: str = step_loss.TOKEN):
         """`main_loss`: the level of the main loss, "token" or "sequence"; the forward step's
-        loss function (``normalization.main_loss``) takes it from the running step."""
+        loss function (``step_loss.main_loss``) takes it from the running step."""
         self.chunks = list(model_chunks)
         self.config = self.chunks[0].config
-        if main_loss not in normalization.MAIN_LOSS_LEVELS:
-            raise ValueError(f"main loss level must be one of {normalization.MAIN_LOSS_LEVELS}, got {main_loss!r}")
+        if main_loss not in step_loss.MAIN_LOSS_LEVELS:
+            raise ValueError(f"main loss level must be one of {step_loss.MAIN_LOSS_LEVELS}, got {main_loss!r}")
         if self.config.context_parallel_size != 1:
             raise ValueError(
                 f"split steps do not support context parallelism (context_parallel_size="
@@ -83,7 +83,7 @@ class SplitStep:
     def in_progress(self) -> bool:
         return self._normalization is not None
 
-    def begin(self, counts: "normalization.StepCounts | None" = None, *, routed_tokens: int | None = None) -> None:
+    def begin(self, counts: "step_loss.StepCounts | None" = None, *, routed_tokens: int | None = None) -> None:
         """Start a step. `counts`: the step's global StepCounts, if known (exact in every mode).
         `routed_tokens`: with MoE router losses, the step's input positions over all chunks and
         data-parallel ranks (T of spec section 11; known from the shapes even when the valid
@@ -92,7 +92,7 @@ class SplitStep:
             raise RuntimeError("this step is already in progress; finish() or abort() it first")
         if not self.config.calculate_per_token_loss:
             raise ValueError("split steps need calculate_per_token_loss=True (raw loss sums per micro-batch)")
-        step = normalization.StepNormalization(self.main_loss, bool(self.config.mtp_detach_heads), counts)
+        step = step_loss.StepNormalization(self.main_loss, bool(self.config.mtp_detach_heads), counts)
         router_losses.check_exact_step(self.config)
         moe_scale = None
         if router_losses.active(self.config):
@@ -104,7 +104,7 @@ class SplitStep:
                 )
             moe_scale = router_losses.scale_func(self.config, routed_tokens)
         # Nothing has changed yet: everything above may refuse.
-        normalization.activate(step)
+        step_loss.activate(step)
         self._normalization = step
         self._saved_hooks = {name: getattr(self.config, name) for name in _CONFIG_HOOKS if hasattr(self.config, name)}
         self._mtp_loss_scale = MTPLossAutoScaler.main_loss_backward_scale
@@ -168,7 +168,7 @@ class SplitStep:
                 local = torch.cat([local, mtp.flatten()])
             totals = last_stage_sum(local)  # the step's one reduce of counts and metric sums
             main_sum, tokens, sequences = totals[:3].tolist()
-            observed = normalization.StepCounts(tokens=int(round(tokens)), sequences=int(round(sequences)))
+            observed = step_loss.StepCounts(tokens=int(round(tokens)), sequences=int(round(sequences)))
             router = router_metrics.step_values(self.config, self._microbatches)
             step = self._normalization
             if step.counts is not None and step.counts != observed:
@@ -187,7 +187,7 @@ class SplitStep:
             self.abort()
             raise
         self._end()
-        denominator = observed.tokens if self.main_loss == normalization.TOKEN else observed.sequences
+        denominator = observed.tokens if self.main_loss == step_loss.TOKEN else observed.sequences
         # The optimizer returns the main group's norm and keeps separate groups' by name.
         grad_norms = {}
         if update_successful and grad_norm is not None:
@@ -234,5 +234,5 @@ class SplitStep:
         MTPLossAutoScaler.set_loss_scale(self._mtp_loss_scale)
         MoEAuxLossAutoScaler.main_loss_backward_scale = self._moe_loss_scale
         STEP_STATISTICS.reset()
-        normalization.deactivate()
+        step_loss.deactivate()
         self._normalization = None

@@ -13,7 +13,7 @@ chunks. The dense loop below projects every position, as upstream does.
 
 import torch
 
-from megatron.core.fork import compat, normalization
+from megatron.core.fork import compat, step_loss
 from megatron.core.fork.mtp import isolation, last_depth
 from megatron.core.fork.mtp.sparse_loss import rows_needed, sparse_depth_losses
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, vocab_parallel_argmax
@@ -25,14 +25,14 @@ def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):
     """Backward weight of a depth's raw masked CE sum.
 
     calculate_per_token_loss: lambda / D on raw sums, and the active step's normalization
-    (megatron.core.fork.normalization) makes the division by the global N_tok exact,
+    (megatron.core.fork.step_loss) makes the division by the global N_tok exact,
     either here (counts up front) or after the gradient reduce. Otherwise (each micro-batch normalized by its own
     counts, upstream's default mode) the micro-batch's main-token count stands in for N_tok.
     """
     weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
     if config.calculate_per_token_loss:
         # Inside a step with counts given up front, the exact global 1/N_tok is applied here.
-        return weight * normalization.mtp_backward_scale()
+        return weight * step_loss.mtp_backward_scale()
     return weight / torch.clamp(main_valid_tokens, min=1)
 
 

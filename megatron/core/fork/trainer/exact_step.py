@@ -5,7 +5,7 @@ step. ``begin`` draws the step's micro-batches from the data iterator(s) up fron
 all-reduces the step's counts once: valid next-token targets and sequences with at least
 one, counted where each sample's loss mask is read (tensor-parallel rank 0 of the last
 pipeline stage, every data-parallel rank its own share). Those counts become the step's
-normalization (megatron.core.fork.normalization): the main loss and every MTP depth are
+normalization (megatron.core.fork.step_loss): the main loss and every MTP depth are
 seeded with their exact global scales, and finalize_model_grads runs without a token
 count, so it divides by nothing more. The step is then exact for token- and
 sequence-level main losses, isolation on and off, every DP/TP/PP/VPP layout and
@@ -17,7 +17,7 @@ gives the routers their exact scale, the loss scale over T (megatron.core.fork.r
 ``end`` restores the config, reduces the step's MTP sums (one collective) and hands them,
 with the MTP gradient norm, to the metrics (megatron.core.fork.trainer.metrics). Exact
 steps are on once the trainer calls ``enable`` (its loss function must then be
-normalization.main_loss); otherwise the steps are upstream's and only the metrics come
+step_loss.main_loss); otherwise the steps are upstream's and only the metrics come
 from here, so Megatron-LM's own pretrain_gpt.py keeps working with the series applied.
 """
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
-from megatron.core.fork import normalization, router_losses
+from megatron.core.fork import router_losses, step_loss
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.fork.split_step import last_stage_sum
@@ -56,13 +56,13 @@ _current: _Step | None = None
 
 
 def enable(main_loss_level: str) -> None:
-    """Make every step exact; the trainer's loss function must be normalization.main_loss.
+    """Make every step exact; the trainer's loss function must be step_loss.main_loss.
     Without this, steps are upstream's and only the MTP metrics come from here."""
     global _main_loss_level
-    if main_loss_level not in normalization.MAIN_LOSS_LEVELS:
-        raise ValueError(f"main loss level must be one of {normalization.MAIN_LOSS_LEVELS}, got {main_loss_level!r}")
+    if main_loss_level not in step_loss.MAIN_LOSS_LEVELS:
+        raise ValueError(f"main loss level must be one of {step_loss.MAIN_LOSS_LEVELS}, got {main_loss_level!r}")
     _main_loss_level = main_loss_level
-    normalization.set_default_level(main_loss_level)
+    step_loss.set_default_level(main_loss_level)
 
 
 def exact(config) -> bool:
@@ -125,7 +125,7 @@ def _local_counts(batches, virtual: bool) -> torch.Tensor:
     if counting and mine:
         for batch in mine:
             mask = loss_mask_of(batch)
-            counts[:2] += normalization.target_counts(mask.to(counts.device))
+            counts[:2] += step_loss.target_counts(mask.to(counts.device))
             counts[2] += mask.numel()  # every input position is routed
     return counts
 
@@ -147,16 +147,16 @@ def begin(model, data_iterator, num_microbatches: int):
     if not exact(config):
         _current = _Step(config, None, num_microbatches)
         return data_iterator
-    level = normalization.TOKEN if upstream_loss else _main_loss_level
+    level = step_loss.TOKEN if upstream_loss else _main_loss_level
     router_losses.check_exact_step(config)
     virtual = isinstance(data_iterator, list)  # one iterator per virtual stage
     batches = _prefetch(data_iterator, num_microbatches)
     counts = _local_counts(batches, virtual)
     dist.all_reduce(counts)  # one small all-reduce: each sample is counted by exactly one rank
     tokens, sequences, routed = (int(round(x)) for x in counts.tolist())
-    step_counts = normalization.StepCounts(tokens=tokens, sequences=sequences)
-    step = normalization.StepNormalization(level, bool(config.mtp_detach_heads), step_counts)
-    normalization.activate(step)
+    step_counts = step_loss.StepCounts(tokens=tokens, sequences=sequences)
+    step = step_loss.StepNormalization(level, bool(config.mtp_detach_heads), step_counts)
+    step_loss.activate(step)
     _current = _Step(config, step_counts, num_microbatches)
     config.finalize_model_grads_func = _finalize_without_count(_current.saved["finalize_model_grads_func"])
     if router_losses.active(config):
@@ -175,7 +175,7 @@ def end(optimizer=None, update_successful: bool = False) -> None:
     if step.counts is not None:
         for name, value in step.saved.items():
             setattr(step.config, name, value)
-        normalization.deactivate()
+        step_loss.deactivate()
     if optimizer is None:
         return
     norms = getattr(optimizer, "grad_norms_by_group", {}) if update_successful else {}

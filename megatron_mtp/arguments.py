@@ -316,7 +316,7 @@ def fail(error: BaseException | str) -> None:
         print(f"pretrain_gpt_mtp.py: error: {_one_line(error)}", file=sys.stderr, flush=True)
 
 
-def arguments():
+def parse():
     """Megatron-LM's parsed and validated arguments with this script's defaults; None (after
     one error line) if they are refused."""
     from megatron_mtp.patched_core import PatchedCoreError, require_patched_core

@@ -1,4 +1,4 @@
-"""Exact global normalization of every loss branch for one optimizer step (spec section 4).
+"""One optimizer step's loss: every branch divided exactly by its global count (spec section 4).
 
     L = L_main + (lambda / D) * sum_k S_k / N_tok
 
