@@ -58,7 +58,10 @@ LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), d
            dict(name="pp2_vpp2_dp2_mtp_with_loss", tp=1, pp=2, pipeline_layout="Et|t*2|t|{m}L", micro_batch=1,
                 setups=["attached_D2", "isolated_D3", "attached_D2_tied"]),
            dict(name="pp4_vpp2_mtp_stage", tp=1, pp=4, pipeline_layout="E|t|t|t|t|t|{m}|L", micro_batch=1,
-                setups=["attached_D2_L5", "attached_D2_L5_tied"])]
+                setups=["attached_D2_L5", "attached_D2_L5_tied"]),
+           # a virtual stage with nothing on it (upstream accepts the empty "||")
+           dict(name="pp4_vpp2_empty_stage", tp=1, pp=4, pipeline_layout="E|t|t|t|t||{m}|L", micro_batch=1,
+                setups=["attached_D2"])]
 # MTP on the first pipeline rank's last virtual stage ("Et|t|t*2mm|L"), which upstream's check
 # means to forbid but lets through, gave that rank two word-embedding copies of which one was
 # reduced (relative gradient error 0.048 and 1.05; tied, the build hung): refused when the

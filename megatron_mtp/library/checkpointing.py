@@ -67,6 +67,8 @@ def load_checkpoint(path, chunks, optimizer=None) -> None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
     loaded = dist_checkpointing.load(state, str(path))
     for i, chunk in enumerate(chunks):
-        chunk.module.load_state_dict(loaded[f"model{i}"])
+        # a virtual stage the layout leaves empty has nothing saved, so dist checkpointing
+        # returns no entry for it
+        chunk.module.load_state_dict(loaded.get(f"model{i}", {}))
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
