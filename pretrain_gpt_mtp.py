@@ -20,9 +20,9 @@ import signal
 import sys
 from functools import partial
 
-# No module-level import of torch or megatron: megatron-core's checkpoint writer starts a
-# multiprocessing "spawn" helper, which re-imports this file (as __mp_main__) in a fresh
-# interpreter; what is imported here, each rank's helper imports again.
+# No module-level import of torch or megatron: megatron-core's asynchronous checkpoint saves
+# (--async-save) start multiprocessing "spawn" helpers, which re-import this file (as
+# __mp_main__) in a fresh interpreter; what is imported here, each helper imports again.
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):

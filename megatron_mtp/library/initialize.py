@@ -50,6 +50,7 @@ def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: 
     untied models alike."""
     from types import SimpleNamespace
 
+    from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
@@ -60,7 +61,8 @@ def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: 
         if vpp is not None and vpp != layout_vpp:
             raise ValueError(f"virtual pipeline size {vpp} contradicts the layout {pipeline_layout!r} ({layout_vpp})")
         vpp = layout_vpp if layout_vpp > 1 else None
-        mtp_config = SimpleNamespace(mtp_num_layers=pipeline_layout.count("m"), pipeline_model_parallel_layout=parsed)
+        depths = sum(stage.count(LayerType.mtp) for stages in parsed.layout for stage in stages)
+        mtp_config = SimpleNamespace(mtp_num_layers=depths, pipeline_model_parallel_layout=parsed)
         if tied_embeddings is None and set(get_mtp_ranks(list(range(pp)), mtp_config)) - {pp - 1}:
             raise ValueError(f"the layout {pipeline_layout!r} puts MTP layers before the loss stage: "
                              "say whether embeddings and output weights are tied (tied_embeddings=)")

@@ -9,13 +9,11 @@ tied, the loss stage's output weight; tests.bodies.full_grads) against the one-p
 run's, the main and MTP group norms, the loss and the per-depth MTP sums.
 """
 
-import contextlib
 
 import torch
 
 from megatron.core import parallel_state
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
-from megatron_mtp.library.initialize import initialize_model_parallel
 from tests.bodies import tiny_gpt
 from tests.bodies.full_grads import all_gather_distributed_optimizer_shards, gathered_full_grads, max_rel_to_reference
 from tests.bodies.tiny_gpt import Setup, build, train_step
@@ -79,19 +77,6 @@ def pipeline_layout(layout: dict, mtp_num_layers: int) -> str | None:
     return None if template is None else template.replace("{m}", "m" * mtp_num_layers)
 
 
-@contextlib.contextmanager
-def layout_parallel(layout: dict, mtp_num_layers: int, tied: bool, seed: int = 1234):
-    """TP x PP (x VPP) x DP for an upstream pipeline layout, through the library's
-    initialize_model_parallel (the word-embedding group of the trainer: the first stage, the
-    last when tied, and every stage with MTP layers, each holding a copy)."""
-    initialize_model_parallel(layout["tp"], layout["pp"], None, seed,
-                              pipeline_layout=pipeline_layout(layout, mtp_num_layers), tied_embeddings=tied)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
 def build_on_layout(setup: Setup, text: str | None):
     """tiny_gpt.build, with the upstream pipeline layout (if any) in its TransformerConfig
     (tiny_gpt.build takes no layout: its config class is wrapped for the call)."""
@@ -147,7 +132,10 @@ def layouts(ckpt_root: str, layouts: list[dict], setups: dict) -> dict:
         else:
             for name in names:
                 setup = setups[name]
-                with layout_parallel(layout, setup["mtp_num_layers"], setup.get("tied", False)):
+                # the library's word-embedding group: first stage, last when tied, every MTP stage
+                with model_parallel(tp=layout["tp"], pp=layout["pp"],
+                                    pipeline_layout=pipeline_layout(layout, setup["mtp_num_layers"]),
+                                    tied_embeddings=setup.get("tied", False)):
                     out[f"{layout['name']}/{name}"] = one_layout_step(ckpt_root, layout, name, setup)
     return out
 
