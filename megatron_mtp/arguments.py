@@ -16,7 +16,9 @@ import glob
 import io
 import linecache
 import os
+import signal
 import sys
+import threading
 
 from megatron_mtp import moe_arguments
 from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
@@ -316,9 +318,40 @@ def fail(error: BaseException | str) -> None:
         print(f"pretrain_gpt_mtp.py: error: {_one_line(error)}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _reporting_rank_finishes_its_checks():
+    """Every rank refuses the same arguments, and rank 0 alone prints why; a rank that refuses
+    first exits, and torchrun then stops the others with SIGTERM, which would end rank 0 before
+    its line (it checks more slowly: it prints Megatron-LM's argument list). So rank 0 holds
+    SIGTERM until its checks are done, prints its line if it refuses, then takes the signal."""
+    if os.environ.get("RANK", "0") != "0" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+
+    def hold(signum, _frame):
+        held.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, hold)
+    try:
+        yield
+    finally:
+        # Megatron-LM's --exit-signal-handler installs its handler while the arguments are
+        # validated: it stays (it holds the signal for the training loop itself).
+        if signal.getsignal(signal.SIGTERM) is hold:
+            signal.signal(signal.SIGTERM, previous)
+        if held:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def parse():
     """Megatron-LM's parsed and validated arguments with this script's defaults; None (after
     one error line) if they are refused."""
+    with _reporting_rank_finishes_its_checks():
+        return _parse()
+
+
+def _parse():
     from megatron_mtp.patched_core import PatchedCoreError, require_patched_core
 
     try:
