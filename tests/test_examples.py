@@ -31,9 +31,10 @@ def bash(script: str, *args: str, env: dict, timeout: float = 300) -> str:
 
 def test_the_readme_main_command_trains_on_the_embedded_default(tmp_path):
     """`torchrun --nproc-per-node 2 pretrain_gpt_mtp.py`, shortened: the embedded corpus is
-    written from scratch (by both ranks at once), trained on with D = 2, evaluated, saved."""
+    written from scratch (by both ranks at once), trained on with D = 2, evaluated, saved.
+    Its workers are fresh interpreters, as under a user's torchrun."""
     run = train(2, "--train-iters", "20", "--eval-interval", "10", "--save-interval", "10", "--log-interval", "5",
-                "--save", str(tmp_path / "run"), env={"MEGATRON_MTP_CACHE": str(tmp_path / "cache")})
+                "--save", str(tmp_path / "run"), env={"MEGATRON_MTP_CACHE": str(tmp_path / "cache")}, fresh=True)
     assert "python-reference-topics" in run.output
     assert sorted(run.iterations) == [1, 5, 10, 15, 20]
     assert {"mtp_1 acceptance", "mtp_2 chain acceptance", "expected accepted length (incl. bonus token)"} \

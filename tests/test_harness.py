@@ -1,12 +1,20 @@
 """The launcher the distributed tests stand on: ranks forked from a zygote (an interpreter
 that has imported megatron-core) or started fresh behave alike; a failing rank is reported
-with its traceback; a launch past its deadline is killed; no process is left behind."""
+with its traceback; a launch past its deadline is killed; no process is left behind. A
+torchrun worker forked from the zygote is what the script run fresh would be: its argv,
+directory, environment and streams; its exit status and the signals sent to it; and it goes
+when torchrun's process group is killed."""
 
 import os
+import signal
+import time
 
+import psutil
 import pytest
 
 from tests.harness import DistributedTestFailure, launch
+from tests.harness.launcher import REPO_ROOT
+from tests.harness.trainer import finish, kill_group, start, train
 
 
 def alive(pid: int) -> bool:
@@ -38,3 +46,65 @@ def test_a_launch_past_its_deadline_is_killed(tmp_path):
         launch("tests.bodies.harness:hang", 2, {"pid_dir": str(tmp_path)}, timeout=6)
     pids = [int(path.read_text()) for path in sorted(tmp_path.iterdir())]
     assert len(pids) == 2 and not any(alive(pid) for pid in pids)
+
+
+# ---------------------------------------------------------------- torchrun workers from the zygote
+WORKER = "tests/bodies/torchrun_worker.py"
+
+
+def _pids(directory) -> list[int]:
+    return [int(path.read_text()) for path in sorted(directory.iterdir())]
+
+
+def test_a_torchrun_worker_from_the_zygote_is_the_script_run_fresh(tmp_path):
+    """argv, working directory, sys.path[0], the rank's environment and both streams are the
+    script's own; the worker is a child of the zygote, not a fresh interpreter."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    run = train(2, "report", str(pids), script=str(REPO_ROOT / WORKER), cwd=tmp_path.parent, timeout=120,
+                check=False)
+    assert run.returncode == 0, run.tail()
+    for rank in (0, 1):
+        assert f"argv=['report', '{pids}'] cwd={tmp_path.parent} path0={REPO_ROOT / 'tests' / 'bodies'} " \
+               f"rank={rank}" in run.output, run.output[-3000:]
+    assert run.output.count("to stderr") == 2
+    assert all(not alive(pid) for pid in _pids(pids))
+
+
+def test_a_worker_s_exit_status_and_signals_reach_torchrun(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    run = train(1, "exit3", str(pids), script=WORKER, timeout=120, check=False)
+    assert run.returncode != 0 and "exitcode  : 3" in run.output, run.output[-3000:]
+
+    (pids / "0").unlink()
+    proc, log = start(1, "sigterm", str(pids), script=WORKER, log=tmp_path / "sigterm.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for worker in psutil.Process(proc.pid).children():  # torchrun's workers: the clients
+            worker.send_signal(signal.SIGTERM)
+    finally:
+        run = finish(proc, log, timeout=60)
+    assert run.returncode == 0 and "got SIGTERM" in run.output, run.output[-3000:]
+
+
+def test_killing_torchrun_s_process_group_leaves_no_worker(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    proc, log = start(2, "hang", str(pids), script=WORKER, log=tmp_path / "hang.log")
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = _pids(pids)
+        assert len(workers) == 2 and all(alive(pid) for pid in workers)
+        # forked by the zygote: not torchrun's descendants
+        assert not set(workers) & {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+    finally:
+        kill_group(proc)  # what the harness does on a timeout: the zygote's children go too
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers)

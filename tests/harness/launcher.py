@@ -2,7 +2,8 @@
 
 Each process imports megatron-core (several seconds), so a body usually runs many
 checks per launch; CPU ranks are forked from a process that has already imported it
-(tests.harness.zygote; MEGATRON_MTP_TEST_ZYGOTE=0 starts fresh interpreters instead). The launcher picks a free port, gives the whole launch one
+(tests.harness.zygote; MEGATRON_MTP_TEST_ZYGOTE=0 starts fresh interpreters instead).
+The launcher picks a free port, gives the whole launch one
 deadline, kills every process group it started on timeout or failure (no process
 is left behind), and raises with every failing rank's traceback and output tail.
 """
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 from megatron_mtp.patched_core import REPO_ROOT, build_tree, current_upstream_version
-from tests.harness.zygote import Forked, zygote_for
+from tests.harness import zygote as zygotes
 
 # After the first rank fails, the others usually block in a collective: give them a
 # moment to report their own errors, then kill them.
@@ -74,13 +75,10 @@ def launch(body: str, world_size: int, args: dict | None = None, timeout: float 
         spec = scratch / "spec.json"
         spec.write_text(json.dumps({"body": body, "args": args or {}, "build": check_version}))
         port = free_port()
-        base_env = dict(os.environ, OMP_NUM_THREADS="1",
-                        PYTHONPATH=os.pathsep.join(p for p in (pythonpath_first, str(REPO_ROOT)) if p))
-        if not use_gpus:
-            base_env["CUDA_VISIBLE_DEVICES"] = ""
+        base_env = zygotes.environment(pythonpath_first, str(REPO_ROOT), cpu=not use_gpus)
         zygote = None
-        if not use_gpus and os.environ.get("MEGATRON_MTP_TEST_ZYGOTE", "1") != "0":
-            zygote = zygote_for(pythonpath_first, base_env, str(REPO_ROOT))
+        if not use_gpus and zygotes.enabled():
+            zygote = zygotes.zygote_for(pythonpath_first, str(REPO_ROOT))
         procs, logs = [], []
         for rank in range(world_size):
             env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -89,7 +87,7 @@ def launch(body: str, world_size: int, args: dict | None = None, timeout: float 
             logs.append(log)
             argv = [str(spec), str(scratch / f"rank{rank}.json")]
             if zygote is not None:  # a fork of an interpreter that has imported megatron-core
-                procs.append(Forked(zygote.fork(argv, env, str(log)), argv[1]))
+                procs.append(zygote.fork_worker(argv, env, str(log)))
                 continue
             with open(log, "w") as out:
                 procs.append(subprocess.Popen(

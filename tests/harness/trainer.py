@@ -3,6 +3,10 @@
 `train` starts torchrun in its own process group with a free port and a deadline, kills
 the whole group on timeout (nothing is left behind) and returns the run: its exit
 status, its output, the console's iteration and validation lines parsed into numbers.
+torchrun's workers for this checkout's scripts are forked from a zygote that has already
+imported megatron (tests.harness.zygote: the worker torchrun starts is a small client that
+behaves as the script's process); `fresh=True` or MEGATRON_MTP_TEST_ZYGOTE=0 starts them as
+fresh interpreters, as a user's torchrun does.
 `scalars` reads a TensorBoard log directory; `checkpoint_tensors` reads every tensor of
 a torch_dist checkpoint (model and optimizer) in this process, for bit-exact comparisons.
 """
@@ -16,6 +20,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_mtp.patched_core import build_tree, current_upstream_version
+from tests.harness import zygote as zygotes
 from tests.harness.launcher import REPO_ROOT, free_port
 
 # A small model that trains in well under a second per step on one CPU core per rank.
@@ -75,23 +81,38 @@ def parse(output: str) -> tuple[dict, dict]:
 
 
 def torchrun_command(nproc: int, *args: str, script: str = "pretrain_gpt_mtp.py",
-                     rank_logs: Path | None = None) -> list[str]:
+                     rank_logs: Path | None = None, zygote: zygotes.Zygote | None = None) -> list[str]:
     """torchrun on this machine; with `rank_logs`, each rank's output also goes to a file there
-    (the metrics lines come from the last rank, and ranks' prints interleave in the console)."""
+    (the metrics lines come from the last rank, and ranks' prints interleave in the console);
+    with `zygote`, each worker is that zygote's client running the script."""
     logs = [f"--log-dir={rank_logs}", "--tee=3"] if rank_logs else []
+    worker = [script]
+    if zygote is not None:
+        worker = ["--no-python", sys.executable, "-S", zygotes.__file__, "client", zygote.socket_path, script]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", *logs, script, *args]
+            f"--master-port={free_port()}", *logs, *worker, *args]
+
+
+def _zygote(script: str, cwd: Path, env: dict | None) -> zygotes.Zygote | None:
+    """The zygote for a script of this checkout run with its installed build, else None."""
+    if not zygotes.enabled() or "PYTHONPATH" in (env or {}) or "PYTHONPATH" in os.environ:
+        return None
+    if not (Path(cwd) / script).resolve().is_relative_to(REPO_ROOT):
+        return None
+    return zygotes.zygote_for(str(build_tree(current_upstream_version())), str(REPO_ROOT))
 
 
 def start(nproc: int, *args: str, env: dict | None = None, cwd: Path = REPO_ROOT, log: Path | None = None,
-          script: str = "pretrain_gpt_mtp.py") -> tuple[subprocess.Popen, Path]:
+          script: str = "pretrain_gpt_mtp.py", fresh: bool = False) -> tuple[subprocess.Popen, Path]:
     """torchrun in its own process group, output to `log`; for tests that signal the run."""
     log = log or Path(tempfile.mkstemp(prefix="trainer-", suffix=".log")[1])
     environment = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                        **(env or {}))
+    zygote = None if fresh else _zygote(script, cwd, env)
+    command = torchrun_command(nproc, *args, script=script, rank_logs=rank_logs(log), zygote=zygote)
     with open(log, "w") as out:
-        proc = subprocess.Popen(torchrun_command(nproc, *args, script=script, rank_logs=rank_logs(log)), cwd=cwd,
-                                env=environment, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(command, cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     return proc, log
 
 
@@ -117,18 +138,35 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float) -> Run:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
+    """Kill torchrun's process group and every worker's: torchrun starts each worker in a
+    session of its own, which a signal to torchrun's group does not reach. (A worker that is
+    a zygote's client takes its child with it: the zygote kills the child's group.)"""
+    import psutil
+
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:  # torchrun has exited, and stopped its workers
+        workers = []
+    groups = {proc.pid}
+    for worker in workers:
+        try:
+            groups.add(os.getpgid(worker.pid))
+        except ProcessLookupError:
+            pass
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
 
 
 def train(nproc: int, *args: str, timeout: float = 300, check: bool = True, env: dict | None = None,
-          cwd: Path = REPO_ROOT, script: str = "pretrain_gpt_mtp.py") -> Run:
+          cwd: Path = REPO_ROOT, script: str = "pretrain_gpt_mtp.py", fresh: bool = False) -> Run:
     """Run to the end; with `check`, a non-zero exit fails the test with the output's tail."""
     with tempfile.TemporaryDirectory() as scratch:
-        proc, log = start(nproc, *args, env=env, cwd=cwd, log=Path(scratch) / "run.log", script=script)
+        proc, log = start(nproc, *args, env=env, cwd=cwd, log=Path(scratch) / "run.log", script=script,
+                          fresh=fresh)
         run = finish(proc, log, timeout)
     if check and run.returncode != 0:
         raise AssertionError(f"pretrain_gpt_mtp.py exited with {run.returncode}:\n{run.tail()}")

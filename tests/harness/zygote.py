@@ -1,80 +1,139 @@
-"""Start launch ranks by forking a process that has already imported torch and megatron-core.
+"""Start test processes by forking an interpreter that has already imported torch and megatron-core.
 
-Each rank of a launch is a fresh interpreter that imports torch and megatron-core before
-its body runs: about 5 s of CPU per process, most of a short body's cost, for dozens of
-launches per suite on a 2-core machine. A zygote is one such interpreter per megatron-core
-tree (the launch's first PYTHONPATH entry), started on first use: it imports what the
-bodies import, then forks a child per rank on request. The child starts its own session
-(the launcher kills its process group on timeout), takes the rank's environment and log
-file, and runs tests.harness.worker as a fresh process would; it has no thread besides
-its main one when it is forked (checked when the zygote starts). GPU launches and a tree
-whose zygote cannot start keep the plain start (tests.harness.launcher).
+A fresh interpreter spends about 5 s of CPU importing torch, megatron-core and megatron.training
+before it does anything: most of a short launch's or a short training run's cost, dozens of
+times per suite on a 2-core machine. A zygote is one such interpreter per megatron-core tree,
+started on first use; it imports what the tests' processes import, then forks a child per
+request. Two kinds of request, one mechanism:
 
-    python -m tests.harness.zygote        # the server: JSON requests on stdin, pids on stdout
+- a launch rank (tests.harness.launcher): the test process asks for tests.harness.worker with
+  the rank's argv, environment and log file;
+- a torchrun worker (tests.harness.trainer): torchrun runs `python -S zygote.py client SOCKET
+  SCRIPT ARGS...` as the worker, a client that starts in milliseconds. It hands the zygote its
+  argv, environment, working directory and standard streams, forwards the signals it receives
+  to the child and exits as the child did (status or signal), so torchrun, its --tee logs and
+  a test that signals the workers see what a fresh `python SCRIPT ARGS...` would give them.
+
+A child starts its own session (its own process group). The zygote kills that group when the
+requester's connection closes (the client was killed, or the test process died), so killing a
+torchrun process group still leaves nothing behind. The zygote has no thread besides its main
+one when it forks (checked at start). GPU runs, MEGATRON_MTP_TEST_ZYGOTE=0, and a tree whose
+zygote cannot start keep the plain start.
+
+    python tests/harness/zygote.py serve SOCKET    # the zygote (in the checkout); prints {"ready": ...}
 """
 
-import atexit
 import json
 import os
+import select
+import selectors
 import signal
-import subprocess
+import socket
+import struct
 import sys
-import threading
-import time
 
-# What the bodies import (an import that fails in some tree is skipped there).
+# What the tests' processes import (an import that fails in some tree is skipped there).
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
            "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed",
            "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel", "megatron.core.fork.specs",
+           "megatron.training", "megatron.training.training", "megatron.training.arguments",
+           "megatron.core.fork.trainer.exact_step", "megatron_mtp.arguments",
            "megatron_mtp.library.model", "megatron_mtp.library.step", "megatron_mtp.library.checkpointing",
            "megatron_mtp.library.initialize", "tests.harness.worker")
 
+# What a scheduler or torchrun sends a worker; the client passes each on to its child.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2, signal.SIGCONT)
+
+
+def enabled() -> bool:
+    return os.environ.get("MEGATRON_MTP_TEST_ZYGOTE", "1") != "0"
+
+
+# ---------------------------------------------------------------- wire format
+# A request: 8-byte length, then JSON {"kind", "argv", "env", "cwd"}, the requester's stdin,
+# stdout and stderr passed with the length (SCM_RIGHTS). Replies: JSON lines {"pid": ...},
+# then {"status": <wait status>} when the child has exited.
+
+def request(sock: socket.socket, kind: str, argv: list, env: dict, cwd: str, fds: tuple) -> int:
+    payload = json.dumps({"kind": kind, "argv": argv, "env": env, "cwd": cwd}).encode()
+    socket.send_fds(sock, [struct.pack("!Q", len(payload))], list(fds))
+    sock.sendall(payload)
+    return _read_reply(sock)["pid"]
+
+
+def _read_reply(sock: socket.socket) -> dict:
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            raise ConnectionError("the zygote closed the connection")
+        line += chunk
+    return json.loads(line)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list]:
+    header, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    (length,) = struct.unpack("!Q", header)
+    payload = b""
+    while len(payload) < length:
+        chunk = conn.recv(length - len(payload))
+        if not chunk:
+            raise ConnectionError("request cut short")
+        payload += chunk
+    return json.loads(payload), fds
+
+
+def _exit_code(status: int) -> int:
+    """Popen's returncode: the exit status, or -N for a child killed by signal N."""
+    return os.waitstatus_to_exitcode(status)
+
+
+# ---------------------------------------------------------------- test-process side
 
 class Forked:
-    """A rank forked by a zygote, with the part of Popen's interface the launcher uses. The
-    zygote reaps it, so its exit status is read from the worker's result file."""
+    """A child of a zygote, with the part of Popen's interface the launcher uses."""
 
-    def __init__(self, pid: int, result_path: str):
-        self.pid, self.result_path, self.returncode = pid, result_path, None
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock, self.pid, self.returncode = sock, pid, None
 
     def poll(self):
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, 0)
-                return None
-            except ProcessLookupError:
-                try:
-                    with open(self.result_path) as f:
-                        self.returncode = 0 if json.load(f)["ok"] else 1
-                except (OSError, ValueError, KeyError):
-                    self.returncode = 1
+        if self.returncode is None and select.select([self.sock], [], [], 0)[0]:
+            return self.wait()
         return self.returncode
 
     def wait(self):
-        while self.poll() is None:
-            time.sleep(0.05)
+        if self.returncode is None:
+            try:
+                self.returncode = _exit_code(_read_reply(self.sock)["status"])
+            except (ConnectionError, ValueError, KeyError):
+                self.returncode = -signal.SIGKILL  # the zygote is gone, and its children with it
+            self.sock.close()
         return self.returncode
 
 
 class Zygote:
-    def __init__(self, environment: dict, cwd: str):
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.harness.zygote"], cwd=cwd, env=environment,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                        start_new_session=True)
-        self.lock = threading.Lock()
+    def __init__(self, environment: dict, cwd: str, socket_path: str):
+        import subprocess
+
+        self.socket_path = socket_path
+        # stdin stays open: the zygote kills its children and exits when this process goes.
+        self.process = subprocess.Popen([sys.executable, __file__, "serve", socket_path],
+                                        cwd=cwd, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, start_new_session=True)
         ready = json.loads(self.process.stdout.readline() or "{}")
         if not ready.get("ready"):
             self.close()
             raise RuntimeError(f"zygote did not start: {ready}")
 
-    def fork(self, argv: list[str], environment: dict, log: str) -> int:
-        with self.lock:
-            self.process.stdin.write(json.dumps({"argv": argv, "env": environment, "log": log}) + "\n")
-            self.process.stdin.flush()
-            reply = json.loads(self.process.stdout.readline() or "{}")
-        if "pid" not in reply:
-            raise RuntimeError(f"zygote fork failed: {reply}")
-        return reply["pid"]
+    def fork_worker(self, argv: list, environment: dict, log: str) -> Forked:
+        """tests.harness.worker's main(*argv) in a child whose stdout and stderr go to `log`."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(self.socket_path)
+        with open(log, "w") as out, open(os.devnull) as devnull:
+            pid = request(sock, "worker", argv, environment, os.getcwd(), (devnull.fileno(), out.fileno(),
+                                                                            out.fileno()))
+        return Forked(sock, pid)
 
     def close(self):
         try:
@@ -87,75 +146,222 @@ class Zygote:
 _zygotes: dict = {}
 
 
-def zygote_for(pythonpath_first: str, environment: dict, cwd: str) -> Zygote | None:
+def environment(tree: str, repo_root: str, cpu: bool = True) -> dict:
+    """A process's environment importing megatron-core from `tree` (and this checkout)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join((tree, repo_root)))
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def zygote_for(tree: str, repo_root: str) -> Zygote | None:
     """The zygote of a megatron-core tree (started on first use), or None where it cannot start."""
-    if pythonpath_first not in _zygotes:
+    if tree not in _zygotes:
+        import atexit
+        import tempfile
+
+        if not _zygotes:
+            atexit.register(_close_all)
+        directory = tempfile.mkdtemp(prefix="megatron-mtp-zygote-")
         try:
-            _zygotes[pythonpath_first] = Zygote(environment, cwd)
+            _zygotes[tree] = Zygote(environment(tree, repo_root), repo_root, os.path.join(directory, "socket"))
         except (RuntimeError, OSError, ValueError):
-            _zygotes[pythonpath_first] = None
-    return _zygotes[pythonpath_first]
+            _zygotes[tree] = None
+    return _zygotes[tree]
 
 
-@atexit.register
 def _close_all():
+    import shutil
+
     for zygote in _zygotes.values():
         if zygote is not None:
             zygote.close()
+            shutil.rmtree(os.path.dirname(zygote.socket_path), ignore_errors=True)
 
 
-def _child(request: dict) -> None:
-    """In the forked child: become the rank a fresh `python -m tests.harness.worker` would be."""
+# ---------------------------------------------------------------- the client torchrun starts
+
+def client(socket_path: str, script: str, *args: str) -> None:
+    """Be the worker `python SCRIPT ARGS...` torchrun started, by way of a zygote's child."""
+    pending, child = [], []
+
+    def forward(signum, _frame):
+        if child:
+            os.kill(child[0], signum)
+        else:
+            pending.append(signum)
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path)
+    child.append(request(sock, "script", [script, *args], dict(os.environ), os.getcwd(), (0, 1, 2)))
+    for signum in pending:
+        os.kill(child[0], signum)
+    code = _exit_code(_read_reply(sock)["status"])
+    if code < 0:  # die of the child's signal, as the worker itself would have
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------- the zygote
+
+def _run_worker(argv: list) -> int:
+    from tests.harness.worker import main
+
+    return main(*argv)
+
+
+def _run_script(argv: list) -> int:
+    """What `python SCRIPT ARGS...` does: run the file as __main__, its directory first on sys.path."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as leaving:
+        if leaving.code is None or isinstance(leaving.code, int):
+            code = leaving.code or 0
+        else:
+            print(leaving.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would print it
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # noqa: SLF001 - the interpreter joins non-daemon threads on exit
+    atexit._run_exitfuncs()  # noqa: SLF001
+    return code
+
+
+def _child(request: dict, fds: list) -> None:
+    """In the forked child: become the process the request describes; never returns."""
+    code = 1
     try:
         os.setsid()
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        sys.stdin = open(0)
-        sys.stdout = open(1, "w", buffering=1)
-        sys.stderr = open(2, "w", buffering=1)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
         os.environ.clear()
         os.environ.update(request["env"])
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        from tests.harness.worker import main
-
-        code = main(*request["argv"])
-    except BaseException:
+        os.chdir(request["cwd"])
+        code = (_run_script if request["kind"] == "script" else _run_worker)(request["argv"])
+    except BaseException:  # noqa: BLE001
         import traceback
 
         traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
-def serve() -> None:
+def serve(socket_path: str) -> None:
     import importlib
+    import threading
     import warnings
 
-    warnings.filterwarnings("ignore")
+    sys.path[0] = os.getcwd()  # the checkout, as for `python -m`, not this file's directory
+    filters = list(warnings.filters)
+    warnings.filterwarnings("ignore")  # megatron-core warns at import about missing GPU extensions
     for name in PRELOAD:
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a module this tree lacks: its bodies import what they use
+        except Exception:  # noqa: BLE001 - a module this tree lacks: its processes import what they use
             pass
+    warnings.filters[:] = filters
+    warnings._filters_mutated()  # noqa: SLF001
     if threading.active_count() != 1:  # a fork would copy no thread but their locks
         print(json.dumps({"ready": False, "threads": [t.name for t in threading.enumerate()]}), flush=True)
         return
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped as they exit
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(64)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up pipe reports it
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_read, selectors.EVENT_READ, "child exited")
+    selector.register(sys.stdin, selectors.EVENT_READ, "test process")
+    children = {}  # pid -> the connection that asked for it
     print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request)
-        print(json.dumps({"pid": pid}), flush=True)
+
+    def kill(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    while True:
+        for key, _ in selector.select():
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                try:
+                    request, fds = _receive(conn)
+                except (ConnectionError, ValueError, OSError):
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for fd in (wake_read, wake_write):
+                        os.close(fd)
+                    listener.close()
+                    selector.close()
+                    for other in children.values():
+                        other.close()
+                    conn.close()
+                    _child(request, fds)
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                selector.register(conn, selectors.EVENT_READ, pid)
+            elif key.data == "child exited":
+                os.read(wake_read, 4096)
+                while True:
+                    try:
+                        pid, status = os.waitpid(-1, os.WNOHANG)
+                    except ChildProcessError:
+                        break
+                    if pid == 0:
+                        break
+                    conn = children.pop(pid, None)
+                    if conn is not None:
+                        if conn.fileno() in selector.get_map():
+                            selector.unregister(conn)
+                        try:
+                            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                        except OSError:
+                            pass
+                        conn.close()
+            elif key.data == "test process":
+                if not sys.stdin.readline():  # the test process is gone: so are its children
+                    for pid in children:
+                        kill(pid)
+                    return
+            else:  # a requester's connection: readable only when it closed
+                kill(key.data)  # reaped when it exits, and reported to no one
+                selector.unregister(key.fileobj)
 
 
 if __name__ == "__main__":
-    serve()
+    if sys.argv[1] == "serve":
+        serve(sys.argv[2])
+    elif sys.argv[1] == "client":
+        client(*sys.argv[2:])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | client SOCKET SCRIPT [ARGS...]")
