@@ -127,7 +127,9 @@ def main() -> None:
     if args.peak_memory is not None:
         return peak_memory(*args.peak_memory)
 
-    from megatron_mtp.patched_core import build_tree, current_upstream_version, make_upstream_tree
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from fork_tool.series import make_upstream_tree
+    from megatron_mtp.patched_core import build_tree, current_upstream_version
 
     version = args.version or current_upstream_version()
     depths = (0, 1) if args.moe else (0, 1, 3)

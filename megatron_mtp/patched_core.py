@@ -1,16 +1,15 @@
-"""Which megatron-core builds this checkout carries, where they are built, and a runtime
-check that the imported megatron.core is one of them.
+"""Which megatron-core builds this checkout carries, where they are, and a runtime check that
+the imported megatron.core is one of them.
 
 Every upstream version with a series in ``patches/`` is carried; ``current`` in
 ``patches/upstream.toml`` is the one ``tools/fork install`` installs. A build is named
 ``<upstream>+mtp.<digest of its series>``, so a checkout whose series changed (a pull,
 a new patch) no longer matches what is built and says so before any model is built.
-``tools/fork`` and the runtime check both use this module.
+Making builds (sdists, `git am`, the series' parts) is tools/fork's (tools/fork_tool), which
+names builds with this module.
 """
 
 import hashlib
-import subprocess
-import tarfile
 import tomllib
 from pathlib import Path
 
@@ -22,10 +21,6 @@ FORK_OWNED_DIR = REPO_ROOT / "megatron" / "core" / "fork"
 BUILD_DIR = REPO_ROOT / ".build"
 INSTALL_DIR = BUILD_DIR / "install"
 SERIES_PREFIX = "megatron-core-"
-# Patches that only make upstream run here (CPU/gloo, Python 3.11, from the sdist), by subject
-# prefix. They come first in every series; pristine upstream plus these is the baseline that
-# comparisons with upstream use, since pristine upstream cannot run on a CPU-only machine.
-RUNTIME_ONLY_PATCHES = ("Run-on-CPU", "Run-from-the-sdist", "Python-3.11")
 
 
 class PatchedCoreError(RuntimeError):
@@ -80,27 +75,6 @@ def expected_build_version(version: str | None = None) -> str:
 def build_tree(version: str | None = None) -> Path:
     """Where `tools/fork install` / `tools/fork build` put the patched tree of `version`."""
     return INSTALL_DIR / f"megatron-core-{expected_build_version(version)}"
-
-
-def runtime_only_patches(version: str) -> list[Path]:
-    patches = series_patches(version)
-    runtime = [p for p in patches if any(tag in p.name for tag in RUNTIME_ONLY_PATCHES)]
-    if not runtime or runtime != patches[:len(runtime)]:
-        raise PatchedCoreError(f"the runtime-only patches of {version} must come first in its series")
-    return runtime
-
-
-def make_upstream_tree(version: str, destination: Path) -> Path:
-    """Pristine upstream `version` (the downloaded sdist) plus only its runtime-only patches and
-    the fork-owned modules, in `destination`; returns the tree to put first on the path."""
-    sdist = BUILD_DIR / "downloads" / f"megatron_core-{version}.tar.gz"
-    with tarfile.open(sdist) as archive:
-        archive.extractall(destination, filter="data")
-    (tree,) = Path(destination).iterdir()
-    for patch in runtime_only_patches(version):
-        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
-    (tree / "megatron" / "core" / "fork").symlink_to(FORK_OWNED_DIR)
-    return tree
 
 
 def fix_command(version: str) -> str:

@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-from megatron_mtp.patched_core import build_tree, carried_versions, expected_build_version, make_upstream_tree
+from fork_tool.series import make_upstream_tree
+from megatron_mtp.patched_core import build_tree, carried_versions, expected_build_version
 
 # Every carried upstream version (a series in patches/), newest first. Tests that run
 # megatron-core take a `build` (the version) and launch their bodies on that build.
@@ -39,7 +40,7 @@ def build(request) -> str:
 
 @pytest.fixture(scope="module")
 def upstream_tree(build, tmp_path_factory):
-    """Pristine upstream megatron-core of `build` plus only the patches that make it run here
-    (CPU/gloo, Python 3.11; they touch no MTP or normalization code), to launch bodies on
+    """Pristine upstream megatron-core of `build` plus only the series' runtime part, which makes
+    it run here (CPU/gloo, Python 3.11; it touches no MTP or normalization code), to launch bodies on
     (launch(..., upstream_tree=...))."""
     return make_upstream_tree(build, tmp_path_factory.mktemp(f"upstream-{build}"))

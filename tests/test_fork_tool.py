@@ -1,8 +1,11 @@
 """tools/fork: every carried series applies to its pristine upstream, export reproduces it
 byte for byte, and every failure the issues name gives a clear error instead of a traceback."""
 
+import ast
 import hashlib
 import os
+import re
+import symtable
 import shutil
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from megatron_mtp.patched_core import (
     series_patches,
 )
 
+PARTS = ("runtime", "fixes", "mtp", "training-loop")
 VERSIONS = carried_versions()
 CURRENT = current_upstream_version()
 OLDEST = VERSIONS[-1]
@@ -63,14 +67,20 @@ def test_prepare_then_export_reproduces_the_committed_series_byte_for_byte(versi
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_patch_headers_are_dep3_with_one_author(version):
+def test_patch_headers_are_dep3_with_one_author_and_one_part(version):
+    kinds = []
     for patch in series_patches(version):
         text = patch.read_text()
         header = text[:text.index("\n---\n")]
         assert "From: Megatron-MTP <megatron-mtp@users.noreply.localhost>" in header, patch.name
         assert "\nForwarded: " in header, f"{patch.name}: no DEP-3 Forwarded field"
+        parts = re.findall(r"^Part: (.*)$", header, re.M)
+        assert len(parts) == 1 and parts[0] in PARTS, (patch.name, parts)
+        kinds.append(parts[0])
         added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
         assert all(len(line) <= 100 for line in added), f"{patch.name}: a line longer than upstream's 100"
+    runtime = kinds.count("runtime")
+    assert runtime and kinds[:runtime] == ["runtime"] * runtime, kinds  # the runtime part first
 
 
 def test_prepare_refuses_a_dirty_working_tree(tmp_path):
@@ -154,6 +164,87 @@ def test_export_for_users_never_deletes_files_it_did_not_write(tmp_path):
     assert len(names) == len(series_patches(CURRENT)) + 1 and "fork-owned" in names[0]
     fork("export", "--for-users", fresh, "--sdist", sdist_of(CURRENT), check_rc=0)  # its own: replaced
     assert (fresh / "series").read_text().split() == names
+
+
+def undefined_globals(source: str) -> set:
+    """Names functions of a module read as globals that the module never binds (nor builtins
+    hold): what a hunk calling a module its patch does not import leaves behind."""
+    import builtins
+
+    table = symtable.symtable(source, "module", "exec")
+    bound = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    bound |= {name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Global) for name in node.names}
+    missing = set()
+
+    def visit(scope):
+        for symbol in scope.get_symbols():
+            if symbol.is_referenced() and symbol.is_global() and not symbol.is_declared_global():
+                missing.add(symbol.get_name())
+        for child in scope.get_children():
+            visit(child)
+
+    visit(table)
+    return missing - bound - set(dir(builtins)) - {"__file__", "__name__", "__spec__"}
+
+
+def _tree_of(series_dir: Path, sdist: Path, root: Path) -> Path:
+    """A pristine sdist tree with `series_dir`'s patches applied by `git am`, as a user does."""
+    tree = root / "tree"
+    with tarfile.open(sdist) as archive:
+        archive.extractall(root / "src", filter="data")
+    (source,) = (root / "src").iterdir()
+    source.rename(tree)
+    git = ["git", "-c", "user.name=u", "-c", "user.email=u@localhost"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "pristine"], ["tag", "pristine"]):
+        subprocess.run([*git, *args], cwd=tree, check=True, capture_output=True)
+    patches = [str(series_dir / name) for name in (series_dir / "series").read_text().split()]
+    result = subprocess.run([*git, "am", "-q", *patches], cwd=tree, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return tree
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_export_for_users_without_the_runtime_part_applies_to_pristine_upstream(version, tmp_path):
+    """A GPU user's series: every patch but the runtime part's, moved onto pristine upstream.
+    It applies with `git am`; outside the files the runtime part touches the tree is the whole
+    series' byte for byte, and no hunk there calls a name its file does not bind."""
+    whole, lean = tmp_path / "whole", tmp_path / "lean"
+    fork("export", "--version", version, "--for-users", whole, "--sdist", sdist_of(version), check_rc=0)
+    result = fork("export", "--version", version, "--for-users", lean, "--without", "runtime",
+                  "--sdist", sdist_of(version), check_rc=0)
+    assert "without the runtime part" in result.stdout
+    runtime = [p for p in series_patches(version) if re.search(r"^Part: runtime$", p.read_text(), re.M)]
+    headers = "".join((lean / name).read_text().split("\n---\n")[0] for name in (lean / "series").read_text().split())
+    assert runtime and "\nPart: runtime\n" not in headers and "\nPart: mtp\n" in headers
+    assert len((lean / "series").read_text().split()) == len((whole / "series").read_text().split()) - len(runtime)
+
+    full_tree = _tree_of(whole, sdist_of(version), tmp_path / "t-whole")
+    lean_tree = _tree_of(lean, sdist_of(version), tmp_path / "t-lean")
+    pristine = tmp_path / "pristine"
+    with tarfile.open(sdist_of(version)) as archive:
+        archive.extractall(pristine, filter="data")
+    (pristine,) = pristine.iterdir()
+    touched_by_runtime = {line.split(" b/")[0][len("diff --git a/"):] for p in runtime
+                          for line in p.read_text().splitlines() if line.startswith("diff --git a/")}
+    changed = subprocess.run(["git", "diff", "--name-only", "pristine", "HEAD"],
+                             cwd=lean_tree, capture_output=True, text=True, check=True).stdout.split()
+    assert changed
+    for rel in changed:
+        lean_file, full_file = lean_tree / rel, full_tree / rel
+        if rel not in touched_by_runtime:
+            assert lean_file.read_bytes() == full_file.read_bytes(), rel
+        if rel.endswith(".py"):
+            source = lean_file.read_text()
+            before = (pristine / rel).read_text() if (pristine / rel).exists() else ""
+            new = undefined_globals(source) - undefined_globals(before)
+            assert not new, f"{rel}: {sorted(new)} used but not bound without the runtime part"
+
+
+def test_without_names_a_part_and_needs_for_users(tmp_path):
+    result = fork("export", "--without", "runtime", check_rc=2)
+    assert "--for-users" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = fork("export", "--for-users", tmp_path / "x", "--without", "gpu", check_rc=2)
+    assert "invalid choice: 'gpu'" in result.stderr and not (tmp_path / "x").exists()
 
 
 def _variant_sdist(sdist: Path, tmp_path: Path, version: str, edit) -> tuple[Path, str]:

@@ -28,9 +28,13 @@ def cmd_build(args) -> int:
 
 
 def cmd_export(args) -> int:
+    if args.without and not args.for_users:
+        raise ForkError("--without works with --for-users DIR (patches/ always holds the whole series)")
     if args.for_users:
-        names = series.export_for_users(args.version, Path(args.for_users), sdist=args.sdist)
-        print(f"wrote a self-contained series of {len(names)} patch(es) to {args.for_users}")
+        names = series.export_for_users(args.version, Path(args.for_users), sdist=args.sdist,
+                                        without=tuple(args.without))
+        left_out = f" (without the {', '.join(args.without)} part)" if args.without else ""
+        print(f"wrote a self-contained series of {len(names)} patch(es) to {args.for_users}{left_out}")
         print(f"apply it in a Megatron-LM checkout at the matching tag with: git am {args.for_users}/*.patch")
     else:
         names = series.export(args.version, args.workdir, args.out)
@@ -39,6 +43,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_check(args) -> int:
+    series.parts(args.version)  # every patch names its part
     total = len(series_patches(args.version))
     ok, lines = check.report_lines(
         f"pristine megatron-core {args.version}:", check.check_pristine(args.version, args.sdist), total
@@ -107,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--for-users", metavar="DIR",
                    help="write a series that also adds the fork-owned files, for a Megatron-LM checkout")
     p.add_argument("--sdist", type=Path, help="with --for-users: use this sdist file (still verified)")
+    p.add_argument("--without", action="append", default=[], metavar="PART", choices=series.PARTS,
+                   help="with --for-users: leave out a part of the series (its patches' `Part:` field; "
+                   "e.g. runtime, which only makes upstream run on CPU and Python 3.11); repeatable")
 
     p = add("check", cmd_check, "Apply the series to pristine upstream (and to --checkout PATH) "
             "and report per patch; exits 1 if any patch fails.")

@@ -1,6 +1,20 @@
-"""The working tree (one commit per patch over pristine upstream) and the series it exports to."""
+"""The working tree (one commit per patch over pristine upstream), the series it exports to,
+and the series' parts.
 
+Every patch names its part in its DEP-3 header (`Part: NAME`, beside `Forwarded:`):
+
+- runtime: makes upstream run here (CPU and gloo, Python 3.11, from the sdist); where CUDA is
+  available nothing changes. It comes first in every series: pristine upstream plus this part
+  is the baseline that comparisons with upstream use (`make_upstream_tree`), and a GPU user
+  may leave it out (`tools/fork export --for-users DIR --without runtime`).
+- fixes: general upstream fixes, independent of MTP (parallelism, optimizer, checkpoints).
+- mtp: MTP and its losses in megatron-core (models, the MTP block, MoE router losses).
+- training-loop: exact steps and per-depth metrics in megatron.training.
+"""
+
+import re
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -8,6 +22,10 @@ from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine, is_dirty
 from megatron_mtp.patched_core import BUILD_DIR, FORK_OWNED_DIR, series_dir, series_patches
+
+PARTS = ("runtime", "fixes", "mtp", "training-loop")
+RUNTIME_PART = "runtime"
+PART_FIELD = re.compile(r"^Part: (\S+)$", re.M)
 
 PRISTINE_TAG = "upstream"
 FORK_OWNED_REL = "megatron/core/fork"
@@ -21,6 +39,45 @@ files, which the fork maintains as plain sources. Apply this patch first.
 
 Forwarded: not-needed
 """
+
+
+def header(patch_text: str) -> str:
+    """A patch's message (its DEP-3 header): what precedes the diffstat."""
+    return patch_text.split("\n---\n", 1)[0]
+
+
+def part_of(patch: Path) -> str:
+    """The part a patch's header names (one `Part:` field, one of PARTS)."""
+    found = PART_FIELD.findall(header(patch.read_text(errors="replace")))
+    if len(found) != 1 or found[0] not in PARTS:
+        raise ForkError(f"{patch.name}: its header needs one `Part:` field naming one of {', '.join(PARTS)} "
+                        f"(found {found or 'none'})")
+    return found[0]
+
+
+def parts(version: str) -> list[tuple[Path, str]]:
+    """(patch, part) in series order; the runtime part must come first."""
+    labelled = [(patch, part_of(patch)) for patch in series_patches(version)]
+    kinds = [part for _, part in labelled]
+    runtime = kinds.count(RUNTIME_PART)
+    if kinds[:runtime] != [RUNTIME_PART] * runtime:
+        raise ForkError(f"the {RUNTIME_PART} part of {version} must come first in its series")
+    return labelled
+
+
+def runtime_patches(version: str) -> list[Path]:
+    return [patch for patch, part in parts(version) if part == RUNTIME_PART]
+
+
+def make_upstream_tree(version: str, destination: Path) -> Path:
+    """Pristine upstream `version` (the verified sdist) plus only its runtime part and the
+    fork-owned modules, in `destination`; returns the tree to put first on the path."""
+    tree = Path(destination) / f"megatron-core-{version}"
+    upstream.unpack(upstream.verified_sdist(version), tree)
+    for patch in runtime_patches(version):
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+    (tree / FORK_OWNED_REL).symlink_to(FORK_OWNED_DIR)
+    return tree
 
 
 def default_workdir(version: str) -> Path:
@@ -147,8 +204,14 @@ def export(version: str, workdir: Path | None = None, out_dir: Path | None = Non
     return format_series(workdir, Path(out_dir or series_dir(version)))
 
 
-def export_for_users(version: str, out_dir: Path, sdist: Path | None = None) -> list[str]:
-    """A self-contained series: a first patch adds the fork-owned files, then the committed series."""
+def export_for_users(version: str, out_dir: Path, sdist: Path | None = None, without: tuple = ()) -> list[str]:
+    """A self-contained series: a first patch adds the fork-owned files, then the committed
+    series, less the patches of the parts in `without` (the rest moved onto what remains by
+    3-way merges; a patch that needs a left-out one is named)."""
+    unknown = sorted(set(without) - set(PARTS))
+    if unknown:
+        raise ForkError(f"no part named {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
+    labelled = parts(version)
     previous_export(out_dir)  # refuses, before any work, a directory holding files of others
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
@@ -158,7 +221,28 @@ def export_for_users(version: str, out_dir: Path, sdist: Path | None = None) -> 
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         git(tree, "add", "-f", FORK_OWNED_REL)
         git(tree, "commit", "-q", "--date", "2000-01-01T00:00:00+00:00", "-m", FORK_OWNED_MESSAGE)
-        report = apply_series(tree, series_patches(version))
+        base = git(tree, "rev-parse", "HEAD").stdout.strip()
+        report = apply_series(tree, [patch for patch, _ in labelled])
         if report and report[-1][1] != "ok":
             raise ForkError(f"patch {report[-1][0]} does not apply:\n{report[-1][1]}")
+        if without:
+            _drop_parts(tree, base, labelled, set(without))
         return format_series(tree, Path(out_dir))
+
+
+def _drop_parts(tree: Path, base: str, labelled: list, dropped: set) -> None:
+    """Rebuild base..HEAD from `base` with only the commits of the kept parts (cherry-picks:
+    3-way merges that move each hunk past the context the dropped patches changed)."""
+    commits = git(tree, "rev-list", "--reverse", f"{base}..HEAD").stdout.split()
+    if len(commits) != len(labelled):
+        raise ForkError(f"{len(commits)} commits for {len(labelled)} patches")
+    git(tree, "checkout", "-q", "-B", "kept", base)
+    for commit, (patch, part) in zip(commits, labelled, strict=True):
+        if part in dropped:
+            continue
+        result = git(tree, "cherry-pick", "--allow-empty", commit, check=False)
+        if result.returncode != 0:
+            failure = describe_failure(tree, result)
+            git(tree, "cherry-pick", "--abort", check=False)
+            raise ForkError(f"{patch.name} ({part}) needs the left-out part(s) {', '.join(sorted(dropped))}:\n"
+                            f"{failure}")
