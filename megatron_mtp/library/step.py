@@ -8,11 +8,10 @@ all-reduced once up front and every loss branch is seeded with its exact global 
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.fork import device as compute_device
-from megatron.core.fork.step_loss import StepCounts, count_targets, main_loss
+from megatron.core.fork.step_loss import StepCounts, main_loss, step_counts
 from megatron.core.fork.split_step import SplitStep
 
 
@@ -31,12 +30,7 @@ def gpt_forward_step(data_iterator, model):
 def global_counts(microbatches: list) -> tuple[StepCounts, int]:
     """The step's counts over all data-parallel ranks, and its routed tokens (every input
     position: the MoE router losses' T): one small all-reduce."""
-    per_batch = [(count_targets(loss_mask), loss_mask.numel()) for _, loss_mask in microbatches]
-    local = torch.tensor([[c.tokens, c.sequences, routed] for c, routed in per_batch], dtype=torch.float64,
-                         device=compute_device.current_device()).sum(dim=0)
-    dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
-    tokens, sequences, routed = (int(x) for x in local.tolist())
-    return StepCounts(tokens=tokens, sequences=sequences), routed
+    return step_counts([loss_mask for _, loss_mask in microbatches], group=parallel_state.get_data_parallel_group())
 
 
 def train_step(chunks, optimizer, microbatches: list, seq_length: int, main_loss_level: str = "token",

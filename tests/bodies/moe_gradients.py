@@ -142,8 +142,8 @@ def broken_scale(mode: str, setup: Setup):
     original = router_losses.scale_func
     valid = int(global_batch(setup, 0)[1].sum())
 
-    def scale_func(config, routed_tokens):
-        right = original(config, routed_tokens)
+    def scale_func(config, routed_tokens, grad_scale_func=None):
+        right = original(config, routed_tokens, grad_scale_func)
         factor = {"no_division": routed_tokens, "valid_tokens": routed_tokens / valid}[mode]
         return lambda: right() * factor
 

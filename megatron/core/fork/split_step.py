@@ -6,7 +6,9 @@ schedules (``get_forward_backward_func``) on raw loss sums, with gradient
 synchronisation and finalize_model_grads held back; ``finish`` reduces the step's counts
 once, runs finalize_model_grads once (which reduces the gradients and applies the exact
 normalization of megatron.core.fork.step_loss), clips each gradient-norm group by its
-own norm, steps the optimizer and returns the step's exact metrics.
+own norm, steps the optimizer and returns the step's exact metrics. What every exact step
+does around that (checks, config hooks, normalization, router scale, the one reduce of its
+sums) is megatron.core.fork.step_scope's, shared with megatron.training's steps.
 
 Requires ``calculate_per_token_loss=True`` and a forward step whose loss function is
 ``step_loss.main_loss`` (or returns the same triple). Micro-batches are opaque to the
@@ -17,34 +19,19 @@ are given to the constructor. Not thread-safe: one step per process at a time.
 import contextlib
 
 import torch
-import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads, reset_model_temporary_tensors
 from megatron.core.fork import device as compute_device
-from megatron.core.fork import router_losses, step_loss
+from megatron.core.fork import step_loss
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
+from megatron.core.fork.step_scope import StepScope, reduced_sums
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 MAIN_GRAD_NORM_GROUP = "main"
-# What a step overrides on the model config while it runs, restored by finish and abort.
-_CONFIG_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "grad_scale_func",
-                 "moe_grad_scale_func")
-
-
-def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
-    """Sum over data-parallel ranks of what the last pipeline stage holds, on every rank."""
-    total = local.clone()
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    else:
-        total.zero_()
-    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    return total
 
 
 def _no_sync_inside_step():
@@ -71,9 +58,8 @@ class SplitStep:
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
         self.main_loss = main_loss
-        self._saved_hooks = None
+        self._scope = None
         self._no_sync = None
-        self._normalization = None
         self._main_sums = None
         self._mtp_loss_scale = None
         self._moe_loss_scale = None
@@ -81,7 +67,7 @@ class SplitStep:
 
     @property
     def in_progress(self) -> bool:
-        return self._normalization is not None
+        return self._scope is not None
 
     def begin(self, counts: "step_loss.StepCounts | None" = None, *, routed_tokens: int | None = None) -> None:
         """Start a step. `counts`: the step's global StepCounts, if known (exact in every mode).
@@ -92,40 +78,24 @@ class SplitStep:
             raise RuntimeError("this step is already in progress; finish() or abort() it first")
         if not self.config.calculate_per_token_loss:
             raise ValueError("split steps need calculate_per_token_loss=True (raw loss sums per micro-batch)")
-        step = step_loss.StepNormalization(self.main_loss, bool(self.config.mtp_detach_heads), counts)
-        router_losses.check_exact_step(self.config)
-        moe_scale = None
-        if router_losses.active(self.config):
-            if routed_tokens is None:
-                raise ValueError(
-                    "the MoE router losses are normalized by the step's routed tokens T (every input "
-                    "position of every chunk and data-parallel rank), which a router cannot see: pass "
-                    "begin(..., routed_tokens=T)"
-                )
-            moe_scale = router_losses.scale_func(self.config, routed_tokens)
+        scope = StepScope(self.config, self.main_loss, counts, routed_tokens=routed_tokens,
+                          grad_scale_func=self.optimizer.scale_loss)
         # Nothing has changed yet: everything above may refuse.
-        step_loss.activate(step)
-        self._normalization = step
-        self._saved_hooks = {name: getattr(self.config, name) for name in _CONFIG_HOOKS if hasattr(self.config, name)}
         self._mtp_loss_scale = MTPLossAutoScaler.main_loss_backward_scale
         self._moe_loss_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        self.config.finalize_model_grads_func = None
-        self.config.no_sync_func = _no_sync_inside_step
-        self.config.grad_sync_func = None
-        # The optimizer's (dynamic, for fp16) loss scale reaches the main loss through the
-        # schedules and every MTP depth through MTPLossAutoScaler; unscaling then restores
-        # each branch exactly (pinning a branch to 1 would leave it 1/S too small).
-        self.config.grad_scale_func = self.optimizer.scale_loss
-        if moe_scale is not None:
-            self.config.moe_grad_scale_func = moe_scale
+        # The schedules neither finalize nor synchronize inside a step. The optimizer's
+        # (dynamic, for fp16) loss scale reaches the main loss through the schedules and every
+        # MTP depth through MTPLossAutoScaler; unscaling then restores each branch exactly
+        # (pinning a branch to 1 would leave it 1/S too small).
+        scope.enter({"finalize_model_grads_func": None, "no_sync_func": _no_sync_inside_step,
+                     "grad_sync_func": None, "grad_scale_func": self.optimizer.scale_loss})
+        self._scope = scope
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._no_sync = contextlib.ExitStack()
         for chunk in self.chunks:
             self._no_sync.enter_context(chunk.no_sync())
-        STEP_STATISTICS.reset()
-        router_metrics.reset()
         self._microbatches = 0
         self._main_sums = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
 
@@ -159,18 +129,12 @@ class SplitStep:
             raise RuntimeError("begin() the step before finish()")
         try:
             self._release_step_hooks()
-            mtp_depths = self.config.mtp_num_layers or 0
-            local = self._main_sums
-            if mtp_depths:
-                mtp = STEP_STATISTICS.local_sums()
-                if mtp is None:
-                    mtp = torch.zeros(mtp_depths, 4, dtype=torch.float64, device=local.device)
-                local = torch.cat([local, mtp.flatten()])
-            totals = last_stage_sum(local)  # the step's one reduce of counts and metric sums
-            main_sum, tokens, sequences = totals[:3].tolist()
+            # The step's one reduce of counts and metric sums.
+            main_sums, mtp_sums = reduced_sums(self.config, self._main_sums)
+            main_sum, tokens, sequences = main_sums.tolist()
             observed = step_loss.StepCounts(tokens=int(round(tokens)), sequences=int(round(sequences)))
             router = router_metrics.step_values(self.config, self._microbatches)
-            step = self._normalization
+            step = self._scope.normalization
             if step.counts is not None and step.counts != observed:
                 raise ValueError(
                     f"the counts given to begin() ({step.counts}) differ from the step's data ({observed}); "
@@ -203,10 +167,9 @@ class SplitStep:
         }
         if MTP_GRAD_NORM_GROUP in grad_norms:
             result["mtp grad norm"] = grad_norms[MTP_GRAD_NORM_GROUP]
-        if mtp_depths:
-            sums = totals[3:].view(mtp_depths, 4)
-            result["mtp sums"] = sums.tolist()
-            result.update(metrics_from_sums(sums))
+        if mtp_sums is not None:
+            result["mtp sums"] = mtp_sums.tolist()
+            result.update(metrics_from_sums(mtp_sums))
         result.update(router)  # each MTP depth's router losses (MoE)
         return result
 
@@ -225,14 +188,11 @@ class SplitStep:
         if self._no_sync is not None:
             self._no_sync.close()
             self._no_sync = None
-        if self._saved_hooks is not None:
-            for name, value in self._saved_hooks.items():
-                setattr(self.config, name, value)
-            self._saved_hooks = None
+        self._scope.exit()
 
     def _end(self) -> None:
         MTPLossAutoScaler.set_loss_scale(self._mtp_loss_scale)
         MoEAuxLossAutoScaler.main_loss_backward_scale = self._moe_loss_scale
-        STEP_STATISTICS.reset()
-        step_loss.deactivate()
-        self._normalization = None
+        self._scope.exit()
+        STEP_STATISTICS.reset()  # an aborted step's sums are not the next one's
+        self._scope = None

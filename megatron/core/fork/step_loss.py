@@ -24,7 +24,9 @@ active step, so it cannot disagree with the normalization.
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from megatron.core.fork import device as compute_device
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 
 TOKEN, SEQUENCE = "token", "sequence"
@@ -46,10 +48,17 @@ def target_counts(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([per_sequence.sum(), (per_sequence > 0).sum().double()])
 
 
-def count_targets(loss_mask: torch.Tensor) -> StepCounts:
-    """Counts of one batch [b, s] (sum them over ranks for the step's global counts)."""
-    tokens, sequences = target_counts(loss_mask).tolist()
-    return StepCounts(tokens=int(tokens), sequences=int(sequences))
+def step_counts(loss_masks: list, group=None) -> tuple[StepCounts, int]:
+    """A step's global counts, and its routed tokens (every input position: the MoE router
+    losses' T), from the loss masks this rank counts (none on a rank that counts nothing):
+    one all-reduce over `group` (default: the world)."""
+    local = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
+    for mask in loss_masks:
+        local[:2] += target_counts(mask.to(local.device))
+        local[2] += mask.numel()
+    dist.all_reduce(local, group=group)
+    tokens, sequences, routed = (int(round(x)) for x in local.tolist())
+    return StepCounts(tokens=tokens, sequences=sequences), routed
 
 
 class StepNormalization:
@@ -143,12 +152,11 @@ def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
     level = _ACTIVE.main_loss if _ACTIVE is not None else _DEFAULT_LEVEL
     mask = loss_mask.reshape(loss_mask.size(0), -1).float()
     losses = per_token_loss.float().reshape(mask.shape) * mask
-    per_sequence_tokens = mask.sum(dim=1)
-    tokens, sequences = per_sequence_tokens.sum(), (per_sequence_tokens > 0).sum().float()
+    tokens, sequences = target_counts(mask).float()
     if level == TOKEN:
         raw, count = losses.sum(), tokens
     else:
-        raw, count = (losses.sum(dim=1) / per_sequence_tokens.clamp(min=1)).sum(), sequences
+        raw, count = (losses.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum(), sequences
     scale = _ACTIVE.main_scale() if _ACTIVE is not None else 1.0
-    report = torch.stack([raw.detach(), tokens.detach(), sequences.detach()])
+    report = torch.stack([raw.detach(), tokens, sequences])
     return raw * scale, count.to(torch.int), {"main loss sums": report}

@@ -15,21 +15,21 @@ With MoE router losses the step also counts its routed tokens T (every input pos
 gives the routers their exact scale, the loss scale over T (megatron.core.fork.router_losses).
 
 ``end`` restores the config, reduces the step's MTP sums (one collective) and hands them,
-with the MTP gradient norm, to the metrics (megatron.core.fork.trainer.metrics). Exact
+with the MTP gradient norm, to the metrics (megatron.core.fork.trainer.metrics). The checks,
+config hooks, normalization and router scale around the step are megatron.core.fork.step_scope's,
+as SplitStep's are. Exact
 steps are on once the trainer calls ``enable`` (its loss function must then be
 step_loss.main_loss); otherwise the steps are upstream's and only the metrics come
 from here, so Megatron-LM's own pretrain_gpt.py keeps working with the series applied.
 """
 
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.fork import device as compute_device
 from megatron.core.fork import router_losses, step_loss
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
-from megatron.core.fork.split_step import last_stage_sum
+from megatron.core.fork.step_scope import StepScope, reduced_sums
 from megatron.core.fork.trainer import loss_contract
 from megatron.core.fork.trainer import metrics
 from megatron.core.rerun_state_machine import RerunDataIterator
@@ -42,15 +42,13 @@ def loss_mask_of(batch) -> torch.Tensor:
 
 
 class _Step:
-    def __init__(self, config, counts, num_microbatches):
+    def __init__(self, config, counts, num_microbatches, scope=None):
         self.config = config
         self.num_microbatches = num_microbatches
         self.counts = counts  # None: the step is not normalized here (exact steps off)
-        self.saved = {name: getattr(config, name) for name in _CONFIG_HOOKS}
+        self.scope = scope
 
 
-# What a step overrides on the model config, restored by end().
-_CONFIG_HOOKS = ("finalize_model_grads_func", "moe_grad_scale_func", "grad_scale_func", "mtp_grad_scale_func")
 _main_loss_level: str | None = None  # set by enable(): exact steps on
 _current: _Step | None = None
 
@@ -115,19 +113,14 @@ def _replayable(batches, virtual: bool):
     return RerunDataIterator(iter(batches))
 
 
-def _local_counts(batches, virtual: bool) -> torch.Tensor:
-    """[valid targets, sequences, routed tokens] of this rank's micro-batches if it is the rank
-    that counts (with virtual stages, the last one's: it computes the loss)."""
-    counts = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
+def _counted_masks(batches, virtual: bool) -> list:
+    """The loss masks this rank counts: its micro-batches' if it is the rank that counts
+    (tensor-parallel rank 0 of the last stage; with virtual stages, the last one's: it
+    computes the loss), else none. Each sample is counted by exactly one rank."""
     counting = (parallel_state.get_tensor_model_parallel_rank() == 0
                 and parallel_state.is_pipeline_last_stage(ignore_virtual=True))
     mine = batches[-1] if virtual and batches else batches
-    if counting and mine:
-        for batch in mine:
-            mask = loss_mask_of(batch)
-            counts[:2] += step_loss.target_counts(mask.to(counts.device))
-            counts[2] += mask.numel()  # every input position is routed
-    return counts
+    return [loss_mask_of(batch) for batch in mine] if counting and mine else []
 
 
 def _finalize_without_count(finalize):
@@ -148,21 +141,16 @@ def begin(model, data_iterator, num_microbatches: int):
         _current = _Step(config, None, num_microbatches)
         return data_iterator
     level = step_loss.TOKEN if upstream_loss else _main_loss_level
-    router_losses.check_exact_step(config)
+    router_losses.check_exact_step(config)  # before the step's data is drawn
     virtual = isinstance(data_iterator, list)  # one iterator per virtual stage
     batches = _prefetch(data_iterator, num_microbatches)
-    counts = _local_counts(batches, virtual)
-    dist.all_reduce(counts)  # one small all-reduce: each sample is counted by exactly one rank
-    tokens, sequences, routed = (int(round(x)) for x in counts.tolist())
-    step_counts = step_loss.StepCounts(tokens=tokens, sequences=sequences)
-    step = step_loss.StepNormalization(level, bool(config.mtp_detach_heads), step_counts)
-    step_loss.activate(step)
-    _current = _Step(config, step_counts, num_microbatches)
-    config.finalize_model_grads_func = _finalize_without_count(_current.saved["finalize_model_grads_func"])
-    if router_losses.active(config):
-        config.moe_grad_scale_func = router_losses.scale_func(config, routed, _current.saved["grad_scale_func"])
+    step_counts, routed = step_loss.step_counts(_counted_masks(batches, virtual))
+    scope = StepScope(config, level, step_counts, routed_tokens=routed, grad_scale_func=config.grad_scale_func)
+    overrides = {"finalize_model_grads_func": _finalize_without_count(config.finalize_model_grads_func)}
     if upstream_loss:
-        loss_contract.seed_main_loss(config, step.main_scale(), _current.saved["grad_scale_func"])
+        overrides.update(loss_contract.main_loss_seed(config, scope.normalization.main_scale()))
+    scope.enter(overrides)
+    _current = _Step(config, step_counts, num_microbatches, scope)
     return _replayable(batches, virtual)
 
 
@@ -172,10 +160,8 @@ def end(optimizer=None, update_successful: bool = False) -> None:
     if _current is None:
         return
     step, _current = _current, None
-    if step.counts is not None:
-        for name, value in step.saved.items():
-            setattr(step.config, name, value)
-        step_loss.deactivate()
+    if step.scope is not None:
+        step.scope.exit()
     if optimizer is None:
         return
     norms = getattr(optimizer, "grad_norms_by_group", {}) if update_successful else {}
@@ -186,12 +172,4 @@ def end(optimizer=None, update_successful: bool = False) -> None:
 def reduced_mtp_sums(config) -> torch.Tensor | None:
     """The MTP sums recorded since the last reset, summed over data-parallel ranks and made
     known to every rank (one collective; every rank must call it); None without MTP."""
-    depths = config.mtp_num_layers or 0
-    if not depths:
-        return None
-    local = STEP_STATISTICS.local_sums()
-    if local is None:
-        local = torch.zeros(depths, 4, dtype=torch.float64, device=compute_device.current_device())
-    sums = last_stage_sum(local.flatten()).view(depths, 4)
-    STEP_STATISTICS.reset()
-    return sums
+    return reduced_sums(config)[1]

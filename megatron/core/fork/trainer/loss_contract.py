@@ -17,12 +17,16 @@ import torch
 from megatron.core.fork import device as compute_device
 
 
-def seed_main_loss(config, main_scale: float, grad_scale_func) -> None:
-    """Scale the main loss's raw sum by `main_scale` in the backward pass, nothing else."""
+def main_loss_seed(config, main_scale: float) -> dict:
+    """The config hooks that scale the main loss's raw sum by `main_scale` in the backward
+    pass, and nothing else (the step sets them for its duration)."""
+    grad_scale_func = config.grad_scale_func
+
     def loss_scale():
         one = torch.ones(1, device=compute_device.current_device())
         return grad_scale_func(one) if grad_scale_func is not None else one
 
-    config.grad_scale_func = lambda loss: loss * (loss_scale() * main_scale).to(loss.device)
+    hooks = {"grad_scale_func": lambda loss: loss * (loss_scale() * main_scale).to(loss.device)}
     if config.mtp_grad_scale_func is None:
-        config.mtp_grad_scale_func = loss_scale
+        hooks["mtp_grad_scale_func"] = loss_scale
+    return hooks

@@ -1,0 +1,98 @@
+"""What every exact step does around its forward/backward, for both step drivers.
+
+SplitStep (a controller's step, in chunks) and trainer/exact_step (megatron.training's
+``train_step``) differ in who draws the data and who calls finalize_model_grads and the
+optimizer. The rest is one ``StepScope``:
+
+- ``StepScope(...)`` checks everything a step can refuse (the router losses' kind, the
+  normalization's mode, the routed-token count the router losses need) and changes nothing;
+- ``enter(overrides)`` saves the config hooks the step overrides, sets them, activates the
+  step's normalization (megatron.core.fork.step_loss), gives the routers their exact scale
+  (megatron.core.fork.router_losses) and starts the step's MTP and router statistics afresh;
+- ``exit()`` restores the hooks and deactivates the normalization;
+- ``reduced_sums(config, extra)`` reduces the step's MTP sums, and any sums the driver keeps,
+  over the last pipeline stage's data-parallel ranks in one collective.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.fork import device as compute_device
+from megatron.core.fork import router_losses, step_loss
+from megatron.core.fork.mtp import router_metrics
+from megatron.core.fork.mtp.statistics import FIELDS, STEP_STATISTICS
+
+MOE_SCALE_HOOK = "moe_grad_scale_func"
+
+
+def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
+    """Sum over data-parallel ranks of what the last pipeline stage holds, on every rank."""
+    total = local.clone()
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    else:
+        total.zero_()
+    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return total
+
+
+def reduced_sums(config, extra: torch.Tensor | None = None) -> tuple:
+    """(extra summed, MTP sums [D, FIELDS] or None without MTP) over the last stage's
+    data-parallel ranks, known to every rank: one collective, which every rank calls. The MTP
+    sums recorded since the last reset are consumed."""
+    depths = config.mtp_num_layers or 0
+    parts = [] if extra is None else [extra.double().flatten()]
+    if depths:
+        local = STEP_STATISTICS.local_sums()
+        if local is None:
+            local = torch.zeros(depths, FIELDS, dtype=torch.float64, device=compute_device.current_device())
+        parts.append(local.flatten())
+    if not parts:
+        return None, None
+    totals = last_stage_sum(torch.cat(parts))
+    STEP_STATISTICS.reset()
+    size = 0 if extra is None else extra.numel()
+    mtp = totals[size:].view(depths, FIELDS) if depths else None
+    return (None if extra is None else totals[:size]), mtp
+
+
+class StepScope:
+    def __init__(self, config, main_loss: str, counts: "step_loss.StepCounts | None", *,
+                 routed_tokens: int | None, grad_scale_func):
+        """`counts`: the step's global counts if known up front; `routed_tokens`: its input
+        positions over all chunks and data-parallel ranks (T of spec section 11), needed with
+        MoE router losses; `grad_scale_func`: the optimizer's loss scale the routers carry."""
+        router_losses.check_exact_step(config)
+        self.normalization = step_loss.StepNormalization(main_loss, bool(config.mtp_detach_heads), counts)
+        self.moe_scale = None
+        if router_losses.active(config):
+            if routed_tokens is None:
+                raise ValueError(
+                    "the MoE router losses are normalized by the step's routed tokens T (every input "
+                    "position of every chunk and data-parallel rank), which a router cannot see: pass "
+                    "begin(..., routed_tokens=T)"
+                )
+            self.moe_scale = router_losses.scale_func(config, routed_tokens, grad_scale_func)
+        self.config = config
+        self.saved = None
+
+    def enter(self, overrides: dict) -> None:
+        """Set the config hooks in `overrides` (and the routers' scale) for the step's duration."""
+        if self.moe_scale is not None:
+            overrides = dict(overrides, **{MOE_SCALE_HOOK: self.moe_scale})
+        self.saved = {name: getattr(self.config, name) for name in overrides if hasattr(self.config, name)}
+        step_loss.activate(self.normalization)
+        STEP_STATISTICS.reset()
+        router_metrics.reset()
+        for name, value in overrides.items():
+            setattr(self.config, name, value)
+
+    def exit(self) -> None:
+        """The config as before ``enter``; the normalization inactive. Idempotent."""
+        if self.saved is not None:
+            for name, value in self.saved.items():
+                setattr(self.config, name, value)
+            self.saved = None
+        if step_loss.active() is self.normalization:
+            step_loss.deactivate()
