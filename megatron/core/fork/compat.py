@@ -5,6 +5,16 @@ call these adapters instead of testing versions themselves.
 """
 
 
+# TransformerConfig fields pristine megatron-core 0.16.1 lacks (its series adds them), and what
+# their absence means.
+_ABSENT_IN_0_16 = {"mtp_use_repeated_layer": False}
+
+
+def config_field(config, name: str):
+    """A TransformerConfig field, or what its absence means in a version without it."""
+    return getattr(config, name, _ABSENT_IN_0_16.get(name))
+
+
 def scale_logits(model, logits):
     """Output-logit scaling of the model (MuP in megatron-core 0.17+; none in 0.16.1), as
     upstream applies it to main and MTP logits."""

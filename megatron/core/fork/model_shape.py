@@ -3,13 +3,15 @@
 Distributed checkpoints load by key: a model with fewer MTP depths than the checkpoint
 simply never asks for the extra depths' tensors, so a depth mismatch would load
 silently. A trainer saves ``model_shape`` beside the weights and calls
-``check_same_shape`` before loading any tensor. Isolation on or off
+``check_same_shape`` before loading any tensor (every checkpoint writer of this project:
+megatron.training's, through megatron.core.fork.trainer.checkpoint, and the library's). Isolation on or off
 (``mtp_detach_heads``) is a training choice, not a shape: it is not compared. With mixture
 of experts the expert count, the experts' sizes and which layers are MoE layers are part of
 the shape (dist checkpoints key experts by global index: another count or placement would
 load some experts and leave others as initialized).
 """
 
+from megatron.core.fork import compat
 from megatron.core.utils import get_attr_wrapped_model
 
 SHAPE_FIELDS = (
@@ -23,13 +25,13 @@ SHAPE_FIELDS = (
     "mtp_use_repeated_layer",
 )
 MOE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layers")
-# A config without the field (pristine megatron-core 0.16.1) has that shape.
-ABSENT_MEANS = {"mtp_use_repeated_layer": False}
+# What a finetune may change: MTP depths added to, or dropped from, a pretrained backbone.
+MTP_FIELDS = ("mtp_num_layers", "mtp_use_repeated_layer")
 
 
 def config_shape(config) -> dict:
     """The part of the shape a TransformerConfig fixes: sizes, MTP depths and mode, experts."""
-    shape = {field: getattr(config, field, ABSENT_MEANS.get(field)) for field in SHAPE_FIELDS}
+    shape = {field: compat.config_field(config, field) for field in SHAPE_FIELDS}
     shape["mtp_num_layers"] = shape["mtp_num_layers"] or 0  # None and 0 both mean no MTP
     experts = getattr(config, "num_moe_experts", None) or 0
     shape["num_moe_experts"] = experts
@@ -58,9 +60,12 @@ def model_shape(model) -> dict:
     return shape
 
 
-def check_same_shape(saved: dict, current: dict) -> None:
+def check_same_shape(saved: dict, current: dict, finetune: bool = False) -> None:
     """Raise ValueError naming every field where the checkpoint and the model differ (a shape
-    saved before the experts were recorded is compared without them)."""
+    saved before the experts were recorded is compared without them; with `finetune`, the MTP
+    depths may differ)."""
+    if finetune:
+        saved = dict(saved, **{field: current.get(field) for field in MTP_FIELDS})
     if "num_moe_experts" not in saved:
         current = {field: value for field, value in current.items() if field not in MOE_FIELDS}
     differences = [

@@ -27,7 +27,6 @@ from megatron.core.fork.trainer import metrics
 from megatron.core.msc_utils import MultiStorageClientFeature, maybe_msc
 
 KEY = "mtp_training"
-MTP_FIELDS = ("mtp_num_layers", "mtp_use_repeated_layer")
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -55,12 +54,8 @@ def check_shape(saved: dict | None, current: dict, finetune: bool) -> None:
     `current` (a ``model_shape``)."""
     if saved is None:
         return
-    saved_shape = dict(saved["model_shape"])
-    if finetune:
-        for field in MTP_FIELDS:
-            saved_shape[field] = current[field]
     try:
-        check_same_shape(saved_shape, current)
+        check_same_shape(saved["model_shape"], current, finetune)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
 
