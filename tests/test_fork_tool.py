@@ -356,6 +356,14 @@ def test_carry_onto_a_checkout_at_any_commit_merges_three_ways_and_reports_each_
     # every later patch is tried (one that builds on the skipped patch's lines may conflict too)
     assert all(f"{p.name}: " in result.stdout for p in patches), result.stdout
 
+    # the conflict is in the runtime part (CPU), which a GPU user leaves out
+    runtime = [p.name for p in patches if "\nPart: runtime\n" in p.read_text()]
+    assert scaler in runtime
+    result = fork("carry", "--version", CURRENT, "--checkout", checkout, "--workdir", tmp_path / "lean",
+                  "--keep-going", "--without", "runtime", check_rc=0)
+    assert "without the runtime part" in result.stdout and not any(name in result.stdout for name in runtime)
+    assert all(f"{p.name}: " in result.stdout for p in patches if p.name not in runtime), result.stdout
+
 
 def test_every_subcommand_has_help():
     for command in ["prepare", "install", "build", "export", "check", "rebase", "carry"]:

@@ -66,7 +66,7 @@ def cmd_rebase(args) -> int:
 
 def cmd_carry(args) -> int:
     ok, lines = rebase.carry(args.version, args.checkout, rev=args.rev, workdir=args.workdir, force=args.force,
-                             keep_going=args.keep_going)
+                             keep_going=args.keep_going, without=tuple(args.without))
     print("\n".join(lines))
     return 0 if ok else 1
 
@@ -138,6 +138,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, help="where to build the carried tree")
     p.add_argument("--keep-going", action="store_true",
                    help="skip a conflicting patch and try the rest (a measure, not a finished tree)")
+    p.add_argument("--without", action="append", default=[], metavar="PART", choices=series.PARTS,
+                   help="leave out a part of the series (e.g. runtime, for GPUs); repeatable")
     p.add_argument("--force", action="store_true", help="replace an existing tree at the target")
     return top
 

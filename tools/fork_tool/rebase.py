@@ -7,8 +7,8 @@ from pathlib import Path
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine
-from fork_tool.series import (PRISTINE_TAG, apply_series, default_workdir, describe_failure, format_series,
-                              link_fork_owned)
+from fork_tool.series import (PARTS, PRISTINE_TAG, apply_series, default_workdir, describe_failure, format_series,
+                              link_fork_owned, parts)
 from megatron_mtp.patched_core import series_dir, series_patches
 
 OLD_SERIES_REF = "refs/heads/series-{version}"
@@ -48,7 +48,7 @@ def rebase(from_version: str, onto: str, sha256: str | None = None, sdist: Path 
         shutil.rmtree(tree)
     upstream.unpack(tarball, tree)
     init_pristine(tree, PRISTINE_TAG)
-    old_series_objects(tree, from_version, patches)
+    old_series_objects(tree, from_version, series_patches(from_version))
     link_fork_owned(tree)
 
     report = apply_series(tree, patches, three_way=True)
@@ -70,14 +70,18 @@ def rebase(from_version: str, onto: str, sha256: str | None = None, sdist: Path 
 
 
 def carry(from_version: str, checkout: Path, rev: str = "HEAD", workdir: Path | None = None,
-          force: bool = False, keep_going: bool = False) -> tuple[bool, list[str]]:
+          force: bool = False, keep_going: bool = False, without: tuple = ()) -> tuple[bool, list[str]]:
     """The series onto a Megatron-LM checkout at any commit (`rev` of the git repository at
     `checkout`, bare or not): its `megatron/` tree becomes the base, and each patch is merged
     three ways from the pinned upstream's blobs, as `rebase` does with a released sdist.
     Stops at the first conflict unless `keep_going`, which tries every patch (skipping
     those that conflict) and reports each: `applied`, `merged (3-way)` or the conflict's
-    files and hunks: a measure of how far the series is from that commit."""
-    patches = series_patches(from_version)
+    files and hunks: a measure of how far the series is from that commit. `without`: parts
+    left out (e.g. runtime, which a GPU user does not need)."""
+    unknown = sorted(set(without) - set(PARTS))
+    if unknown:
+        raise ForkError(f"no part named {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
+    patches = [patch for patch, part in parts(from_version) if part not in without]
     commit = git(checkout, "rev-parse", "--verify", f"{rev}^{{commit}}").stdout.strip()
     tree = Path(workdir or default_workdir(f"main-{commit[:12]}"))
     if tree.exists():
@@ -90,10 +94,12 @@ def carry(from_version: str, checkout: Path, rev: str = "HEAD", workdir: Path | 
         raise ForkError(f"{checkout} at {commit[:12]} has no megatron/ tree: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
     init_pristine(tree, PRISTINE_TAG)
-    old_series_objects(tree, from_version, patches)
+    old_series_objects(tree, from_version, series_patches(from_version))
     link_fork_owned(tree)
 
-    lines = [f"carry of {len(patches)} patch(es) from {from_version} onto {checkout} at {commit[:12]} in {tree}"]
+    left_out = f" (without the {', '.join(without)} part)" if without else ""
+    lines = [f"carry of {len(patches)} patch(es) from {from_version}{left_out} onto {checkout} at {commit[:12]} "
+             f"in {tree}"]
     if not keep_going:
         report = apply_series(tree, patches, three_way=True)
         lines += [f"  {name}: {status}" for name, status in report]
