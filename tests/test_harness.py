@@ -66,9 +66,10 @@ def test_a_torchrun_worker_from_the_zygote_is_the_script_run_fresh(tmp_path):
     assert run.returncode == 0, run.tail()
     for rank in (0, 1):
         assert f"argv=['report', '{pids}'] cwd={tmp_path.parent} path0={REPO_ROOT / 'tests' / 'bodies'} " \
-               f"rank={rank}" in run.output, run.output[-3000:]
+               f"rank={rank} parent=zygote" in run.output, run.output[-3000:]
     assert run.output.count("to stderr") == 2
-    assert all(not alive(pid) for pid in _pids(pids))
+    workers = _pids(pids)
+    assert len(workers) == 2 and not any(alive(pid) for pid in workers)
 
 
 def test_a_worker_s_exit_status_and_signals_reach_torchrun(tmp_path):

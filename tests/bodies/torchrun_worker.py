@@ -1,7 +1,7 @@
 """A torchrun worker for tests/test_harness.py: what a zygote's child sees and does.
 
     torchrun ... tests/bodies/torchrun_worker.py MODE PID_DIR
-MODE: report (print argv, cwd, sys.path[0], RANK, stream check), exit3 (exit status 3),
+MODE: report (print argv, cwd, sys.path[0], RANK, the parent's program, stream check), exit3 (exit status 3),
 sigterm (wait for SIGTERM, say so, exit 0), hang (sleep until killed). Every mode first
 writes its pid to PID_DIR/RANK.
 """
@@ -15,7 +15,10 @@ mode, pid_dir = sys.argv[1], sys.argv[2]
 with open(os.path.join(pid_dir, os.environ["RANK"]), "w") as f:
     f.write(str(os.getpid()))
 if mode == "report":
-    print(f"argv={sys.argv[1:]} cwd={os.getcwd()} path0={sys.path[0]} rank={os.environ['RANK']}", flush=True)
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = "zygote" if b"zygote.py\0serve" in f.read() else "other"
+    print(f"argv={sys.argv[1:]} cwd={os.getcwd()} path0={sys.path[0]} rank={os.environ['RANK']} "
+          f"parent={parent}", flush=True)
     print("to stderr", file=sys.stderr, flush=True)
 elif mode == "exit3":
     sys.exit(3)

@@ -87,7 +87,7 @@ def launch(body: str, world_size: int, args: dict | None = None, timeout: float 
             logs.append(log)
             argv = [str(spec), str(scratch / f"rank{rank}.json")]
             if zygote is not None:  # a fork of an interpreter that has imported megatron-core
-                procs.append(zygote.fork_worker(argv, env, str(log)))
+                procs.append(zygote.fork_worker(argv, env, str(REPO_ROOT), str(log)))
                 continue
             with open(log, "w") as out:
                 procs.append(subprocess.Popen(

@@ -126,13 +126,12 @@ class Zygote:
             self.close()
             raise RuntimeError(f"zygote did not start: {ready}")
 
-    def fork_worker(self, argv: list, environment: dict, log: str) -> Forked:
-        """tests.harness.worker's main(*argv) in a child whose stdout and stderr go to `log`."""
+    def fork_worker(self, argv: list, environment: dict, cwd: str, log: str) -> Forked:
+        """tests.harness.worker's main(*argv) in `cwd`, in a child whose stdout and stderr go to `log`."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(self.socket_path)
         with open(log, "w") as out, open(os.devnull) as devnull:
-            pid = request(sock, "worker", argv, environment, os.getcwd(), (devnull.fileno(), out.fileno(),
-                                                                            out.fileno()))
+            pid = request(sock, "worker", argv, environment, cwd, (devnull.fileno(), out.fileno(), out.fileno()))
         return Forked(sock, pid)
 
     def close(self):

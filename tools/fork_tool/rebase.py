@@ -7,8 +7,8 @@ from pathlib import Path
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine
-from fork_tool.series import (PARTS, PRISTINE_TAG, apply_series, default_workdir, describe_failure, format_series,
-                              link_fork_owned, parts)
+from fork_tool.series import (PRISTINE_TAG, apply_series, check_part_names, default_workdir, describe_failure,
+                              format_series, link_fork_owned, parts)
 from megatron_mtp.patched_core import series_dir, series_patches
 
 OLD_SERIES_REF = "refs/heads/series-{version}"
@@ -48,7 +48,7 @@ def rebase(from_version: str, onto: str, sha256: str | None = None, sdist: Path 
         shutil.rmtree(tree)
     upstream.unpack(tarball, tree)
     init_pristine(tree, PRISTINE_TAG)
-    old_series_objects(tree, from_version, series_patches(from_version))
+    old_series_objects(tree, from_version, patches)
     link_fork_owned(tree)
 
     report = apply_series(tree, patches, three_way=True)
@@ -78,9 +78,7 @@ def carry(from_version: str, checkout: Path, rev: str = "HEAD", workdir: Path | 
     those that conflict) and reports each: `applied`, `merged (3-way)` or the conflict's
     files and hunks: a measure of how far the series is from that commit. `without`: parts
     left out (e.g. runtime, which a GPU user does not need)."""
-    unknown = sorted(set(without) - set(PARTS))
-    if unknown:
-        raise ForkError(f"no part named {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
+    check_part_names(without)
     patches = [patch for patch, part in parts(from_version) if part not in without]
     commit = git(checkout, "rev-parse", "--verify", f"{rev}^{{commit}}").stdout.strip()
     tree = Path(workdir or default_workdir(f"main-{commit[:12]}"))

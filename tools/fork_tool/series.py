@@ -14,7 +14,6 @@ Every patch names its part in its DEP-3 header (`Part: NAME`, beside `Forwarded:
 
 import re
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -65,6 +64,12 @@ def parts(version: str) -> list[tuple[Path, str]]:
     return labelled
 
 
+def check_part_names(names) -> None:
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        raise ForkError(f"no part named {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
+
+
 def runtime_patches(version: str) -> list[Path]:
     return [patch for patch, part in parts(version) if part == RUNTIME_PART]
 
@@ -75,7 +80,7 @@ def make_upstream_tree(version: str, destination: Path) -> Path:
     tree = Path(destination) / f"megatron-core-{version}"
     upstream.unpack(upstream.verified_sdist(version), tree)
     for patch in runtime_patches(version):
-        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+        git(tree, "apply", str(patch))
     (tree / FORK_OWNED_REL).symlink_to(FORK_OWNED_DIR)
     return tree
 
@@ -208,9 +213,7 @@ def export_for_users(version: str, out_dir: Path, sdist: Path | None = None, wit
     """A self-contained series: a first patch adds the fork-owned files, then the committed
     series, less the patches of the parts in `without` (the rest moved onto what remains by
     3-way merges; a patch that needs a left-out one is named)."""
-    unknown = sorted(set(without) - set(PARTS))
-    if unknown:
-        raise ForkError(f"no part named {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
+    check_part_names(without)
     labelled = parts(version)
     previous_export(out_dir)  # refuses, before any work, a directory holding files of others
     with tempfile.TemporaryDirectory() as tmp:

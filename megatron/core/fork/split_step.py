@@ -193,6 +193,5 @@ class SplitStep:
     def _end(self) -> None:
         MTPLossAutoScaler.set_loss_scale(self._mtp_loss_scale)
         MoEAuxLossAutoScaler.main_loss_backward_scale = self._moe_loss_scale
-        self._scope.exit()
         STEP_STATISTICS.reset()  # an aborted step's sums are not the next one's
         self._scope = None

@@ -44,8 +44,12 @@ class StepCounts:
 def target_counts(loss_mask: torch.Tensor) -> torch.Tensor:
     """[valid targets, sequences with at least one] of one batch [b, s], in float64, so that
     sums over micro-batches and ranks (one all-reduce) stay exact."""
-    per_sequence = loss_mask.reshape(loss_mask.size(0), -1).double().sum(dim=1)
-    return torch.stack([per_sequence.sum(), (per_sequence > 0).sum().double()])
+    return _counts(loss_mask.reshape(loss_mask.size(0), -1).double().sum(dim=1))
+
+
+def _counts(per_sequence: torch.Tensor) -> torch.Tensor:
+    """[valid targets, sequences with at least one] from each sequence's valid targets."""
+    return torch.stack([per_sequence.sum(), (per_sequence > 0).sum().to(per_sequence.dtype)])
 
 
 def step_counts(loss_masks: list, group=None) -> tuple[StepCounts, int]:
@@ -152,11 +156,12 @@ def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
     level = _ACTIVE.main_loss if _ACTIVE is not None else _DEFAULT_LEVEL
     mask = loss_mask.reshape(loss_mask.size(0), -1).float()
     losses = per_token_loss.float().reshape(mask.shape) * mask
-    tokens, sequences = target_counts(mask).float()
+    per_sequence_tokens = mask.sum(dim=1)
+    tokens, sequences = _counts(per_sequence_tokens)
     if level == TOKEN:
         raw, count = losses.sum(), tokens
     else:
-        raw, count = (losses.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum(), sequences
+        raw, count = (losses.sum(dim=1) / per_sequence_tokens.clamp(min=1)).sum(), sequences
     scale = _ACTIVE.main_scale() if _ACTIVE is not None else 1.0
     report = torch.stack([raw.detach(), tokens, sequences])
     return raw * scale, count.to(torch.int), {"main loss sums": report}

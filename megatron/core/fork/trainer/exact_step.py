@@ -42,11 +42,14 @@ def loss_mask_of(batch) -> torch.Tensor:
 
 
 class _Step:
-    def __init__(self, config, counts, num_microbatches, scope=None):
+    def __init__(self, config, num_microbatches, scope=None):
         self.config = config
         self.num_microbatches = num_microbatches
-        self.counts = counts  # None: the step is not normalized here (exact steps off)
-        self.scope = scope
+        self.scope = scope  # None: the step is not normalized here (exact steps off)
+
+    @property
+    def counts(self):
+        return self.scope.normalization.counts if self.scope is not None else None
 
 
 _main_loss_level: str | None = None  # set by enable(): exact steps on
@@ -138,7 +141,7 @@ def begin(model, data_iterator, num_microbatches: int):
     router_metrics.reset()
     upstream_loss = _main_loss_level is None and config.exact_steps  # --exact-steps, upstream's loss contract
     if not exact(config):
-        _current = _Step(config, None, num_microbatches)
+        _current = _Step(config, num_microbatches)
         return data_iterator
     level = step_loss.TOKEN if upstream_loss else _main_loss_level
     router_losses.check_exact_step(config)  # before the step's data is drawn
@@ -150,7 +153,7 @@ def begin(model, data_iterator, num_microbatches: int):
     if upstream_loss:
         overrides.update(loss_contract.main_loss_seed(config, scope.normalization.main_scale()))
     scope.enter(overrides)
-    _current = _Step(config, step_counts, num_microbatches, scope)
+    _current = _Step(config, num_microbatches, scope)
     return _replayable(batches, virtual)
 
 
