@@ -375,3 +375,22 @@ def test_install_and_build_are_no_ops_when_the_builds_match():
     assert "nothing to do" in fork("install", check_rc=0).stdout
     result = fork("build", "--all", check_rc=0)
     assert result.stdout.count("already built") == len(VERSIONS)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_fork_s_config_fields_have_one_home_outside_upstreams_file(version):
+    """No patch adds a field among TransformerConfig's own (upstream adds to them in every
+    release, so such hunks conflict on a newer upstream): the series changes only the class's
+    base and its import, and every field is declared in the fork's MTPTrainingConfig."""
+    target = "megatron/core/transformer/transformer_config.py"
+    added = []
+    for patch in series_patches(version):
+        in_target = False
+        for line in patch.read_text().splitlines():
+            if line.startswith("diff --git "):
+                in_target = line.endswith(f" b/{target}")
+            elif in_target and line.startswith("+") and not line.startswith("+++"):
+                added.append(line[1:])
+    assert len(added) == 2, added
+    assert re.fullmatch(r"from megatron\.core\.fork\.(mtp|for_0_16)\.options import MTPTrainingConfig", added[0])
+    assert added[1].startswith("class TransformerConfig(MTPTrainingConfig):"), added

@@ -8,6 +8,7 @@ attributes and results, so that both series train the same objective:
 - repeated: one MTP layer applied at every depth (``mtp_use_repeated_layer``);
 - recompute: activation recompute of an MTP layer with packed (THD) sequences;
 - grad_norm_groups: each gradient-norm group measured and clipped by its own norm.
+- options: TransformerConfig's base with the two MTP options 0.17 added upstream.
 
 Nothing else imports them; what differs between the carried versions at run time goes
 through megatron.core.fork.compat.

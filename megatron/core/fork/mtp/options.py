@@ -1,4 +1,50 @@
-"""Validate the MTP options of a TransformerConfig before any module is built."""
+"""The fork's TransformerConfig fields and their validation, in one place.
+
+TransformerConfig derives from MTPTrainingConfig (one changed line in upstream's file) instead
+of from ModelParallelConfig, so the fork's fields are TransformerConfig fields, and thus
+Megatron-LM flags (--no-mtp-sparse-loss, --exact-steps, ...) with their docstrings as help,
+without hunks among upstream's own fields, and the MTP options are validated when the
+config is built, before any module or state exists.
+"""
+
+from dataclasses import dataclass
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+
+
+@dataclass
+class MTPTrainingConfig(ModelParallelConfig):
+    """ModelParallelConfig plus the fields the fork adds to TransformerConfig."""
+
+    mtp_sparse_loss: bool = True
+    """Compute each MTP depth's logits and cross-entropy only at the positions that count at
+    that depth, in chunks of sparse_loss_chunk_size rows, with the gradients taken from the
+    same logits in the forward: work scales with the valid positions and at most one chunk of
+    logits exists at a time. Equal to the dense computation to float round-off. False
+    (--no-mtp-sparse-loss): project every position, as upstream does."""
+
+    sparse_loss_chunk_size: int = 1024
+    """Rows per chunk of the sparse losses (mtp_sparse_loss: valid positions of all MTP depths
+    together; sparse_lm_loss): one chunk's logits, chunk x vocabulary / tensor-parallel size in
+    fp32, is their peak memory."""
+
+    sparse_lm_loss: bool = False
+    """Compute the main head's logits and cross-entropy only where loss_mask is nonzero, in
+    chunks of sparse_loss_chunk_size rows, like mtp_sparse_loss. The per-token loss is zero
+    elsewhere and must be summed times that loss_mask (as pretrain_gpt's loss function does;
+    another weighting raises in the backward). Off: upstream's dense loss."""
+
+    exact_steps: bool = False
+    """Make every step of megatron.training's loop exact (megatron.core.fork.trainer.exact_step)
+    for a loss function with upstream pretrain_gpt.py's per-token contract (the raw masked sum
+    and its token count): one normalization by the step's global counts for the main loss
+    (token level), every MTP depth and the MoE router losses, whatever the micro-batches and
+    layout. Needs calculate_per_token_loss. A trainer that enables exact steps itself
+    (pretrain_gpt_mtp.py) does not need it."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_mtp_options(self)
 
 
 def _mtp_on_the_first_pipeline_rank(config) -> bool:
@@ -41,7 +87,7 @@ def validate_mtp_options(config) -> None:
         raise ValueError(
             f"sparse_loss_chunk_size (--sparse-loss-chunk-size) must be >= 1 rows, got {config.sparse_loss_chunk_size}"
         )
-    if getattr(config, "exact_steps", False) and not config.calculate_per_token_loss:
+    if config.exact_steps and not config.calculate_per_token_loss:
         raise ValueError(
             "exact_steps (--exact-steps) normalizes the loss function's raw per-token sums once per step: "
             "add --calculate-per-token-loss (without it the schedules divide each micro-batch by its own count)"
