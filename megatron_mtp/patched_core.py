@@ -1,5 +1,6 @@
 """Which megatron-core builds this checkout carries, where they are, and a runtime check that
-the imported megatron.core is one of them.
+the imported megatron.core is one of them (or, where `tools/fork export --for-users` carried
+this package into a Megatron-LM checkout, that checkout's patched megatron.core).
 
 Every upstream version with a series in ``patches/`` is carried; ``current`` in
 ``patches/upstream.toml`` is the one ``tools/fork install`` installs. A build is named
@@ -101,8 +102,13 @@ def imported_core_version() -> str | None:
 
 
 def require_patched_core(version: str | None = None) -> None:
-    """Stop with a message naming the fix unless the imported megatron.core is this
-    checkout's patched build of `version` (default: `current`)."""
+    """Stop with a message naming the fix unless the imported megatron.core carries this
+    checkout's series: here, the patched build of `version` (default: `current`); in a
+    Megatron-LM checkout that the exported series was applied to (`tools/fork export
+    --for-users`, which carries this package; it has no patches/), that checkout's own."""
+    if not (PATCHES_DIR / "upstream.toml").is_file():
+        _require_applied_series()
+        return
     version = version or current_upstream_version()
     expected = expected_build_version(version)
     found = imported_core_version()
@@ -112,11 +118,31 @@ def require_patched_core(version: str | None = None) -> None:
             f"{what}, but this checkout needs the patched build {expected}. "
             f"Run `{fix_command(version)}` (or `bash tools/bootstrap` on a new machine)."
         )
+    _require_fork_files(f"Run `{fix_command(version)}` to build with this checkout's fork-owned files.")
+
+
+def _require_applied_series() -> None:
+    # Found by path, not imported: a megatron.core without the series (its runtime part
+    # included) may not even import on this machine.
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron")
+    cores = [Path(location) / "core" for location in (spec.submodule_search_locations or [])] if spec else []
+    core = next((path for path in cores if (path / "__init__.py").is_file()), None)
+    if core is None:
+        raise PatchedCoreError("no megatron.core can be imported: run pretrain_gpt_mtp.py from the root of the "
+                               "Megatron-LM checkout the series was applied to")
+    if not (core / "fork" / "__init__.py").is_file():
+        raise PatchedCoreError(
+            f"megatron.core in {core} does not carry the Megatron-MTP series: apply the series that "
+            "`tools/fork export --for-users` writes (git am) to this checkout"
+        )
+    _require_fork_files("Run from this checkout, or install it (pip install -e .) instead of that copy.")
+
+
+def _require_fork_files(fix: str) -> None:
     import megatron.core.fork
 
     imported_fork_dir = Path(megatron.core.fork.__file__).resolve().parent
     if imported_fork_dir != FORK_OWNED_DIR.resolve() and fork_owned_digest(imported_fork_dir) != fork_owned_digest():
-        raise PatchedCoreError(
-            f"megatron.core.fork in {imported_fork_dir} differs from {FORK_OWNED_DIR}. "
-            f"Run `{fix_command(version)}` to build with this checkout's fork-owned files."
-        )
+        raise PatchedCoreError(f"megatron.core.fork in {imported_fork_dir} differs from {FORK_OWNED_DIR}. {fix}")

@@ -22,6 +22,7 @@ from megatron_mtp.patched_core import (
     series_dir,
     series_patches,
 )
+from tests.harness.checkout import applied_checkout
 
 PARTS = ("runtime", "fixes", "mtp", "training-loop")
 VERSIONS = carried_versions()
@@ -161,7 +162,9 @@ def test_export_for_users_never_deletes_files_it_did_not_write(tmp_path):
     fresh = tmp_path / "fresh"
     fork("export", "--for-users", fresh, "--sdist", sdist_of(CURRENT), check_rc=0)
     names = (fresh / "series").read_text().split()
-    assert len(names) == len(series_patches(CURRENT)) + 1 and "fork-owned" in names[0]
+    # the fork-owned modules first, the trainer (pretrain_gpt_mtp.py and megatron_mtp) last
+    assert len(names) == len(series_patches(CURRENT)) + 2 and "fork-owned" in names[0]
+    assert "pretrain_gpt_mtp" in names[-1]
     fork("export", "--for-users", fresh, "--sdist", sdist_of(CURRENT), check_rc=0)  # its own: replaced
     assert (fresh / "series").read_text().split() == names
 
@@ -187,22 +190,6 @@ def undefined_globals(source: str) -> set:
     return missing - bound - set(dir(builtins)) - {"__file__", "__name__", "__spec__"}
 
 
-def _tree_of(series_dir: Path, sdist: Path, root: Path) -> Path:
-    """A pristine sdist tree with `series_dir`'s patches applied by `git am`, as a user does."""
-    tree = root / "tree"
-    with tarfile.open(sdist) as archive:
-        archive.extractall(root / "src", filter="data")
-    (source,) = (root / "src").iterdir()
-    source.rename(tree)
-    git = ["git", "-c", "user.name=u", "-c", "user.email=u@localhost"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "pristine"], ["tag", "pristine"]):
-        subprocess.run([*git, *args], cwd=tree, check=True, capture_output=True)
-    patches = [str(series_dir / name) for name in (series_dir / "series").read_text().split()]
-    result = subprocess.run([*git, "am", "-q", *patches], cwd=tree, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return tree
-
-
 @pytest.mark.parametrize("version", VERSIONS)
 def test_export_for_users_without_the_runtime_part_applies_to_pristine_upstream(version, tmp_path):
     """A GPU user's series: every patch but the runtime part's, moved onto pristine upstream.
@@ -218,8 +205,8 @@ def test_export_for_users_without_the_runtime_part_applies_to_pristine_upstream(
     assert runtime and "\nPart: runtime\n" not in headers and "\nPart: mtp\n" in headers
     assert len((lean / "series").read_text().split()) == len((whole / "series").read_text().split()) - len(runtime)
 
-    full_tree = _tree_of(whole, sdist_of(version), tmp_path / "t-whole")
-    lean_tree = _tree_of(lean, sdist_of(version), tmp_path / "t-lean")
+    full_tree = applied_checkout(whole, sdist_of(version), tmp_path / "t-whole")
+    lean_tree = applied_checkout(lean, sdist_of(version), tmp_path / "t-lean")
     pristine = tmp_path / "pristine"
     with tarfile.open(sdist_of(version)) as archive:
         archive.extractall(pristine, filter="data")

@@ -36,6 +36,8 @@ def cmd_export(args) -> int:
         left_out = f" (without the {', '.join(args.without)} part)" if args.without else ""
         print(f"wrote a self-contained series of {len(names)} patch(es) to {args.for_users}{left_out}")
         print(f"apply it in a Megatron-LM checkout at the matching tag with: git am {args.for_users}/*.patch")
+        if any("pretrain_gpt_mtp" in name for name in names):
+            print("its last patch adds pretrain_gpt_mtp.py and megatron_mtp: run the trainer from that checkout")
     else:
         names = series.export(args.version, args.workdir, args.out)
         print(f"exported {len(names)} patch(es)")

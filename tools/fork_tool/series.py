@@ -20,7 +20,7 @@ from pathlib import Path
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine, is_dirty
-from megatron_mtp.patched_core import BUILD_DIR, FORK_OWNED_DIR, series_dir, series_patches
+from megatron_mtp.patched_core import BUILD_DIR, FORK_OWNED_DIR, REPO_ROOT, series_dir, series_patches
 
 PARTS = ("runtime", "fixes", "mtp", "training-loop")
 RUNTIME_PART = "runtime"
@@ -35,6 +35,21 @@ into (device selection, SDPA core attention, and the MTP training logic).
 
 Why: the series keeps hunks in upstream files thin; the logic lives in these
 files, which the fork maintains as plain sources. Apply this patch first.
+
+Forwarded: not-needed
+"""
+
+TRAINER_FILES = ("pretrain_gpt_mtp.py", "megatron_mtp")
+TRAINER_MESSAGE = """Add pretrain_gpt_mtp.py and its package, megatron_mtp
+
+What: Megatron-MTP's trainer, a sibling of pretrain_gpt.py on
+megatron.training's pretrain() loop with exact steps and per-depth MTP
+metrics, and the fork-owned package it imports (its argument checks and
+defaults, the embedded default corpus, the library and serving modules).
+
+Why: so that `torchrun pretrain_gpt_mtp.py ...` runs from the checkout this
+series is applied to. Megatron-LM's own pretrain_gpt.py gets exact steps
+with --exact-steps --calculate-per-token-loss instead.
 
 Forwarded: not-needed
 """
@@ -230,7 +245,22 @@ def export_for_users(version: str, out_dir: Path, sdist: Path | None = None, wit
             raise ForkError(f"patch {report[-1][0]} does not apply:\n{report[-1][1]}")
         if without:
             _drop_parts(tree, base, labelled, set(without))
+        if (tree / "megatron" / "training").is_dir() and set(without) <= {RUNTIME_PART}:
+            _add_trainer(tree)
         return format_series(tree, Path(out_dir))
+
+
+def _add_trainer(tree: Path) -> None:
+    """The last patch: pretrain_gpt_mtp.py and the package it imports, so that the trainer
+    runs from the checkout the series is applied to (megatron.training ships from 0.17 on)."""
+    for rel in TRAINER_FILES:
+        source = REPO_ROOT / rel
+        if source.is_dir():
+            shutil.copytree(source, tree / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        else:
+            shutil.copy2(source, tree / rel)
+    git(tree, "add", "-f", *TRAINER_FILES)
+    git(tree, "commit", "-q", "--date", "2000-01-01T00:00:00+00:00", "-m", TRAINER_MESSAGE)
 
 
 def _drop_parts(tree: Path, base: str, labelled: list, dropped: set) -> None:

@@ -1,0 +1,69 @@
+"""The trainer from a user's own Megatron-LM checkout (issue 16): `tools/fork export --for-users`
+carries pretrain_gpt_mtp.py and megatron_mtp as its last patch, so after `git am` of the
+exported series the user runs `torchrun pretrain_gpt_mtp.py` from that checkout, on its own
+megatron (not this project's build), and gets this checkout's steps. A checkout the series was
+not applied to is refused in one line.
+
+The checkout is the pristine sdist of the current version (a Megatron-LM checkout at that tag
+has the same megatron/ paths). The sdist has no Makefile for the dataset helpers, which a
+checkout compiles at first use, so the compiled helpers are copied from this checkout's build.
+"""
+
+import shutil
+import subprocess
+import sys
+
+from megatron_mtp.patched_core import BUILD_DIR, REPO_ROOT, build_tree, current_upstream_version
+from tests.harness.checkout import applied_checkout, pristine_checkout
+from tests.harness.trainer import TINY, scalars, train
+
+CURRENT = current_upstream_version()
+SDIST = BUILD_DIR / "downloads" / f"megatron_core-{CURRENT}.tar.gz"
+ARGS = (*TINY, "--mtp-num-layers", "2", "--train-iters", "3", "--eval-interval", "1000", "--save-interval", "1000")
+COMPARED = ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm")
+
+
+def copy_dataset_helpers(tree):
+    helpers = "megatron/core/datasets"
+    for compiled in (build_tree(CURRENT) / helpers).glob("helpers_cpp*.so"):
+        shutil.copy2(compiled, tree / helpers)
+
+
+def test_the_exported_series_runs_the_trainer_from_a_megatron_lm_checkout(tmp_path):
+    series = tmp_path / "series"
+    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "fork"), "export", "--for-users", str(series),
+                    "--sdist", str(SDIST)], check=True, capture_output=True, cwd=REPO_ROOT)
+    tree = applied_checkout(series, SDIST, tmp_path / "user")
+    copy_dataset_helpers(tree)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import megatron.core.fork, megatron.training, megatron_mtp, pretrain_gpt_mtp as t\n"
+         "print(megatron.core.fork.__file__, megatron.training.__file__, megatron_mtp.__file__, t.__file__)"],
+        cwd=tree, capture_output=True, text=True, check=True)
+    imported = probe.stdout.split()
+    assert len(imported) == 4 and all(path.startswith(str(tree)) for path in imported), imported
+
+    runs = {}
+    for name, cwd in (("this checkout", REPO_ROOT), ("user's checkout", tree)):
+        logs = tmp_path / f"tb-{len(runs)}"
+        run = train(2, *ARGS, "--save", str(tmp_path / f"ckpt-{len(runs)}"), "--tensorboard-dir", str(logs),
+                    cwd=cwd)
+        assert "mtp_2 chain acceptance" in run.output
+        runs[name] = scalars(logs)
+    want, got = runs["this checkout"], runs["user's checkout"]
+    for tag in COMPARED:
+        assert sorted(want[tag]) == sorted(got[tag]) == [1, 2, 3], tag
+        for step in (1, 2, 3):  # the same code on the same samples: the same numbers
+            assert abs(got[tag][step] - want[tag][step]) <= 1e-6 * abs(want[tag][step]), (tag, step)
+
+
+def test_a_checkout_without_the_series_is_refused_in_one_line(tmp_path):
+    tree = pristine_checkout(SDIST, tmp_path / "user")
+    shutil.copy2(REPO_ROOT / "pretrain_gpt_mtp.py", tree)
+    shutil.copytree(REPO_ROOT / "megatron_mtp", tree / "megatron_mtp",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    result = subprocess.run([sys.executable, "pretrain_gpt_mtp.py"], cwd=tree, capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(errors) == 1 and "does not carry the Megatron-MTP series" in errors[0], errors
+    assert "tools/fork export --for-users" in errors[0]
