@@ -39,7 +39,8 @@ class MTPTrainingConfig(ModelParallelConfig):
     for a loss function with upstream pretrain_gpt.py's per-token contract (the raw masked sum
     and its token count): one normalization by the step's global counts for the main loss
     (token level), every MTP depth and the MoE router losses, whatever the micro-batches and
-    layout. Needs calculate_per_token_loss. A trainer that enables exact steps itself
+    layout. Needs calculate_per_token_loss and the series' training-loop part (its hooks in
+    megatron.training read this field). A trainer that enables exact steps itself
     (pretrain_gpt_mtp.py) does not need it."""
 
     def __post_init__(self):
