@@ -22,6 +22,9 @@ FORK_OWNED_DIR = REPO_ROOT / "megatron" / "core" / "fork"
 BUILD_DIR = REPO_ROOT / ".build"
 INSTALL_DIR = BUILD_DIR / "install"
 SERIES_PREFIX = "megatron-core-"
+# Written by `tools/fork export --for-users` into the megatron_mtp it carries: the series it came
+# from. Its presence says this package runs in a Megatron-LM checkout with that series applied.
+EXPORT_MARK = "megatron_mtp/exported_series.txt"
 
 
 class PatchedCoreError(RuntimeError):
@@ -107,6 +110,12 @@ def require_patched_core(version: str | None = None) -> None:
     Megatron-LM checkout that the exported series was applied to (`tools/fork export
     --for-users`, which carries this package; it has no patches/), that checkout's own."""
     if not (PATCHES_DIR / "upstream.toml").is_file():
+        if not (REPO_ROOT / EXPORT_MARK).is_file():
+            raise PatchedCoreError(
+                f"{REPO_ROOT} is neither a Megatron-MTP checkout (no patches/) nor a Megatron-LM checkout that "
+                "`tools/fork export --for-users` was applied to: run from a Megatron-MTP clone "
+                "(`bash tools/bootstrap`)"
+            )
         _require_applied_series()
         return
     version = version or current_upstream_version()
@@ -134,7 +143,8 @@ def _require_applied_series() -> None:
                                "Megatron-LM checkout the series was applied to")
     if not (core / "fork" / "__init__.py").is_file():
         raise PatchedCoreError(
-            f"megatron.core in {core} does not carry the Megatron-MTP series: apply the series that "
+            f"megatron.core in {core} does not carry the Megatron-MTP series "
+            f"({(REPO_ROOT / EXPORT_MARK).read_text().strip()}): apply the series that "
             "`tools/fork export --for-users` writes (git am) to this checkout"
         )
     _require_fork_files("Run from this checkout, or install it (pip install -e .) instead of that copy.")

@@ -352,6 +352,45 @@ def test_carry_onto_a_checkout_at_any_commit_merges_three_ways_and_reports_each_
     assert all(f"{p.name}: " in result.stdout for p in patches if p.name not in runtime), result.stdout
 
 
+def test_the_series_carries_past_what_megatron_lm_main_changed_beside_its_hooks(tmp_path):
+    """Megatron-LM main (d98e8a64) changed the lines next to where the series used to hook in:
+    a field beside mtp_detach_heads, an import at the head of training.py's and
+    checkpointing.py's first-party imports, optimizer.step() wrapped in a tracing block, the
+    lines before train()'s checkpoint branch, HybridModel's MTP-loss branch. A checkout with
+    those changes takes every patch but the runtime part's without a conflict (the previous
+    series conflicted on all of them: fields, imports and hooks next to upstream's lines)."""
+
+    def mains_changes(tree):
+        _replace(tree / "megatron/core/transformer/transformer_config.py",
+                 '    only training the MTP heads themselves."""\n',
+                 '    only training the MTP heads themselves."""\n\n'
+                 '    mtp_hidden_state_mixing: bool = False\n    """A field upstream added."""\n')
+        training = tree / "megatron/training/training.py"
+        _replace(training, "# First-party.\n", "# First-party.\nfrom megatron.core._rank_utils import safe_get_rank\n")
+        _replace(training, "    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()\n",
+                 "    with nullcontext() as _span:\n"
+                 "        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()\n")
+        _replace(training, "                setup_fault_injection(fault_injector_config)\n        if should_checkpoint:\n",
+                 "                setup_fault_injection(fault_injector_config)\n"
+                 "                _mark_step_span(skipped_iter)\n        if should_checkpoint:\n")
+        _replace(tree / "megatron/training/checkpointing.py",
+                 "from megatron.core import dist_checkpointing, mpu, tensor_parallel\n",
+                 "from megatron.core import dist_checkpointing, mpu, tensor_parallel\n"
+                 "from megatron.core._rank_utils import safe_get_rank as get_rank_safe\n")
+        _replace(tree / "megatron/core/models/hybrid/hybrid_model.py", "            elif not in_inference_mode:\n",
+                 "            elif mtp_forward_ran:\n")
+
+    checkout = _checkout(sdist_of(CURRENT), tmp_path, mains_changes)
+    result = fork("carry", "--version", CURRENT, "--checkout", checkout, "--workdir", tmp_path / "carried",
+                  "--without", "runtime", "--keep-going", check_rc=0)
+    kept = [p.name for p in series_patches(CURRENT) if "\nPart: runtime\n" not in p.read_text()]
+    assert kept and "CONFLICT" not in result.stdout, result.stdout
+    assert all(f"{name}: applied" in result.stdout or f"{name}: merged (3-way)" in result.stdout
+               for name in kept), result.stdout
+    carried = (tmp_path / "carried/megatron/training/training.py").read_text()
+    assert "        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()\n" in carried
+    assert "exact_step.end(optimizer, update_successful)" in carried
+
 def test_every_subcommand_has_help():
     for command in ["prepare", "install", "build", "export", "check", "rebase", "carry"]:
         result = fork(command, "--help", check_rc=0)

@@ -13,8 +13,17 @@ import shutil
 import subprocess
 import sys
 
-from megatron_mtp.patched_core import BUILD_DIR, REPO_ROOT, build_tree, current_upstream_version
-from tests.harness.checkout import applied_checkout, pristine_checkout
+import pytest
+
+from megatron_mtp.patched_core import (
+    BUILD_DIR,
+    EXPORT_MARK,
+    REPO_ROOT,
+    build_tree,
+    current_upstream_version,
+    expected_build_version,
+)
+from tests.harness.checkout import GIT, applied_checkout, pristine_checkout
 from tests.harness.trainer import TINY, scalars, train
 
 CURRENT = current_upstream_version()
@@ -29,10 +38,16 @@ def copy_dataset_helpers(tree):
         shutil.copy2(compiled, tree / helpers)
 
 
-def test_the_exported_series_runs_the_trainer_from_a_megatron_lm_checkout(tmp_path):
-    series = tmp_path / "series"
-    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "fork"), "export", "--for-users", str(series),
+@pytest.fixture(scope="module")
+def series(tmp_path_factory):
+    """What `tools/fork export --for-users` writes for the current version."""
+    out = tmp_path_factory.mktemp("export") / "series"
+    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "fork"), "export", "--for-users", str(out),
                     "--sdist", str(SDIST)], check=True, capture_output=True, cwd=REPO_ROOT)
+    return out
+
+
+def test_the_exported_series_runs_the_trainer_from_a_megatron_lm_checkout(series, tmp_path):
     tree = applied_checkout(series, SDIST, tmp_path / "user")
     copy_dataset_helpers(tree)
     probe = subprocess.run(
@@ -56,14 +71,27 @@ def test_the_exported_series_runs_the_trainer_from_a_megatron_lm_checkout(tmp_pa
             assert abs(got[tag][step] - want[tag][step]) <= 1e-6 * abs(want[tag][step]), (tag, step)
 
 
-def test_a_checkout_without_the_series_is_refused_in_one_line(tmp_path):
-    tree = pristine_checkout(SDIST, tmp_path / "user")
-    shutil.copy2(REPO_ROOT / "pretrain_gpt_mtp.py", tree)
-    shutil.copytree(REPO_ROOT / "megatron_mtp", tree / "megatron_mtp",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+def refusal(tree) -> str:
+    """The one error line pretrain_gpt_mtp.py prints in `tree` (and that it exits non-zero)."""
     result = subprocess.run([sys.executable, "pretrain_gpt_mtp.py"], cwd=tree, capture_output=True, text=True,
                             env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert len(errors) == 1 and "does not carry the Megatron-MTP series" in errors[0], errors
-    assert "tools/fork export --for-users" in errors[0]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_a_checkout_without_the_series_is_refused_in_one_line(series, tmp_path):
+    """Only the export's last patch (the trainer) applied: the checkout's megatron.core lacks the
+    series (a pristine 0.19.2 does not even import on Python 3.11: it is found by path). The
+    trainer copied without that patch's mark (not from an export) is refused too."""
+    tree = pristine_checkout(SDIST, tmp_path / "user")
+    trainer = series / (series / "series").read_text().split()[-1]
+    subprocess.run([*GIT, "am", "-q", str(trainer)], cwd=tree, check=True, capture_output=True)
+    error = refusal(tree)
+    assert "does not carry the Megatron-MTP series" in error and "tools/fork export --for-users" in error, error
+    assert f"megatron-core {expected_build_version(CURRENT)}" in error, error
+
+    (tree / EXPORT_MARK).unlink()
+    error = refusal(tree)
+    assert "neither a Megatron-MTP checkout" in error and "tools/bootstrap" in error, error

@@ -20,7 +20,15 @@ from pathlib import Path
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine, is_dirty
-from megatron_mtp.patched_core import BUILD_DIR, FORK_OWNED_DIR, REPO_ROOT, series_dir, series_patches
+from megatron_mtp.patched_core import (
+    BUILD_DIR,
+    EXPORT_MARK,
+    FORK_OWNED_DIR,
+    REPO_ROOT,
+    expected_build_version,
+    series_dir,
+    series_patches,
+)
 
 PARTS = ("runtime", "fixes", "mtp", "training-loop")
 RUNTIME_PART = "runtime"
@@ -235,8 +243,7 @@ def export_for_users(version: str, out_dir: Path, sdist: Path | None = None, wit
         tree = Path(tmp) / "tree"
         upstream.unpack(upstream.verified_sdist(version, sdist=sdist), tree)
         init_pristine(tree, PRISTINE_TAG)
-        shutil.copytree(FORK_OWNED_DIR, tree / FORK_OWNED_REL,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        _copy_tracked((FORK_OWNED_REL,), tree)
         git(tree, "add", "-f", FORK_OWNED_REL)
         git(tree, "commit", "-q", "--date", "2000-01-01T00:00:00+00:00", "-m", FORK_OWNED_MESSAGE)
         base = git(tree, "rev-parse", "HEAD").stdout.strip()
@@ -246,19 +253,25 @@ def export_for_users(version: str, out_dir: Path, sdist: Path | None = None, wit
         if without:
             _drop_parts(tree, base, labelled, set(without))
         if (tree / "megatron" / "training").is_dir() and set(without) <= {RUNTIME_PART}:
-            _add_trainer(tree)
+            _add_trainer(tree, version)
         return format_series(tree, Path(out_dir))
 
 
-def _add_trainer(tree: Path) -> None:
+def _copy_tracked(rels, tree: Path) -> None:
+    """This checkout's files under `rels` that git tracks (their working-tree content): nothing
+    untracked or ignored reaches a user's export."""
+    for name in git(REPO_ROOT, "ls-files", "-z", "--", *rels).stdout.split("\0"):
+        if name:
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / name, tree / name)
+
+
+def _add_trainer(tree: Path, version: str) -> None:
     """The last patch: pretrain_gpt_mtp.py and the package it imports, so that the trainer
-    runs from the checkout the series is applied to (megatron.training ships from 0.17 on)."""
-    for rel in TRAINER_FILES:
-        source = REPO_ROOT / rel
-        if source.is_dir():
-            shutil.copytree(source, tree / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
-        else:
-            shutil.copy2(source, tree / rel)
+    runs from the checkout the series is applied to (megatron.training ships from 0.17 on),
+    and the mark by which its runtime check knows it is in such a checkout."""
+    _copy_tracked(TRAINER_FILES, tree)
+    (tree / EXPORT_MARK).write_text(f"megatron-core {expected_build_version(version)}\n")
     git(tree, "add", "-f", *TRAINER_FILES)
     git(tree, "commit", "-q", "--date", "2000-01-01T00:00:00+00:00", "-m", TRAINER_MESSAGE)
 
