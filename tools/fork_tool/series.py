@@ -243,9 +243,7 @@ def export_for_users(version: str, out_dir: Path, sdist: Path | None = None, wit
         tree = Path(tmp) / "tree"
         upstream.unpack(upstream.verified_sdist(version, sdist=sdist), tree)
         init_pristine(tree, PRISTINE_TAG)
-        _copy_tracked((FORK_OWNED_REL,), tree)
-        git(tree, "add", "-f", FORK_OWNED_REL)
-        git(tree, "commit", "-q", "--date", "2000-01-01T00:00:00+00:00", "-m", FORK_OWNED_MESSAGE)
+        _commit_own_files(tree, (FORK_OWNED_REL,), FORK_OWNED_MESSAGE)
         base = git(tree, "rev-parse", "HEAD").stdout.strip()
         report = apply_series(tree, [patch for patch, _ in labelled])
         if report and report[-1][1] != "ok":
@@ -253,27 +251,25 @@ def export_for_users(version: str, out_dir: Path, sdist: Path | None = None, wit
         if without:
             _drop_parts(tree, base, labelled, set(without))
         if (tree / "megatron" / "training").is_dir() and set(without) <= {RUNTIME_PART}:
-            _add_trainer(tree, version)
+            # The last patch: the trainer, and the mark by which its runtime check knows it runs
+            # in a checkout the series was applied to (megatron.training ships from 0.17 on).
+            _commit_own_files(tree, TRAINER_FILES, TRAINER_MESSAGE,
+                              written={EXPORT_MARK: f"megatron-core {expected_build_version(version)}\n"})
         return format_series(tree, Path(out_dir))
 
 
-def _copy_tracked(rels, tree: Path) -> None:
-    """This checkout's files under `rels` that git tracks (their working-tree content): nothing
-    untracked or ignored reaches a user's export."""
+def _commit_own_files(tree: Path, rels, message: str, written: dict | None = None) -> None:
+    """One commit in `tree` of this checkout's files under `rels` that git tracks (their
+    working-tree content: nothing untracked or ignored reaches a user's export), plus the
+    files `written` {path: text}."""
     for name in git(REPO_ROOT, "ls-files", "-z", "--", *rels).stdout.split("\0"):
         if name:
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO_ROOT / name, tree / name)
-
-
-def _add_trainer(tree: Path, version: str) -> None:
-    """The last patch: pretrain_gpt_mtp.py and the package it imports, so that the trainer
-    runs from the checkout the series is applied to (megatron.training ships from 0.17 on),
-    and the mark by which its runtime check knows it is in such a checkout."""
-    _copy_tracked(TRAINER_FILES, tree)
-    (tree / EXPORT_MARK).write_text(f"megatron-core {expected_build_version(version)}\n")
-    git(tree, "add", "-f", *TRAINER_FILES)
-    git(tree, "commit", "-q", "--date", "2000-01-01T00:00:00+00:00", "-m", TRAINER_MESSAGE)
+    for name, text in (written or {}).items():
+        (tree / name).write_text(text)
+    git(tree, "add", "-f", *rels, *(written or {}))
+    git(tree, "commit", "-q", "--date", "2000-01-01T00:00:00+00:00", "-m", message)
 
 
 def _drop_parts(tree: Path, base: str, labelled: list, dropped: set) -> None:
