@@ -6,7 +6,6 @@ import hashlib
 import os
 import re
 import symtable
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -22,7 +21,7 @@ from megatron_mtp.patched_core import (
     series_dir,
     series_patches,
 )
-from tests.harness.checkout import applied_checkout
+from tests.harness.checkout import applied_checkout, edited_checkout, pristine_checkout
 
 PARTS = ("runtime", "fixes", "mtp", "training-loop")
 VERSIONS = carried_versions()
@@ -121,17 +120,9 @@ def test_a_release_requiring_a_newer_python_downloads(tmp_path):
     assert (tmp_path / f"megatron_core-{newest}.tar.gz").read_bytes() == sdist_of(newest).read_bytes()
 
 
-def _megatron_lm_like_checkout(sdist: Path, root: Path) -> Path:
-    """A directory laid out like a Megatron-LM checkout (megatron/core/... at the same paths)."""
-    with tarfile.open(sdist) as archive:
-        archive.extractall(root, filter="data")
-    (checkout,) = root.iterdir()
-    return checkout
-
-
 @pytest.mark.parametrize("version", VERSIONS)
 def test_check_reports_the_patch_and_file_that_do_not_apply_to_a_checkout(version, tmp_path):
-    checkout = _megatron_lm_like_checkout(sdist_of(version), tmp_path / "lm")
+    checkout = pristine_checkout(sdist_of(version), tmp_path / "lm")
     fork("check", "--version", version, "--sdist", sdist_of(version), "--checkout", checkout, check_rc=0)
     target = checkout / "megatron" / "core" / "optimizer" / "grad_scaler.py"
     target.write_text(target.read_text().replace("device='cuda'", "device='cuda:0'"))
@@ -142,7 +133,7 @@ def test_check_reports_the_patch_and_file_that_do_not_apply_to_a_checkout(versio
 
 
 def test_check_of_a_checkout_of_another_version_says_so_in_one_line(tmp_path):
-    checkout = _megatron_lm_like_checkout(sdist_of(OLDEST), tmp_path / "lm")
+    checkout = pristine_checkout(sdist_of(OLDEST), tmp_path / "lm")
     result = fork("check", "--version", CURRENT, "--sdist", sdist_of(CURRENT), "--checkout", checkout, check_rc=2)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -207,10 +198,7 @@ def test_export_for_users_without_the_runtime_part_applies_to_pristine_upstream(
 
     full_tree = applied_checkout(whole, sdist_of(version), tmp_path / "t-whole")
     lean_tree = applied_checkout(lean, sdist_of(version), tmp_path / "t-lean")
-    pristine = tmp_path / "pristine"
-    with tarfile.open(sdist_of(version)) as archive:
-        archive.extractall(pristine, filter="data")
-    (pristine,) = pristine.iterdir()
+    pristine = pristine_checkout(sdist_of(version), tmp_path / "pristine")
     touched_by_runtime = {line.split(" b/")[0][len("diff --git a/"):] for p in runtime
                           for line in p.read_text().splitlines() if line.startswith("diff --git a/")}
     changed = subprocess.run(["git", "diff", "--name-only", "pristine", "HEAD"],
@@ -293,22 +281,6 @@ def test_rebase_stops_at_a_conflict_naming_patch_file_and_hunk(tmp_path):
     assert not out.exists()
 
 
-def _checkout(sdist: Path, root: Path, *edits) -> Path:
-    """A Megatron-LM-like git repository: the pristine tree, then one commit per edit."""
-    with tarfile.open(sdist) as archive:
-        archive.extractall(root / "src", filter="data")
-    (tree,) = (root / "src").iterdir()
-    run = lambda *args: subprocess.run(["git", "-C", tree, "-c", "user.name=t", "-c", "user.email=t@t", *args],  # noqa: E731
-                                       check=True, capture_output=True)
-    run("init", "-q")
-    run("add", "-A")
-    run("commit", "-q", "-m", "pristine")
-    for edit in edits:
-        edit(tree)
-        run("commit", "-q", "-a", "-m", "upstream change")
-    return tree
-
-
 def test_carry_onto_a_checkout_at_any_commit_merges_three_ways_and_reports_each_patch(tmp_path):
     """Megatron-LM main moves between releases: `carry` takes the series onto a checkout's
     commit with 3-way merges from the pinned upstream's blobs; --keep-going tries every patch
@@ -326,7 +298,7 @@ def test_carry_onto_a_checkout_at_any_commit_merges_three_ways_and_reports_each_
                  "self._scale = torch.tensor([initial_scale], dtype=torch.float, device='cuda')",
                  "self._scale = torch.full([1], initial_scale, dtype=torch.float, device='cuda')")
 
-    checkout = _checkout(sdist_of(CURRENT), tmp_path, context_edit, conflicting_edit)
+    checkout = edited_checkout(sdist_of(CURRENT), tmp_path, context_edit, conflicting_edit)
     # at the commit before the conflicting change the whole series carries over
     result = fork("carry", "--version", CURRENT, "--checkout", checkout, "--rev", "HEAD~1",
                   "--workdir", tmp_path / "clean", check_rc=0)
@@ -380,7 +352,7 @@ def test_the_series_carries_past_what_megatron_lm_main_changed_beside_its_hooks(
         _replace(tree / "megatron/core/models/hybrid/hybrid_model.py", "            elif not in_inference_mode:\n",
                  "            elif mtp_forward_ran:\n")
 
-    checkout = _checkout(sdist_of(CURRENT), tmp_path, mains_changes)
+    checkout = edited_checkout(sdist_of(CURRENT), tmp_path, mains_changes)
     result = fork("carry", "--version", CURRENT, "--checkout", checkout, "--workdir", tmp_path / "carried",
                   "--without", "runtime", "--keep-going", check_rc=0)
     kept = [p.name for p in series_patches(CURRENT) if "\nPart: runtime\n" not in p.read_text()]

@@ -12,7 +12,6 @@
   divide is refused in one line with upstream's own reason.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import textwrap
 
 import pytest
 
+from tests.harness import argument_cases
 from tests.harness.launcher import REPO_ROOT
 from tests.harness.trainer import TINY, train
 
@@ -151,16 +151,12 @@ def test_pipeline_layouts_upstream_accepts_are_accepted_and_the_rest_refused_in_
              # MTP on the first pipeline rank's last virtual stage: its embedding copies were not both reduced
              {"argv": [*LAYOUT, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                        "--pipeline-model-parallel-layout", "Et|t|t*2m|L"], "env": {"WORLD_SIZE": "2", "RANK": "0"}}]
-    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert result.returncode == 0, result.stderr[-3000:]
-    mtp_stage, uneven, refused, first_rank = json.loads(result.stdout.splitlines()[-1])
+    mtp_stage, uneven, refused, first_rank = argument_cases.check(cases, timeout=300)
     assert mtp_stage["accepted"] and uneven["accepted"], (mtp_stage, uneven)
-    errors = [line for line in refused["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+    errors = refused["errors"]
     assert not refused["accepted"] and errors == [
         "pretrain_gpt_mtp.py: error: Number of layers should be divisible by the pipeline-model-parallel size"], refused
-    errors = [line for line in first_rank["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+    errors = first_rank["errors"]
     assert not first_rank["accepted"] and len(errors) == 1, first_rank
     assert "first pipeline rank's last virtual stage" in errors[0], errors
 

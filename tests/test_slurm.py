@@ -8,7 +8,6 @@ scalars must equal those of the same training run uninterrupted. The single-node
 runs a short training to completion without a requeue.
 """
 
-import os
 import sys
 import time
 from pathlib import Path

@@ -23,7 +23,7 @@ import pytest
 
 from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness.first_step import first_step, gpt_train_samples, reference_weights
-from tests.harness.trainer import TINY, checkpoint_tensors, scalars, train
+from tests.harness.trainer import TINY, checkpoint_tensors, close, scalars, train
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +79,6 @@ def initial_weights(dataset, tmp_path_factory):
     train(1, *EXACT, *REFERENCE[1], "--data-path", str(dataset), "--train-iters", "1", "--save", str(root),
           "--save-interval", "1", "--mtp-detach-heads")
     return root
-
-
-def close(a: float, b: float, rel: float = 2e-5) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
 @pytest.mark.parametrize("level,isolation,layouts", [

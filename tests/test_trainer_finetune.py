@@ -16,16 +16,12 @@ built) and tests/test_foundation_training.py refuses other depth counts through 
 Here: the tensors, bit for bit, and the refusal of this very load without --finetune.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.harness.corpora import paragraphs, preprocess, write_jsonl
-from tests.harness.launcher import REPO_ROOT
+from tests.harness import argument_cases
 from tests.harness.trainer import TINY, checkpoint_tensors, train
 
 pytestmark = pytest.mark.slow
@@ -127,13 +123,9 @@ def test_without_finetune_the_same_load_is_refused_in_one_line(dataset, backbone
                 "--train-iters", "4"]
         cases += [{"argv": [a for a in argv if a != "--finetune"], "env": {"WORLD_SIZE": "1", "RANK": "0"}},
                   {"argv": argv, "env": {"WORLD_SIZE": "1", "RANK": "0"}}]
-    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = json.loads(result.stdout.splitlines()[-1])
+    outcomes = argument_cases.check(cases, timeout=600)
     for depths, (without, with_finetune) in zip(SAVED_DEPTHS, zip(outcomes[::2], outcomes[1::2])):
-        errors = [line for line in without["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        errors = without["errors"]
         assert not without["accepted"] and len(errors) == 1, without
         assert f"mtp_num_layers: checkpoint {depths}, model 2" in errors[0], errors[0]
         assert not any("Traceback" in line for line in without["stderr"]), without

@@ -10,16 +10,14 @@ iterations 3-4 bit for bit. Refused in one line before anything is built: a chec
 another pattern (naming both), and layers the local (CPU) hybrid stack does not build.
 """
 
-import json
-import os
 import subprocess
-import sys
 
 import pytest
 
 from tests.harness.corpora import preprocess, sentences, write_jsonl
+from tests.harness import argument_cases
 from tests.harness.launcher import REPO_ROOT
-from tests.harness.trainer import TINY, scalars, train
+from tests.harness.trainer import TINY, close, scalars, train
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +43,6 @@ def initial_weights(dataset, tmp_path_factory):
     train(1, *COMMON, "--micro-batch-size", "8", "--data-path", str(dataset), "--train-iters", "1",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(root), "--save-interval", "1")
     return root
-
-
-def close(a: float, b: float, rel: float = 2e-5) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
 def test_losses_and_grad_norm_are_the_same_however_the_step_is_cut(dataset, initial_weights, tmp_path):
@@ -94,12 +88,8 @@ def test_another_pattern_and_layers_without_a_local_build_are_refused_in_one_lin
     example = subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
                              check=True).stdout.split("\n")[:-1]
     cases.append({"argv": [*base, *example], "env": {"WORLD_SIZE": "1", "RANK": "0"}})
-    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert result.returncode == 0, result.stderr[-3000:]
-    *refused, accepted, example_accepted = json.loads(result.stdout.splitlines()[-1])
+    *refused, accepted, example_accepted = argument_cases.check(cases, timeout=300)
     assert accepted["accepted"] and example_accepted["accepted"], (accepted, example_accepted)
     for (extra, message), outcome in zip(expected, refused, strict=True):
-        errors = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        errors = outcome["errors"]
         assert not outcome["accepted"] and len(errors) == 1 and message in errors[0], (extra, outcome)

@@ -21,16 +21,12 @@ The example config examples/configs/deepseek_v3_moe_tiny.sh trains through the C
 start; bad MoE input is refused in one line before anything is built.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.harness.corpora import preprocess, sentences, write_jsonl
-from tests.harness.launcher import REPO_ROOT
-from tests.harness.trainer import TINY, checkpoint_tensors, parse, scalars, train
+from tests.harness import argument_cases
+from tests.harness.trainer import TINY, checkpoint_tensors, close, parse, scalars, train
 from tests.test_examples import bash
 
 pytestmark = pytest.mark.slow
@@ -67,10 +63,6 @@ def initial_weights(dataset, tmp_path_factory):
     train(1, *COMMON, "--micro-batch-size", "8", "--data-path", str(dataset), "--train-iters", "1",
           "--save", str(root), "--save-interval", "1")
     return root
-
-
-def close(a: float, b: float, rel: float = 2e-5) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
 @pytest.mark.parametrize("isolation,cuts", [((), tuple(CUTS)), (("--mtp-detach-heads",), ("1x4", "ep2"))],
@@ -176,14 +168,10 @@ def test_a_checkpoint_of_another_expert_shape_is_refused_before_anything_is_buil
                 (("--moe-ffn-hidden-size", "16"), "moe_ffn_hidden_size: checkpoint 32, model 16")]
     cases = [{"argv": [*base, *extra], "env": {"WORLD_SIZE": "1", "RANK": "0"}} for extra, _ in expected]
     cases.append({"argv": base, "env": {"WORLD_SIZE": "1", "RANK": "0"}})
-    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert result.returncode == 0, result.stderr[-3000:]
-    *refused, accepted = json.loads(result.stdout.splitlines()[-1])
+    *refused, accepted = argument_cases.check(cases, timeout=300)
     assert accepted["accepted"], accepted
     for (extra, message), outcome in zip(expected, refused, strict=True):
-        errors = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        errors = outcome["errors"]
         assert not outcome["accepted"] and len(errors) == 1 and message in errors[0], (extra, outcome)
 
 
@@ -203,13 +191,9 @@ def test_bad_moe_input_is_refused_in_one_line():
             "--vocab-size", "256", "--train-iters", "1"]
     cases = [{"argv": [*base, *extra], "env": {"WORLD_SIZE": "2", "RANK": "0"}} for extra, _ in REFUSALS]
     cases.append({"argv": base, "env": {"WORLD_SIZE": "2", "RANK": "0"}})  # the same without the fault
-    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert result.returncode == 0, result.stderr[-3000:]
-    *refused, accepted = json.loads(result.stdout.splitlines()[-1])
+    *refused, accepted = argument_cases.check(cases, timeout=300)
     assert len(refused) == len(REFUSALS) and accepted["accepted"], accepted
     for (extra, message), outcome in zip(REFUSALS, refused, strict=True):
-        errors = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        errors = outcome["errors"]
         assert not outcome["accepted"] and len(errors) == 1 and message in errors[0], (extra, outcome)
         assert not any("Traceback" in line for line in outcome["stderr"]), (extra, outcome)

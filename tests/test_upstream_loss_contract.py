@@ -14,7 +14,7 @@ the flag is what makes the user's steps exact.
 import pytest
 
 from tests.harness.corpora import preprocess, sentences, write_jsonl
-from tests.harness.trainer import TINY, scalars, train
+from tests.harness.trainer import TINY, close, scalars, train
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +28,6 @@ COMMON = TINY + ("--num-layers", "2", "--mtp-num-layers", "1", "--hidden-dropout
 USER = ("--position-embedding-type", "rope", "--calculate-per-token-loss", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "257", "--null-tokenizer-eod-id", "256")  # the dataset's bytes
 COMPARED = ("lm loss", "mtp_1 loss", "grad-norm")
-
-
-def close(a: float, b: float, rel: float = 2e-5) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
 def test_a_users_entry_script_with_exact_steps_trains_the_spec_objective(tmp_path):

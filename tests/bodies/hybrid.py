@@ -8,7 +8,7 @@ import torch
 
 from megatron_mtp.library.model import build_gpt, build_hybrid
 from tests.bodies.mtp_model import (
-    HIDDEN, LAMBDA, SEQ, SPARSE_CHUNK, VOCAB, make_config, max_rel, padded_batch, reference_for, reference_sums,
+    LAMBDA, SEQ, SPARSE_CHUNK, VOCAB, make_config, max_rel, padded_batch, reference_for, reference_sums,
     run_megatron,
 )
 from tests.harness.layout import model_parallel

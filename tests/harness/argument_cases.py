@@ -36,3 +36,21 @@ def run(case: dict) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps([run(case) for case in json.load(sys.stdin)]))
+
+
+def check(cases: list[dict], timeout: int = 600) -> list[dict]:
+    """`cases` through this module in one fresh process of this checkout's build (no CUDA): one
+    outcome per case, each with `errors`, its `pretrain_gpt_mtp.py: error:` lines."""
+    import subprocess
+
+    from tests.harness.launcher import REPO_ROOT
+
+    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(cases),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.splitlines()[-1])
+    assert len(outcomes) == len(cases), (len(outcomes), len(cases))
+    for outcome in outcomes:
+        outcome["errors"] = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+    return outcomes

@@ -27,3 +27,12 @@ def applied_checkout(series_dir: Path, sdist: Path, root: Path) -> Path:
     result = subprocess.run([*GIT, "am", "-q", *patches], cwd=tree, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     return tree
+
+
+def edited_checkout(sdist: Path, root: Path, *edits) -> Path:
+    """`pristine_checkout`, then one commit per `edit(tree)`: a checkout upstream moved on from the tag."""
+    tree = pristine_checkout(sdist, root)
+    for edit in edits:
+        edit(tree)
+        subprocess.run([*GIT, "commit", "-q", "-a", "-m", "upstream change"], cwd=tree, check=True, capture_output=True)
+    return tree

@@ -201,3 +201,8 @@ def checkpoint_tensors(directory: Path) -> dict:
                 yield f"{prefix}{key}", value
 
     return dict(flatten(state))
+
+
+def close(a: float, b: float, rel: float = 2e-5) -> bool:
+    """Equal to relative `rel` (a scalar that float32 round-off moves, compared across layouts)."""
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
