@@ -16,6 +16,7 @@ import glob
 import io
 import linecache
 import os
+import re
 import signal
 import sys
 import threading
@@ -87,7 +88,7 @@ def _defaults(on_cpu: bool, embedded: bool) -> dict:
 
 def _vocabulary_from_data(args, defaults: dict) -> None:
     """Tokenizer defaults from the datasets' metadata; a contradiction is an error."""
-    prefixes = [p for p in (args.data_path or []) if not _is_weight(p)]
+    prefixes = [p for p in (args.data_path or []) if not is_weight(p)]
     found = {}
     for prefix in prefixes:
         check_dataset(prefix)
@@ -132,7 +133,8 @@ def _schedule_plan(args) -> None:
                         "--mtp-num-layers")
 
 
-def _is_weight(item: str) -> bool:
+def is_weight(item: str) -> bool:
+    """A blend's weight in --data-path (the items are weight, prefix, weight, prefix, ...)."""
     try:
         float(item)
         return True
@@ -299,10 +301,34 @@ def _unusable_gpus() -> str | None:
             f"CUDA is unusable: {why}; fix that, or set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose")
 
 
+# Upstream's checks stay the source of a refusal; the frequent ones, which name config fields or
+# print a bare assert, are said first in flags: (pattern of the one-line refusal, hint).
+FLAG_HINTS = (
+    (re.compile(r"assert args\.save_interval is not None"),
+     "--save needs --save-interval N (every N iterations a checkpoint)"),
+    (re.compile(r"assert args\.hidden_size % args\.num_attention_heads == 0"),
+     "--hidden-size must be a multiple of --num-attention-heads"),
+    (re.compile(r"num_attention_heads \((\d+)\) must be a multiple of tensor_model_parallel_size \((\d+)\)"),
+     "--tensor-model-parallel-size {2} does not divide --num-attention-heads {1}: choose a tensor-parallel size that "
+     "divides the heads"),
+    (re.compile(r"max_position_embeddings \((\d+)\) must be greater than or equal to seq_length \((\d+)\)"),
+     "--seq-length {2} exceeds --max-position-embeddings {1}: raise --max-position-embeddings or shorten "
+     "--seq-length"),
+)
+
+
+def _with_hint(text: str) -> str:
+    for pattern, hint in FLAG_HINTS:
+        match = pattern.search(text)
+        if match:
+            return f"{hint.format(None, *match.groups())} (Megatron-LM: {text})"
+    return text
+
+
 def _one_line(error: BaseException | str) -> str:
     text = " ".join(str(error).split())
     if text:
-        return text
+        return _with_hint(text)
     frame = error.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
@@ -310,7 +336,9 @@ def _one_line(error: BaseException | str) -> str:
         return "Megatron-LM refused the arguments"
     filename = frame.tb_frame.f_code.co_filename
     statement = linecache.getline(filename, frame.tb_lineno).strip()
-    return f"Megatron-LM refused the arguments: {statement} ({filename.rsplit('/', 1)[-1]}:{frame.tb_lineno})"
+    text = f"{statement} ({filename.rsplit('/', 1)[-1]}:{frame.tb_lineno})"
+    hinted = _with_hint(text)
+    return hinted if hinted != text else f"Megatron-LM refused the arguments: {text}"
 
 
 def fail(error: BaseException | str) -> None:

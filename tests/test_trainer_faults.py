@@ -16,18 +16,15 @@
 """
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
 from tests.harness.corpora import paragraphs, preprocess, write_jsonl
-from tests.harness.launcher import REPO_ROOT
+from tests.harness import argument_cases
 from tests.harness.trainer import TINY, finish, last_rank_output, start, train
 
 pytestmark = pytest.mark.slow
@@ -84,8 +81,19 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
     return [
         # Megatron-LM's own checks (validate_args, TransformerConfig, the fork's MTP options),
         # in one line: this script repeats none of them
+        # the frequent ones said in flags first, upstream's check kept beside the hint
         ([*data, "--hidden-size", "48", "--num-attention-heads", "3", "--tensor-model-parallel-size", "2"], two,
-         "num_attention_heads (3) must be a multiple of tensor_model_parallel_size (2)"),
+         "--tensor-model-parallel-size 2 does not divide --num-attention-heads 3: choose a tensor-parallel size "
+         "that divides the heads (Megatron-LM: num_attention_heads (3) must be a multiple of "
+         "tensor_model_parallel_size (2)"),
+        ([*data, "--save", str(tmp_path / "never")], one,
+         "--save needs --save-interval N (every N iterations a checkpoint) (Megatron-LM: assert args.save_interval "
+         "is not None"),
+        ([*data, "--num-attention-heads", "3"], one,
+         "--hidden-size must be a multiple of --num-attention-heads (Megatron-LM: assert args.hidden_size % "
+         "args.num_attention_heads == 0"),
+        ([*data, "--seq-length", "4096"], one,
+         "--seq-length 4096 exceeds --max-position-embeddings"),
         ([*data, "--global-batch-size", "6", "--micro-batch-size", "4"], one,
          "--global-batch-size 6 is not a multiple of --micro-batch-size 4 x data-parallel size 1"),
         ([*data, "--global-batch-size", "8", "--micro-batch-size", "2"], three,
@@ -149,16 +157,12 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_built(dataset, chec
                 {"argv": [*good, "--group-query-attention", "--num-query-groups", "1",
                           "--tensor-model-parallel-size", "2"], "env": {"WORLD_SIZE": "2", "RANK": "0"}}]
     given = [{"argv": argv, "env": env} for argv, env, _ in cases] + controls
-    result = subprocess.run([sys.executable, "-m", "tests.harness.argument_cases"], input=json.dumps(given),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = json.loads(result.stdout.splitlines()[-1])
+    outcomes = argument_cases.check(given, timeout=600)
     assert len(outcomes) == len(given)
     assert all(outcome["accepted"] for outcome in outcomes[len(cases):]), outcomes[len(cases):]
     wrong = []  # every case that is not refused as expected, reported together
     for (argv, env, expected), outcome in zip(cases, outcomes[:len(cases)], strict=True):
-        errors = [line for line in outcome["stderr"] if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        errors = outcome["errors"]
         if outcome["accepted"] or len(errors) != 1 or expected not in errors[0] \
                 or any("Traceback" in line for line in outcome["stderr"]):
             wrong.append((expected, outcome))
