@@ -7,13 +7,17 @@ One module-scoped pipeline, so megatron-core is imported in few processes:
 2. pretrain_gpt_mtp.py --load the imported Qwen2 --finetune --freeze-backbone --mtp-detach-heads
    at TP = 2 x PP = 2 (D = 2), 4 iterations;
 3. one process checks: parity with transformers and with plain-PyTorch MiMo / DeepSeek-V3 MTP
-   forwards, the loaders' tensor names, round trips, the frozen backbone, speculative decoding.
+   forwards, the loaders' tensor names, round trips, the frozen backbone, speculative decoding
+   (constructed models; the KV cache against a whole-sequence recompute), eval_speculative.py,
+   MiMo's config, an import that fails after writing. Each part reports its own result or its
+   own traceback, so a test fails with the error of the part it reads.
 A repeated MTP layer (issue 17): its own short run (pretrain_gpt_mtp.py --mtp-use-repeated-layer,
 D = 2, a Qwen2-shaped model from scratch, one rank) and one process that exports, re-imports and
 runs it.
 Bad input runs the command line, one subprocess per case.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -21,91 +25,220 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from megatron_mtp.serving import speculative
+from megatron_mtp.serving.config import ModelConfig
 from tests.harness.launcher import REPO_ROOT, launch
 from tests.harness.trainer import TINY, train
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
 PARITY = 1e-5  # relative, fp32
+KV_CACHE = 1e-5  # relative, a draft's logits over the cache against the recompute (measured <= 5e-7)
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     prepared = launch("tests.bodies.serving:prepare", 1, {"root": str(root)}, timeout=300)[0]
+    # the import's own flags at the tensor-parallel size it was made for (no vocabulary override)
     train(4, *TINY, *prepared["flags"], "--load", str(root / "qwen-mg"), "--finetune", "--freeze-backbone",
           "--mtp-detach-heads", "--mtp-num-layers", "2", "--tensor-model-parallel-size", "2",
-          "--pipeline-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64", "--train-iters", "4",
+          "--pipeline-model-parallel-size", "2", "--train-iters", "4",
           "--lr", "3e-3", "--save", str(root / "trained"), "--save-interval", "4", timeout=400)
-    results = launch("tests.bodies.serving:check", 1, {"root": str(root)}, timeout=400)[0]
-    return root, results
+    # what eval_speculative.py refuses: an MoE and a HybridModel checkpoint (D = 1 each)
+    train(1, *TINY, "--num-experts", "2", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+          "--disable-bias-linear", "--mtp-num-layers", "1", "--train-iters", "1", "--save", str(root / "trained-moe"),
+          "--save-interval", "1", timeout=300)
+    train(1, *TINY, "--hybrid-layer-pattern", "*-*-/*-", "--train-iters", "1", "--save", str(root / "trained-hybrid"),
+          "--save-interval", "1", timeout=300)
+    results = launch("tests.bodies.serving:check", 1, {"root": str(root)}, timeout=600)[0]
+    return root, {**results, "prepared": prepared}
+
+
+def part(pipeline, name: str):
+    """One part of the check body's results; its own traceback if that part failed."""
+    result = pipeline[1][name]
+    if isinstance(result, dict) and set(result) == {"error"}:
+        pytest.fail(f"{name}:\n{result['error']}", pytrace=False)
+    return result
 
 
 def test_imported_models_compute_what_transformers_computes(pipeline):
-    _, results = pipeline
-    parity = results["parity"]
+    parity = part(pipeline, "parity")
     for name in ("llama logits", "qwen logits", "mimo backbone logits", "deepseek_v3 backbone logits"):
         assert parity[name] <= PARITY, (name, parity[name])
 
 
 def test_exported_mtp_depths_compute_mimo_and_deepseek_mtp_forwards(pipeline):
-    _, results = pipeline
-    parity = results["parity"]
+    parity = part(pipeline, "parity")
     for layout in ("mimo", "deepseek_v3"):
         for depth in (1, 2):
             assert parity[f"{layout} depth {depth} logits"] <= PARITY, (layout, depth, parity)
 
 
 def test_exported_names_are_the_loaders(pipeline):
-    _, results = pipeline
-    assert set(results["names"]) == {"mimo", "deepseek_v3"}
+    assert set(part(pipeline, "names")) == {"mimo", "deepseek_v3"}
 
 
 def test_round_trips_are_bit_identical(pipeline):
-    root, results = pipeline
-    trips = results["round trips"]
+    root, _ = pipeline
+    trips = part(pipeline, "round trips")
     assert trips["qwen import-export tensors"] > 0 and trips["llama import-export tensors"] > 0
     assert trips["mimo export-import tensors"] == trips["deepseek_v3 export-import tensors"] > 0
-    flags = (root / "qwen-mg" / "megatron_flags.txt").read_text().split()
-    assert "--add-qkv-bias" in flags and "--untie-embeddings-and-output-weights" in flags
     config = json.loads((root / "export-mimo" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["num_nextn_predict_layers"] == 2
     assert not [p.name for p in root.iterdir() if ".partial-" in p.name]  # staging renamed or removed
 
 
+def test_the_import_s_flags_build_the_imported_model_at_its_tensor_parallel_size(pipeline):
+    """The flags the trainer ran with above: the model's shape, the vocabulary padded as the trainer
+    pads it at TP = 2 (Megatron's default of 128 x TP; before, 128 alone, and the trainer refused the
+    checkpoint at TP = 2), and Qwen2's dropout (none) instead of Megatron's default 0.1."""
+    root, _ = pipeline
+    flags = (root / "qwen-mg" / "megatron_flags.txt").read_text().split()
+    assert "--add-qkv-bias" in flags and "--untie-embeddings-and-output-weights" in flags
+    assert flags[flags.index("--make-vocab-size-divisible-by") + 1] == "128"
+    assert flags[flags.index("--attention-dropout") + 1] == "0" and flags[flags.index("--hidden-dropout") + 1] == "0"
+    assert pipeline[1]["prepared"]["qwen-mg vocabulary"] == [257, 512]  # 257 padded to a multiple of 256
+
+
 def test_trainer_loads_the_import_at_tp2_pp2_with_the_backbone_frozen(pipeline):
-    _, results = pipeline
-    frozen = results["frozen backbone"]
+    frozen = part(pipeline, "frozen backbone")
     assert frozen["backbone tensors"] > 0 and frozen["mtp tensors changed"] > 0
 
 
 def test_speculative_decoding_constructed_models(pipeline):
-    _, results = pipeline
-    perfect, wrong = results["speculative"]["counting"], results["speculative"]["counting-wrong"]
+    cases = part(pipeline, "speculative")
+    perfect, wrong = cases["counting"], cases["counting-wrong"]
     assert perfect["acceptance per depth (vLLM per-position rate)"] == [1.0, 1.0]
     assert perfect["draft acceptance rate"] == 1.0
-    assert perfect["mean acceptance length incl. bonus (vLLM)"] == 3.0
+    assert perfect["mean acceptance length incl. bonus"] == 3.0
     assert perfect["teacher-forced acceptance per depth"] == [1.0, 1.0]
     assert perfect["target forwards per generated token"] < 0.5
     assert wrong["acceptance per depth (vLLM per-position rate)"] == [0.0, 0.0]
-    assert wrong["mean acceptance length incl. bonus (vLLM)"] == 1.0
+    assert wrong["mean acceptance length incl. bonus"] == 1.0
     assert wrong["target forwards per generated token"] == 1.0
 
 
+def test_decoding_over_the_kv_cache_equals_a_whole_sequence_recompute(pipeline):
+    for name, result in part(pipeline, "kv cache").items():
+        assert result["same"] and result["draft calls"] > 0, (name, result)
+        assert result["worst"] <= KV_CACHE, (name, result)
+
+
+class ScriptedRunner:
+    """A runner whose main head counts (greedy token after x: x + 1 mod 10) and whose depth k drafts
+    `drafts[k](x)` from its input token x = x_{t+k}; hidden states are placeholders."""
+
+    def __init__(self, depth_drafts):
+        self.depth_drafts, self.depths = depth_drafts, len(depth_drafts)
+
+    @staticmethod
+    def _logits(next_tokens):
+        return torch.nn.functional.one_hot(torch.tensor(next_tokens), 10).float().unsqueeze(0)
+
+    def main(self, tokens, start=0):
+        ids = tokens[0].tolist()
+        return torch.zeros(len(ids), 1, 1), self._logits([(x + 1) % 10 for x in ids])
+
+    def depth(self, k, hidden, ahead, start=0):
+        ids = ahead[0].tolist()
+        return torch.zeros(len(ids), 1, 1), self._logits([self.depth_drafts[k - 1](x) % 10 for x in ids])
+
+
+def test_the_acceptance_counters_on_a_hand_computed_case():
+    """D = 2, depth 1 always right (x + 1), depth 2 always wrong (x + 2 where x + 1 is due), 10 new
+    tokens after the prompt [0]: the prefill emits 1; every verify step accepts d_1, rejects d_2 and
+    adds the bonus (2 tokens), so 5 verify steps emit 1 + 10 = 11 tokens in 6 target forwards:
+    acceptance per position [5/5, 0/5], draft acceptance 5 / 10, mean acceptance length 1 + 5/5 = 2,
+    6/11 target forwards per generated token."""
+    stats = speculative.Stats(depths=2)
+    output = speculative.speculative(ScriptedRunner([lambda x: x + 1, lambda x: x + 2]), [0], 10, stats)
+    assert output == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
+    assert (stats.drafts, stats.accepted_per_position, stats.forwards, stats.generated) == (5, [5, 0], 6, 11)
+    summary = stats.summary()
+    assert summary["acceptance per depth (vLLM per-position rate)"] == [1.0, 0.0]
+    assert summary["draft acceptance rate"] == 0.5
+    assert summary["mean acceptance length incl. bonus"] == 2.0
+    assert summary["target forwards per generated token"] == 6 / 11
+
+
 def test_eval_speculative_on_a_trained_checkpoint_is_lossless(pipeline):
-    _, results = pipeline
-    run = results["evaluate"]
+    runs = part(pipeline, "evaluate")
+    run = runs["all depths"]
+    assert run["status"] == 0, run["stderr"]
     summary = run["results"]
-    assert run["status"] == 0 and summary["lossless"] and summary["prompts"] == 4
+    assert summary["lossless"] and summary["prompts"] == 4
     per_depth = summary["acceptance per depth (vLLM per-position rate)"]
     assert len(per_depth) == 2 and all(0.0 <= rate <= 1.0 for rate in per_depth)
     assert per_depth[1] <= per_depth[0]  # position 2 is accepted only after position 1
-    assert 1.0 <= summary["mean acceptance length incl. bonus (vLLM)"] <= 3.0
-    assert summary["accept length incl. bonus (SGLang)"] == summary["mean acceptance length incl. bonus (vLLM)"]
+    assert 1.0 <= summary["mean acceptance length incl. bonus"] <= 3.0
     assert 1 / 3 <= summary["target forwards per generated token"] <= 1.0
     assert all(0.0 <= rate <= 1.0 for rate in summary["teacher-forced acceptance per depth"])
+
+
+def test_eval_speculative_drafts_with_fewer_depths_than_trained(pipeline):
+    """--depths 1 on a D = 2 checkpoint (it ended in an IndexError: the teacher-forced counters were
+    sized to 1 depth, every depth was run)."""
+    run = part(pipeline, "evaluate")["depth 1"]
+    assert run["status"] == 0, run["stderr"]
+    summary = run["results"]
+    assert summary["depths"] == 1 and summary["lossless"]
+    assert len(summary["acceptance per depth (vLLM per-position rate)"]) == 1
+    assert len(summary["teacher-forced acceptance per depth"]) == 1
+
+
+def test_eval_speculative_encodes_prompts_with_the_checkpoint_s_tokenizer(pipeline):
+    run = part(pipeline, "evaluate")["prompts file"]
+    assert run["status"] == 0 and "lossless: True" in run["stdout"], run
+
+
+def test_eval_speculative_refuses_bad_input_in_one_line(pipeline):
+    expected = {"missing prompts": "--prompts", "bad tokenizer": "--tokenizer",
+                "tokenizer without prompts": "--tokenizer encodes --prompts",
+                "moe": "--num-experts 2, which this tool does not run",
+                "hybrid": "HybridModel (--hybrid-layer-pattern *-*-/*-)"}
+    refusals = part(pipeline, "eval refusals")
+    for name, words in expected.items():
+        refusal = refusals[name]
+        assert refusal["status"] == 2 and len(refusal["stderr"]) == 1, (name, refusal)
+        line = refusal["stderr"][0]
+        assert line.startswith("eval_speculative.py: error: ") and words in line, (name, line)
+
+
+def test_a_mimo_checkpoint_imports_and_exports_as_mimo(pipeline):
+    mimo = part(pipeline, "mimo")
+    assert mimo["import"] == 0 and mimo["same as qwen2's import"], mimo
+    assert mimo["export"] == 0 and mimo["round trip"], mimo
+    assert mimo["exported config"] == [["MiMoForCausalLM"], "mimo", 1], mimo
+    assert mimo["trained as mimo"] == 0 and mimo["trained config"] == [["MiMoForCausalLM"], "mimo", 2], mimo
+    for name, words in (("llama as mimo", "QKV biases"), ("mimo in deepseek layout", "--architecture qwen2")):
+        refusal = mimo["refusals"][name]
+        assert refusal["status"] == 2 and len(refusal["stderr"]) == 1 and words in refusal["stderr"][0], refusal
+        assert not refusal["written"], refusal
+
+
+def test_an_import_that_fails_after_writing_leaves_nothing(pipeline):
+    """The check that every backbone tensor was imported ran after the rename: a failing import left
+    its output in place. Now it runs inside the staging directory."""
+    result = part(pipeline, "staging")
+    assert result["status"] == 2 and len(result["stderr"]) == 1, result
+    assert "backbone parameter decoder.final_layernorm.weight was not imported" in result["stderr"][0], result
+    assert not result["written"], result
+
+
+def test_a_null_tokenizer_s_end_of_document_row_is_exported():
+    """Megatron-LM's NullTokenizer convention: ids 0 .. vocab_size - 1 and the end of document at
+    vocab_size, one more row than --vocab-size says; export keeps it (it wrote vocab_size rows)."""
+    args = argparse.Namespace(
+        normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+        num_attention_heads=4, group_query_attention=False, hidden_size=64, ffn_hidden_size=96, num_layers=2,
+        kv_channels=16, max_position_embeddings=64, untie_embeddings_and_output_weights=True,
+        tokenizer_type="NullTokenizer", vocab_size=256, null_tokenizer_eod_id=256, padded_vocab_size=384)
+    config = ModelConfig.from_megatron_args(args)
+    assert config.vocab_size == 257 and config.extra == {"eos_token_id": 256}
+    args.null_tokenizer_eod_id = 255  # inside the ids: nothing added
+    assert ModelConfig.from_megatron_args(args).vocab_size == 256
 
 
 # ---------------------------------------------------------------- a repeated MTP layer

@@ -1,24 +1,27 @@
 #!/usr/bin/env python3
-"""Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 backbones and their MTP heads.
+"""Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 / MiMo backbones and their MTP heads.
 
     # a Hugging Face model into the trainer (draft heads for an existing model)
-    tools/convert_checkpoint.py import HF_DIR OUT_DIR [--mtp-num-layers D]
+    tools/convert_checkpoint.py import HF_DIR OUT_DIR [--mtp-num-layers D] [--tensor-model-parallel-size T]
     torchrun ... pretrain_gpt_mtp.py $(cat OUT_DIR/megatron_flags.txt) --load OUT_DIR --finetune \\
         --freeze-backbone --mtp-detach-heads ...
 
     # a trainer checkpoint (any TP / PP / VPP layout) to Hugging Face, MTP depths in MiMo's layout
     tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout mimo|deepseek_v3|none]
-        [--dtype fp32|bf16] [--tokenizer DIR]
+        [--architecture llama|qwen2|mimo] [--dtype fp32|bf16] [--tokenizer DIR]
 
 import reads config.json and safetensors (model.safetensors, or shards with
-model.safetensors.index.json) of a LlamaForCausalLM or Qwen2ForCausalLM, and MTP depths when
-present (MiMo's model.mtp_layers.{i}.*, or DeepSeek-V3's model.layers.{L+k}.*); it writes a
-torch_dist release checkpoint that pretrain_gpt_mtp.py --load DIR --finetune loads at any
-TP / PP layout, and the model flags that build it (OUT_DIR/megatron_flags.txt, also printed).
+model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM or MiMoForCausalLM (Qwen2
+with model.mtp_layers), and MTP depths when present (MiMo's model.mtp_layers.{i}.*, or
+DeepSeek-V3's model.layers.{L+k}.*); it writes a torch_dist release checkpoint that
+pretrain_gpt_mtp.py --load DIR --finetune loads at any PP layout and at the tensor-parallel
+size given (the vocabulary is padded as the trainer pads it there), and the model flags that
+build it, dropout included (OUT_DIR/megatron_flags.txt, also printed).
 --mtp-num-layers D adds MTP depths the Hugging Face checkpoint does not have, initialized as
 megatron-core initializes them (seeded by --seed).
 
-export writes the backbone as Llama (Qwen2 when the model has QKV biases): config.json,
+export writes the backbone as Llama (Qwen2 when the model has QKV biases; MiMo when it was imported
+from MiMo, or with --architecture mimo, so that vLLM and SGLang pick their MiMo MTP model): config.json,
 model.safetensors, the tokenizer's files when --tokenizer is given; the MTP depths in MiMo's
 layout (default) or DeepSeek-V3's (with the copies of the output weight and embedding that
 its loaders read), num_nextn_predict_layers in config.json. A checkpoint trained with
@@ -56,8 +59,11 @@ def parse(argv):
     imp.add_argument("--mtp-use-repeated-layer", action="store_true",
                      help="import identical MTP depths as one repeated layer")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                     help="pad the vocabulary to a multiple of this (Megatron's flag; at tensor-parallel size T "
-                          "the trainer needs a value whose product with T divides the padded vocabulary)")
+                     help="Megatron's flag, written into megatron_flags.txt: the trainer pads the vocabulary to a "
+                          "multiple of this times its tensor-parallel size")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                     help="the tensor-parallel size the import is fine-tuned at: the vocabulary is padded as the "
+                          "trainer pads it there (the model flags load at this size)")
     imp.add_argument("--seed", type=int, default=1234, help="initialization of new MTP depths")
     exp = commands.add_parser("export", help="megatron-core checkpoint -> Hugging Face checkpoint")
     exp.add_argument("source", help="trainer checkpoint: the --save directory (its tracker names the iteration) "
@@ -66,6 +72,10 @@ def parse(argv):
     exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "none"], default=None,
                      help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths; "
                           "none: the backbone only)")
+    exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo"], default=None,
+                     help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases and "
+                          "Llama without); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
+                          "MTP depths as MiMo's")
     exp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     exp.add_argument("--tokenizer", help="tokenizer directory (or file) whose files are copied beside the model")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
@@ -78,9 +88,9 @@ def run_import(args) -> int:
 
     out = files.check_output(args.output)
     config, tensors = files.read_hf(args.source)
-    if args.make_vocab_size_divisible_by < 1:
-        raise ServingError("--make-vocab-size-divisible-by must be >= 1")
-    cfg = ModelConfig.from_hf(config, pad_to=args.make_vocab_size_divisible_by)
+    if args.make_vocab_size_divisible_by < 1 or args.tensor_model_parallel_size < 1:
+        raise ServingError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be >= 1")
+    cfg = ModelConfig.from_hf(config, pad_to=args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
     layout, depths = mapping.detect_mtp(tensors, cfg)
     global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
     wanted = depths if args.mtp_num_layers is None else args.mtp_num_layers
@@ -99,16 +109,18 @@ def run_import(args) -> int:
     flags = cfg.trainer_flags(args.make_vocab_size_divisible_by)
     with files.Staging(out) as staging:
         initialized = files.write_megatron(staging, megatron_args, global_tensors, depths, seed=args.seed)
+        others = [n for n in initialized if not n.startswith("mtp.layers.")]
+        if others:  # every backbone parameter must come from the checkpoint; checked before the rename
+            raise ServingError(f"internal: backbone parameter {others[0]} was not imported")
         (staging / files.FLAGS_FILE).write_text(" ".join(flags) + "\n")
     new_depths = sorted({int(n.split(".")[2]) + 1 for n in initialized if n.startswith("mtp.layers.")})
-    others = [n for n in initialized if not n.startswith("mtp.layers.")]
-    if others:  # every backbone parameter must come from the checkpoint
-        raise ServingError(f"internal: backbone parameter {others[0]} was not imported")
     print(f"{PROG}: imported {cfg.family} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary "
           f"{cfg.vocab_size} padded to {cfg.padded_vocab_size}, {'tied' if cfg.tied else 'untied'} embeddings"
           f"{', MTP depths ' + str(depths) + ' from ' + layout + ' layout' if depths else ''}"
           f"{', new MTP depths ' + str(new_depths) + ' initialized' if new_depths else ''}) into {out}")
-    print(f"{PROG}: model flags (also in {out / files.FLAGS_FILE}): {' '.join(flags)}")
+    print(f"{PROG}: model flags for tensor-parallel size {args.tensor_model_parallel_size} (also in "
+          f"{out / files.FLAGS_FILE}; another size pads the vocabulary otherwise: import again with "
+          f"--tensor-model-parallel-size): {' '.join(flags)}")
     return 0
 
 
@@ -123,7 +135,12 @@ def run_export(args) -> int:
     if run_args is None:
         raise ServingError(f"{directory}: the checkpoint holds no arguments (not written by the trainer or import)")
     cfg = ModelConfig.from_megatron_args(run_args)
+    if args.architecture:
+        cfg.as_architecture(args.architecture)
     layout = None if args.mtp_layout == "none" else args.mtp_layout or ("mimo" if cfg.mtp_num_layers else None)
+    if cfg.family == "mimo" and layout == "deepseek_v3":
+        raise ServingError("--mtp-layout deepseek_v3: MiMo's MTP depths are model.mtp_layers (--mtp-layout mimo); "
+                           "give --architecture qwen2 for DeepSeek-V3's layout")
     if layout and not cfg.mtp_num_layers:
         raise ServingError(f"--mtp-layout {args.mtp_layout}: the checkpoint has no MTP depths "
                            "(trained without --mtp-num-layers); use --mtp-layout none")

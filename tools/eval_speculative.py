@@ -11,24 +11,32 @@ a difference is an error, exit status 1). Reported, with the definitions named:
 
 - acceptance per depth: vLLM's per-position rate (drafts accepted at position k / verify steps);
 - draft acceptance rate: accepted / drafted tokens (vLLM);
-- mean acceptance length with the bonus token: vLLM's 1 + accepted / verify steps and
-  SGLang's sum(accepted + 1) / verify steps (equal here: one sequence, every step drafts D);
+- mean acceptance length with the bonus token: tokens emitted per verify step, 1 + accepted /
+  verify steps (vLLM's mean acceptance length; SGLang's accept length, sum(accepted + 1) / verify
+  steps, is the same number when every verify step carries drafts, as here);
 - target forward passes per generated token (the prefill included);
 - beside them, the trainer's teacher-forced acceptance (spec section 7: depth k's argmax against
   the text's own token) on the same texts: the prompt and the data's continuation (or, with
   --prompts, the prompt and the greedy continuation).
 
-Prompts: --data-path PREFIX (a megatron-core indexed dataset; default: the run's --data-path,
-else the embedded corpus): the first --prompt-length tokens of --num-prompts documents spread
-over the dataset; or --prompts FILE, one prompt per line, encoded with --tokenizer (bytes, a
-tokenizer.json or a SentencePiece model; default bytes).
+Prompts: --data-path PREFIX (a megatron-core indexed dataset; default: the run's first dataset,
+a blend's weights skipped, else the embedded corpus): the first --prompt-length tokens of
+--num-prompts documents spread over the dataset; or --prompts FILE, one prompt per line, encoded
+with the checkpoint's own tokenizer (the one its data was written with, or its Megatron-LM
+--tokenizer-type / --tokenizer-model; a NullTokenizer reads space-separated ids), or with
+--tokenizer (bytes, a tokenizer.json or a SentencePiece model).
 
-Runs on CPU as a plain loop over the model's forward (no KV cache), megatron-core's GPTModel
-loaded in one process from any saved TP / PP / VPP layout. megatron-core 0.19.2's dynamic
-inference engine with MTP speculative decoding (num_speculative_tokens,
+Runs on CPU, megatron-core's GPTModel loaded in one process from any saved TP / PP / VPP layout,
+each forward over a KV cache (megatron_mtp.serving.kv_cache): a verify step runs the accepted
+token and the drafts, a depth the positions it has not taken for good, so the cost per token
+does not grow with a recompute of the whole sequence. megatron-core 0.19.2's dynamic inference
+engine with MTP speculative decoding (num_speculative_tokens,
 text_generation_controllers/mtp_utils_pytorch.py) is not used here: its context, engine and
 controller allocate CUDA buffers, streams and graphs throughout (about 320 `cuda` references),
-outside what the series' runtime-only CPU patches cover. Progress goes to stderr.
+outside what the series' runtime-only CPU patches cover; its static context turns the causal mask
+off after the prefill (one new token per step), which a verify step of D + 1 tokens cannot use.
+A HybridModel or MoE checkpoint is refused in one line (this tool builds GPTModel's dense layers).
+Progress goes to stderr.
 """
 
 import argparse
@@ -55,7 +63,8 @@ def parse(argv):
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--data-path", help="megatron-core indexed dataset prefix the prompts come from")
     source.add_argument("--prompts", help="file of prompts, one per line")
-    parser.add_argument("--tokenizer", default="bytes", help="encodes --prompts: bytes, tokenizer.json or .model")
+    parser.add_argument("--tokenizer", help="encodes --prompts: bytes, a tokenizer.json or a SentencePiece .model "
+                                            "(default: the checkpoint's own tokenizer)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-length", type=int, default=32, help="tokens of each document used as prompt")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -64,46 +73,26 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
-def dataset_prompts(prefix: str, count: int, prompt_length: int, new_tokens: int):
-    """(prompt, reference text) pairs from documents long enough, spread evenly over the dataset."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    from megatron_mtp.serving import ServingError
-
-    if not os.path.isfile(prefix + ".idx"):
-        raise ServingError(f"--data-path {prefix}: no {prefix}.idx")
-    documents = IndexedDataset(prefix)
-    needed = prompt_length + new_tokens
-    long_enough = [i for i in range(len(documents)) if documents.sequence_lengths[i] >= needed]
-    if len(long_enough) < count:
-        raise ServingError(f"--data-path {prefix}: {len(long_enough)} documents hold {needed} tokens "
-                           f"(--prompt-length + --new-tokens), {count} are asked for")
-    chosen = [long_enough[(i * len(long_enough)) // count] for i in range(count)]
-    pairs = []
-    for i in chosen:
-        text = [int(t) for t in documents[i][:needed]]
-        pairs.append((text[:prompt_length], text))
-    return pairs
-
-
 def main(argv=None) -> int:
     args = parse(argv if argv is not None else sys.argv[1:])
     warnings.filterwarnings("ignore")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     import torch
 
-    from megatron_mtp.serving import ServingError, files
+    from megatron_mtp.serving import ServingError, files, prompts, speculative
     from megatron_mtp.serving import model as serving_model
-    from megatron_mtp.serving import speculative
 
     torch.set_grad_enabled(False)
     try:
         for name in ("num_prompts", "prompt_length", "new_tokens"):
             if getattr(args, name) < 1:
                 raise ServingError(f"--{name.replace('_', '-')} must be >= 1")
-        run_args, _, directory = files.read_megatron(args.checkpoint)
+        if args.tokenizer is not None and not args.prompts:
+            raise ServingError("--tokenizer encodes --prompts; without --prompts the prompts are a dataset's tokens")
+        run_args, directory = files.read_arguments(args.checkpoint)
         if run_args is None:
             raise ServingError(f"{directory}: the checkpoint holds no arguments")
+        serving_model.check_supported(run_args)
         depths = run_args.mtp_num_layers or 0
         if not depths:
             raise ServingError(f"{directory}: the model has no MTP depths to draft with")
@@ -111,20 +100,15 @@ def main(argv=None) -> int:
         if not 1 <= use <= depths:
             raise ServingError(f"--depths {args.depths}: the model has {depths} MTP depths")
         if args.prompts:
-            from megatron_mtp.data.tokenizers import load_tokenizer
-
-            tokenizer = load_tokenizer(args.tokenizer)
-            lines = [line.rstrip("\n") for line in open(args.prompts, encoding="utf-8") if line.strip()]
-            if not lines:
-                raise ServingError(f"--prompts {args.prompts}: no prompts")
-            pairs = [(tokenizer.encode(line), None) for line in lines[: args.num_prompts]]
+            encoder = prompts.tokenizer(run_args, args.tokenizer)
+            pairs = [(prompt, None) for prompt in prompts.file_prompts(args.prompts, encoder.encode, args.num_prompts)]
             source = args.prompts
         else:
             from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
 
-            prefix = args.data_path or ((run_args.data_path or [None])[0] if getattr(run_args, "data_path", None)
-                                        else None) or str(corpus_prefix(default_cache_dir()))
-            pairs = dataset_prompts(prefix, args.num_prompts, args.prompt_length, args.new_tokens)
+            prefix = args.data_path or next(iter(prompts.data_prefixes(run_args)), None) \
+                or str(corpus_prefix(default_cache_dir()))
+            pairs = prompts.dataset_prompts(prefix, args.num_prompts, args.prompt_length, args.new_tokens)
             source = prefix
         vocab = int(getattr(run_args, "vocab_size", None) or run_args.padded_vocab_size)
         for prompt, _ in pairs:

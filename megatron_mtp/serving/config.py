@@ -9,15 +9,18 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_mtp.serving import ServingError
 
-FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# MiMo (model_type "mimo") is Qwen2 with MTP depths in model.mtp_layers; its own name in config.json
+# is what makes vLLM and SGLang serve those depths (their MiMo MTP models).
+FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo"}
 ARCHITECTURES = {family: architecture for architecture, family in FAMILIES.items()}
+QKV_BIAS_FAMILIES = ("qwen2", "mimo")
 # megatron-core's Llama 3 RoPE scaling has these constants built in (rotary_pos_embedding._apply_scaling).
 LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass
 class ModelConfig:
-    family: str  # "llama" | "qwen2"
+    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped)
     vocab_size: int  # the tokenizer's vocabulary (Hugging Face's vocab_size)
     padded_vocab_size: int  # rows of megatron-core's embedding and output layer
     hidden_size: int
@@ -34,6 +37,7 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", "factor": F, ...}
     mtp_num_layers: int = 0
     mtp_repeated: bool = False
+    attention_dropout: float = 0.0  # Llama's and Qwen2's; neither has hidden dropout
     extra: dict = field(default_factory=dict)  # bos/eos ids etc., carried through
 
     # ------------------------------------------------------------------ Hugging Face
@@ -58,7 +62,7 @@ class ModelConfig:
                 norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 tied=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=family == "qwen2",
+                qkv_bias=family in QKV_BIAS_FAMILIES,
             )
         except KeyError as missing:
             raise ServingError(f"config.json has no {missing.args[0]!r}") from None
@@ -67,7 +71,7 @@ class ModelConfig:
             raise ServingError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
         if family == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
             raise ServingError("config.json: Llama attention_bias / mlp_bias are not supported")
-        if family == "qwen2" and config.get("use_sliding_window"):
+        if family in QKV_BIAS_FAMILIES and config.get("use_sliding_window"):
             raise ServingError("config.json: Qwen2 sliding-window attention is not supported")
         if heads % values["num_query_groups"]:
             raise ServingError(f"config.json: num_attention_heads {heads} is not a multiple of "
@@ -82,6 +86,7 @@ class ModelConfig:
         values["rope_scaling"] = _rope_scaling(scaling)
         values["mtp_num_layers"] = int(config.get("num_nextn_predict_layers") or 0)
         values["extra"] = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+        values["attention_dropout"] = float(config.get("attention_dropout") or 0.0)
         return cls(**values)
 
     def to_hf(self, dtype: str, mtp_layout: str | None) -> dict:
@@ -93,7 +98,7 @@ class ModelConfig:
             "head_dim": self.head_dim, "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.norm_epsilon, "rope_theta": self.rope_theta,
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "tie_word_embeddings": self.tied, "attention_dropout": 0.0, "initializer_range": 0.02,
+            "tie_word_embeddings": self.tied, "attention_dropout": self.attention_dropout, "initializer_range": 0.02,
             "use_cache": True, "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
         }
         if self.family == "llama":
@@ -136,10 +141,18 @@ class ModelConfig:
         elif get("rotary_seq_len_interpolation_factor"):
             scaling = dict(rope_type="linear", factor=float(get("rotary_seq_len_interpolation_factor")))
         serving = dict(get("serving_extra") or {})
-        if not serving and get("tokenizer_type") == "NullTokenizer" and get("null_tokenizer_eod_id") is not None:
-            serving = {"eos_token_id": int(get("null_tokenizer_eod_id"))}
+        vocab_size = int(get("vocab_size") or get("padded_vocab_size"))
+        if get("tokenizer_type") == "NullTokenizer" and get("null_tokenizer_eod_id") is not None:
+            eod = int(get("null_tokenizer_eod_id"))
+            serving = serving or {"eos_token_id": eod}
+            # the end-of-document id may lie past --vocab-size's ids (Megatron-LM's NullTokenizer convention
+            # eod = vocab_size): its row is the tokenizer's too
+            vocab_size = max(vocab_size, min(eod + 1, int(get("padded_vocab_size"))))
+        family = "qwen2" if get("add_qkv_bias") else "llama"
+        if family == "qwen2" and get("serving_family") == "mimo":  # imported from MiMo: exported as MiMo
+            family = "mimo"
         return cls(
-            family="qwen2" if get("add_qkv_bias") else "llama", vocab_size=int(get("vocab_size") or get("padded_vocab_size")),
+            family=family, vocab_size=vocab_size,
             padded_vocab_size=int(get("padded_vocab_size")), hidden_size=int(get("hidden_size")),
             ffn_hidden_size=int(get("ffn_hidden_size")), num_layers=int(get("num_layers")),
             num_attention_heads=int(heads), num_query_groups=int(groups),
@@ -149,7 +162,16 @@ class ModelConfig:
             tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")),
             rope_scaling=scaling, mtp_num_layers=int(get("mtp_num_layers") or 0),
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
+            attention_dropout=float(get("attention_dropout") or 0.0),
         )
+
+    def as_architecture(self, name: str) -> None:
+        """Export as `name` (llama, qwen2, mimo) instead of the family the model's shape names."""
+        if (name in QKV_BIAS_FAMILIES) != self.qkv_bias:
+            raise ServingError(f"--architecture {name}: {ARCHITECTURES[name]} "
+                               f"{'has' if name in QKV_BIAS_FAMILIES else 'has no'} QKV biases, the model "
+                               f"{'has' if self.qkv_bias else 'has none'}")
+        self.family = name
 
     def megatron_args(self) -> argparse.Namespace:
         """The model's arguments as megatron.training names them (what an imported checkpoint holds)."""
@@ -166,20 +188,25 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
             untie_embeddings_and_output_weights=not self.tied, vocab_size=self.vocab_size,
             padded_vocab_size=self.padded_vocab_size, mtp_num_layers=self.mtp_num_layers or None,
-            mtp_use_repeated_layer=self.mtp_repeated, tensor_model_parallel_size=1,
+            mtp_use_repeated_layer=self.mtp_repeated, attention_dropout=self.attention_dropout, hidden_dropout=0.0,
+            tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1, world_size=1, data_parallel_size=1, serving_extra=dict(self.extra),
             serving_family=self.family,
         )
 
     def trainer_flags(self, pad_to: int) -> list[str]:
-        """The pretrain_gpt_mtp.py model flags that build exactly this model."""
+        """The pretrain_gpt_mtp.py model flags that build exactly this model (its dropout too: Megatron's
+        default of 0.1 would fine-tune another model than the one imported). `pad_to` is the
+        --make-vocab-size-divisible-by that pads the vocabulary to `padded_vocab_size` at the
+        tensor-parallel size the import was made for."""
         flags = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                  "--ffn-hidden-size", self.ffn_hidden_size, "--num-attention-heads", self.num_attention_heads,
                  "--group-query-attention", "--num-query-groups", self.num_query_groups,
                  "--kv-channels", self.head_dim, "--normalization", "RMSNorm", "--norm-epsilon", self.norm_epsilon,
                  "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
                  "--rotary-base", _number(self.rope_theta), "--max-position-embeddings", self.max_position_embeddings,
-                 "--make-vocab-size-divisible-by", pad_to]
+                 "--make-vocab-size-divisible-by", pad_to, "--attention-dropout", _number(self.attention_dropout),
+                 "--hidden-dropout", "0"]
         if self.qkv_bias:
             flags.append("--add-qkv-bias")
         if not self.tied:

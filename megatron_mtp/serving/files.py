@@ -180,10 +180,7 @@ def read_megatron(path: str) -> tuple[object, dict, Path]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    directory = checkpoint_directory(path)
-    from megatron.core.dist_checkpointing import load_common_state_dict
-
-    common = load_common_state_dict(str(directory))
+    args, directory = read_arguments(path)
     reader = dcp.FileSystemReader(str(directory))
     metadata = reader.read_metadata()
     state = {}
@@ -194,7 +191,15 @@ def read_megatron(path: str) -> tuple[object, dict, Path]:
             continue
         state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     dcp.load(state, storage_reader=reader, no_dist=True)
-    return common.get("args"), state, directory
+    return args, state, directory
+
+
+def read_arguments(path: str) -> tuple[object, Path]:
+    """(the run's arguments, the iteration directory) of a trainer checkpoint, no tensor read."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    directory = checkpoint_directory(path)
+    return load_common_state_dict(str(directory)).get("args"), directory
 
 
 def write_megatron(staging: Path, args, tensors: dict, depths_in_tensors: int, seed: int = 1234) -> list[str]:

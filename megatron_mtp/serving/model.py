@@ -41,14 +41,24 @@ def setup(seed: int = 1234) -> None:
         initialize_model_parallel(1, 1, None, seed)
 
 
+def check_supported(args) -> None:
+    """A checkpoint whose forward differs from what this module runs is refused in one line."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern:
+        raise ServingError(f"the checkpoint's model is a HybridModel (--hybrid-layer-pattern {pattern}), which this "
+                           "tool does not run (it runs GPTModel checkpoints)")
+    for flag in UNSUPPORTED:
+        if getattr(args, flag, None):
+            raise ServingError(f"the checkpoint's model has --{flag.replace('_', '-')} {getattr(args, flag)}, "
+                               "which this tool does not run")
+
+
 def transformer_config(args, mtp_num_layers=None):
     import torch.nn.functional as F
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    for flag in UNSUPPORTED:
-        if getattr(args, flag, None):
-            raise ServingError(f"the checkpoint's model has --{flag.replace('_', '-')}, which this tool does not run")
+    check_supported(args)
     heads = args.num_attention_heads
     swiglu = bool(getattr(args, "swiglu", False))
     depths = getattr(args, "mtp_num_layers", None) if mtp_num_layers is None else mtp_num_layers
@@ -74,8 +84,11 @@ def build(args, mtp_num_layers=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
+
     config = transformer_config(args, mtp_num_layers)
     spec = get_gpt_layer_sdpa_spec()
+    spec.submodules.self_attention.submodules.core_attention = CachedSDPACoreAttention  # the MTP layers' too
     mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
@@ -128,13 +141,23 @@ def local_names(global_tensors: dict, num_layers: int) -> dict:
 
 
 class Runner:
-    """The main head and the MTP depths of a GPTModel, run separately (no KV cache)."""
+    """The main head and the MTP depths of a GPTModel, run separately over a KV cache.
+
+    Each forward names the position of its first token: the main head and each depth keep the
+    keys and values of the positions before it (`kv_cache.KVCache`), so a decoding step runs
+    only its new positions, and a forward at an earlier position drops what came after it."""
 
     def __init__(self, model, vocab_size: int):
+        from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention, KVCache
+
         self.model = model
         self.vocab_size = vocab_size  # argmax over the tokenizer's ids, not the padding rows
         self.depths = model.config.mtp_num_layers or 0
         self.repeated = bool(model.config.mtp_use_repeated_layer)
+        self.cache = KVCache()
+        for module in model.modules():
+            if isinstance(module, CachedSDPACoreAttention):
+                module.cache = self.cache
 
     def _output_weight(self):
         return self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights \
@@ -144,27 +167,31 @@ class Runner:
         logits, _ = self.model.output_layer(hidden, weight=self._output_weight())
         return logits.transpose(0, 1)[..., : self.vocab_size].float()
 
-    def _rope(self, length: int):
-        return self.model.rotary_pos_emb(length) if hasattr(self.model, "rotary_pos_emb") else None
+    def _rope(self, start: int, count: int):
+        return self.model.rotary_pos_emb(start + count)[start:] if hasattr(self.model, "rotary_pos_emb") else None
 
     @torch.no_grad()
-    def main(self, tokens: torch.Tensor):
-        """tokens [b, s] -> (h^0 [s, b, h], logits [b, s, V])."""
-        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-        embedded = self.model.embedding(input_ids=tokens, position_ids=positions)
-        hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
-                                    rotary_pos_emb=self._rope(tokens.shape[1]))
+    def main(self, tokens: torch.Tensor, start: int = 0):
+        """tokens [b, n] at positions start .. start + n - 1 -> (h^0 [n, b, h], logits [b, n, V])."""
+        count = tokens.shape[1]
+        positions = torch.arange(start, start + count).unsqueeze(0).expand_as(tokens)
+        with self.cache.positions("main", start, count):
+            embedded = self.model.embedding(input_ids=tokens, position_ids=positions)
+            hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
+                                        rotary_pos_emb=self._rope(start, count))
         return hidden, self._logits(hidden)
 
     @torch.no_grad()
-    def depth(self, k: int, hidden: torch.Tensor, ahead: torch.Tensor):
-        """Depth k (1-based) at positions 0..s-1: h^{k-1} [s, b, h] and the tokens x_{t+k}
-        [b, s] -> (h^k, logits^k [b, s, V]) predicting x_{t+k+1}."""
+    def depth(self, k: int, hidden: torch.Tensor, ahead: torch.Tensor, start: int = 0):
+        """Depth k (1-based) at positions t = start .. start + n - 1: h^{k-1}_t [n, b, h] and the tokens
+        x_{t+k} [b, n] -> (h^k [n, b, h], logits^k [b, n, V]) predicting x_{t+k+1}."""
         layer = self.model.mtp.layers[0 if self.repeated else k - 1]
-        length = hidden.shape[0]
-        positions = (torch.arange(length) + k).unsqueeze(0).expand_as(ahead)  # as the rolled training inputs
-        out = layer.forward_single_position(hidden_states=hidden, next_token_ids=ahead, position_ids=positions,
-                                            embedding=self.model.embedding, rotary_pos_emb=self._rope(length))
+        count = hidden.shape[0]
+        positions = (torch.arange(start, start + count) + k).unsqueeze(0).expand_as(ahead)  # the rolled inputs'
+        with self.cache.positions(("depth", k), start, count):
+            out = layer.forward_single_position(hidden_states=hidden, next_token_ids=ahead, position_ids=positions,
+                                                embedding=self.model.embedding,
+                                                rotary_pos_emb=self._rope(start, count))
         return out, self._logits(out)
 
     @torch.no_grad()

@@ -13,8 +13,13 @@ the drafts d_1..d_D proposed after it:
    bonus), depth k drafts x_{t+k+1} from h^{k-1}_t and the embedding of depth k-1's draft:
    the chain the depths were trained on (spec section 1), fed the accepted prefix.
 
-No KV cache: every forward runs over the whole sequence (CPU, small models). Statistics follow
-vLLM's and SGLang's definitions (see `Stats`).
+Every forward runs only its new positions over the Runner's KV cache: the verify step the
+accepted token and the drafts, each depth the positions whose hidden state it has not yet taken
+for good. Depth k's state at position t is final once x_{t+k}, its input token, is accepted
+(t <= n - 1 - k for n accepted tokens); the positions after that ran on drafts and run again
+next step, as a whole-sequence recompute would run them (tests/reference/speculative.py is that
+recompute; the tests compare the two). Statistics follow vLLM's and SGLang's definitions (see
+`Stats`).
 """
 
 from dataclasses import dataclass, field
@@ -45,10 +50,10 @@ class Stats:
             "acceptance per depth (vLLM per-position rate)": [a / drafts for a in self.accepted_per_position],
             # vLLM: draft acceptance rate = accepted draft tokens / drafted tokens
             "draft acceptance rate": accepted / max(self.drafts * self.depths, 1),
-            # vLLM: mean acceptance length = 1 + accepted / drafts (the bonus token counted)
-            "mean acceptance length incl. bonus (vLLM)": 1 + accepted / drafts,
-            # SGLang: accept length = sum over verify steps of (accepted + 1) / verify steps
-            "accept length incl. bonus (SGLang)": (accepted + self.drafts) / drafts,
+            # tokens emitted per verify step, the bonus token counted: vLLM's mean acceptance length
+            # (1 + accepted / drafts) and SGLang's accept length (sum of accepted + 1 over verify steps,
+            # divided by their number) are this one number whenever every verify step carries drafts
+            "mean acceptance length incl. bonus": 1 + accepted / drafts,
             "target forwards per generated token": self.forwards / max(self.generated, 1),
             "teacher-forced acceptance per depth": [c / t if t else None for c, t in
                                                     zip(self.teacher_forced_correct, self.teacher_forced_total)],
@@ -57,62 +62,86 @@ class Stats:
 
 
 def greedy(runner, prompt: list[int], new_tokens: int) -> list[int]:
-    """Plain greedy decoding: one forward per token (the lossless reference)."""
-    seq = list(prompt)
-    for _ in range(new_tokens):
-        _, logits = runner.main(torch.tensor([seq]))
+    """Plain greedy decoding: one forward of one new token per token (the lossless reference)."""
+    _, logits = runner.main(torch.tensor([prompt]))
+    seq = list(prompt) + [int(logits[0, -1].argmax())]
+    while len(seq) - len(prompt) < new_tokens:
+        _, logits = runner.main(torch.tensor([seq[-1:]]), start=len(seq) - 1)
         seq.append(int(logits[0, -1].argmax()))
     return seq[len(prompt):]
 
 
-def draft(runner, hidden0: torch.Tensor, seq: list[int], depths: int) -> list[int]:
-    """Depths 1..D drafting after `seq` (its last token the verified next token), from h^0 of seq[:-1]."""
-    drafts = []
-    hidden = hidden0  # [t + 1, 1, h]: positions 0..t, t = len(seq) - 2
-    tokens = list(seq)
-    length = hidden.shape[0]
-    for k in range(1, depths + 1):
-        ahead = torch.tensor([tokens[k: k + length]])  # x_{t'+k} for t' = 0..t
-        hidden, logits = runner.depth(k, hidden, ahead)
-        token = int(logits[0, -1].argmax())
-        drafts.append(token)
-        tokens.append(token)
-    return drafts
+class Drafter:
+    """The depths' final hidden states: final[j] holds h^j [P_j, 1, h] of positions 0 .. P_j - 1 that
+    will not change (final[0]: the main head's over the accepted prefix), so that each depth runs
+    from P_k on, over its KV cache of the positions before."""
+
+    def __init__(self, runner, depths: int):
+        self.runner, self.depths = runner, depths
+        self.final = [None] * (depths + 1)
+
+    def accept(self, hidden0: torch.Tensor) -> None:
+        """h^0 of accepted positions following those already held."""
+        held = self.final[0]
+        self.final[0] = hidden0 if held is None else torch.cat([held, hidden0])
+
+    def draft(self, seq: list[int]) -> list[int]:
+        """Depths 1..D drafting after `seq` (its last token the verified next token), at t = len(seq) - 2."""
+        t = len(seq) - 2
+        tokens = list(seq)
+        drafts = []
+        tail = None  # h^{k-1} of the positions after final[k-1], from this step (they read drafts)
+        for k in range(1, self.depths + 1):
+            held = self.final[k]
+            start = 0 if held is None else held.shape[0]
+            below = self.final[k - 1][start:]
+            inputs = below if tail is None else torch.cat([below, tail])  # positions start .. t
+            ahead = torch.tensor([tokens[start + k: t + 1 + k]])  # x_{t'+k}
+            hidden, logits = self.runner.depth(k, inputs, ahead, start=start)
+            token = int(logits[0, -1].argmax())
+            drafts.append(token)
+            tokens.append(token)
+            settled = max(start, min(t + 1, len(seq) - k)) - start  # positions whose x_{t'+k} is accepted
+            self.final[k] = hidden[:settled] if held is None else torch.cat([held, hidden[:settled]])
+            tail = hidden[settled:]
+        return drafts
 
 
 def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None) -> list[int]:
     """Greedy decoding with MTP drafts; returns exactly `new_tokens` tokens."""
     depths = runner.depths if depths is None else depths
+    drafter = Drafter(runner, depths)
     # prefill: the first token is the main head's, then the first drafts
     hidden, logits = runner.main(torch.tensor([prompt]))
     stats.forwards += 1
     seq = list(prompt) + [int(logits[0, -1].argmax())]
     stats.generated += 1
-    drafts = draft(runner, hidden, seq, depths) if depths else []
+    drafter.accept(hidden)
+    drafts = drafter.draft(seq) if depths else []
     while len(seq) - len(prompt) < new_tokens:
-        hidden, logits = runner.main(torch.tensor([seq + drafts]))
+        base = len(seq) - 1  # the last accepted position: its greedy token verifies d_1
+        hidden, logits = runner.main(torch.tensor([seq[-1:] + drafts]), start=base)
         stats.forwards += 1
         stats.drafts += 1 if drafts else 0
         greedy_tokens = logits[0].argmax(-1).tolist()
-        base = len(seq) - 1  # the last accepted position: its greedy token verifies d_1
         accepted = 0
         for j, token in enumerate(drafts):
-            if token != greedy_tokens[base + j]:
+            if token != greedy_tokens[j]:
                 break
             accepted += 1
             stats.accepted_per_position[j] += 1
-        seq += drafts[:accepted] + [greedy_tokens[base + accepted]]
+        seq += drafts[:accepted] + [greedy_tokens[accepted]]
         stats.generated += accepted + 1
+        drafter.accept(hidden[: accepted + 1])  # h^0 of the accepted prefix (positions before the bonus)
         if depths:
-            # h^0 of the accepted prefix (positions before the bonus) came with this forward
-            drafts = draft(runner, hidden[: len(seq) - 1], seq, depths)
+            drafts = drafter.draft(seq)
     return seq[len(prompt): len(prompt) + new_tokens]
 
 
 def teacher_forced(runner, text: list[int], stats: Stats) -> None:
     """The trainer's acceptance on a text: argmax of depth k at t against the text's x_{t+k+1}."""
     tokens = torch.tensor([text])
-    _, per_depth = runner.teacher_forced(tokens)
+    _, per_depth = runner.teacher_forced(tokens, depths=stats.depths)  # the depths drafting, not every depth
     for k, logits in enumerate(per_depth, start=1):
         targets = tokens[0, k + 1:]
         predicted = logits[0, : targets.shape[0]].argmax(-1)

@@ -205,14 +205,17 @@ def convert(*argv: str) -> None:
 
 
 def prepare(root: str) -> dict:
-    """The Hugging Face models, and their imports (the Qwen2 one with a second, new MTP depth)."""
+    """The Hugging Face models, and their imports (the Qwen2 one with a second, new MTP depth, for a
+    fine-tune at tensor-parallel size 2)."""
     make_models(root)
-    convert("import", f"{root}/qwen", f"{root}/qwen-mg", "--mtp-num-layers", "2")
+    convert("import", f"{root}/qwen", f"{root}/qwen-mg", "--mtp-num-layers", "2", "--tensor-model-parallel-size", "2")
     convert("import", f"{root}/qwen", f"{root}/qwen-mg1")  # its own depth only: the round trip
     convert("import", f"{root}/llama", f"{root}/llama-mg")
     for name in ("counting", "counting-wrong"):
         convert("import", f"{root}/{name}", f"{root}/{name}-mg")
-    return {"flags": (Path(root) / "qwen-mg" / "megatron_flags.txt").read_text().split()}
+    args, _, _ = _megatron(f"{root}/qwen-mg")
+    return {"flags": (Path(root) / "qwen-mg" / "megatron_flags.txt").read_text().split(),
+            "qwen-mg vocabulary": [args.vocab_size, args.padded_vocab_size]}
 
 
 def _megatron(path):
@@ -317,9 +320,10 @@ def round_trips(root: str) -> dict:
         different = [n for n in original if not torch.equal(original[n], back[n])]
         assert not different, different[:5]
         out[f"{name} import-export tensors"] = len(back)
-    # export then import: the Megatron parameters, from the TP = 2 x PP = 2 run
+    # export then import (for the tensor-parallel size it was trained at, which padded its vocabulary):
+    # the Megatron parameters, from the TP = 2 x PP = 2 run
     for layout in ("mimo", "deepseek_v3"):
-        convert("import", f"{root}/export-{layout}", f"{root}/reimport-{layout}")
+        convert("import", f"{root}/export-{layout}", f"{root}/reimport-{layout}", "--tensor-model-parallel-size", "2")
         _, before, _ = _megatron(f"{root}/trained")
         _, after, _ = _megatron(f"{root}/reimport-{layout}")
         assert sorted(before) == sorted(after), sorted(set(before) ^ set(after))
@@ -366,35 +370,177 @@ def speculative_cases(root: str) -> dict:
     return out
 
 
+def _captured(main, *argv: str) -> tuple[int, str, str]:
+    """A tool's main() in this process: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
 def evaluate(root: str) -> dict:
-    """tools/eval_speculative.py on the trained checkpoint (prompts from the run's data)."""
+    """tools/eval_speculative.py on the trained checkpoint (D = 2): prompts from the run's data; the
+    first depth alone; a prompts file encoded by the checkpoint's own tokenizer (its data's: bytes)."""
     import eval_speculative
 
-    status = eval_speculative.main([f"{root}/trained", "--num-prompts", "4", "--prompt-length", "24",
-                                    "--new-tokens", "24", "--json", f"{root}/eval.json"])
-    return {"status": status, "results": json.loads(Path(f"{root}/eval.json").read_text())}
+    runs = {}
+    for name, extra in (("all depths", ()), ("depth 1", ("--depths", "1"))):
+        out = f"{root}/eval-{name.replace(' ', '-')}.json"
+        status, _, stderr = _captured(eval_speculative.main, f"{root}/trained", "--num-prompts", "4",
+                                      "--prompt-length", "24", "--new-tokens", "24", "--json", out, *extra)
+        runs[name] = {"status": status, "stderr": stderr[-2000:],
+                      "results": json.loads(Path(out).read_text()) if status == 0 else None}
+    prompts = Path(root) / "prompts.txt"
+    prompts.write_text("def f(x):\n\n  return x + 1\n")
+    status, stdout, stderr = _captured(eval_speculative.main, f"{root}/trained", "--prompts", str(prompts),
+                                       "--new-tokens", "8")
+    runs["prompts file"] = {"status": status, "stdout": stdout, "stderr": stderr[-2000:]}
+    return runs
+
+
+def eval_refusals(root: str) -> dict:
+    """tools/eval_speculative.py on bad input: each one line, exit status 2."""
+    import eval_speculative
+
+    trained = f"{root}/trained"
+    cases = {
+        "missing prompts": (trained, "--prompts", f"{root}/no-such-prompts.txt"),
+        "bad tokenizer": (trained, "--prompts", f"{root}/prompts.txt", "--tokenizer", f"{root}/no-such.json"),
+        "tokenizer without prompts": (trained, "--tokenizer", "bytes"),
+        "moe": (f"{root}/trained-moe",),
+        "hybrid": (f"{root}/trained-hybrid",),
+    }
+    results = {}
+    for name, argv in cases.items():
+        status, _, stderr = _captured(eval_speculative.main, *argv)
+        results[name] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()]}
+    return results
+
+
+def kv_cache(root: str) -> dict:
+    """Speculative and greedy decoding over the KV cache against tests/reference/speculative.py's
+    whole-sequence recompute, on the trained checkpoint and on the imported random Qwen2 (its second
+    depth new): the same outputs, and every draft's logits (each depth call's last position, in
+    order) within float32 round-off."""
+    from megatron_mtp.serving import speculative
+    from tests.reference import speculative as reference
+
+    class Recorder:  # the runner, recording each depth's logits at the drafting position
+        def __init__(self, runner):
+            self.runner, self.drafted = runner, []
+
+        def __getattr__(self, name):
+            return getattr(self.runner, name)
+
+        def depth(self, k, hidden, ahead, start=0):
+            out, logits = self.runner.depth(k, hidden, ahead, start=start)
+            self.drafted.append((k, logits[0, -1]))
+            return out, logits
+
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (1, 6, 19)]
+    results = {}
+    for name in ("trained", "qwen-mg"):
+        runner = _runner(f"{root}/{name}")
+        worst, same, calls = 0.0, True, 0
+        for prompt in prompts:
+            cached, recomputed = Recorder(runner), Recorder(runner)
+            output = speculative.speculative(cached, prompt, 30, speculative.Stats(depths=2))
+            expected, _ = reference.speculative(recomputed, prompt, 30, 2)
+            same &= output == expected and speculative.greedy(runner, prompt, 30) == reference.greedy(runner, prompt, 30)
+            same &= [k for k, _ in cached.drafted] == [k for k, _ in recomputed.drafted]
+            calls += len(recomputed.drafted)
+            worst = max([worst] + [_rel(a, b) for (_, a), (_, b) in zip(cached.drafted, recomputed.drafted)])
+        results[name] = {"same": same, "draft calls": calls, "worst": worst}
+    return results
+
+
+def mimo(root: str) -> dict:
+    """A published MiMo checkpoint's config (MiMoForCausalLM, model_type mimo: Qwen2 plus
+    model.mtp_layers) imports as the Qwen2 one does and exports as MiMo again; --architecture mimo
+    writes that config for a trainer checkpoint; contradictions are refused in one line."""
+    import shutil
+
+    source = Path(root) / "mimo"
+    shutil.copytree(Path(root) / "qwen", source)
+    config = json.loads((source / "config.json").read_text())
+    config.update(architectures=["MiMoForCausalLM"], model_type="mimo")
+    (source / "config.json").write_text(json.dumps(config))
+    out = {"import": _convert_captured("import", str(source), f"{root}/mimo-mg")[0]}
+    _, mimo_tensors, _ = _megatron(f"{root}/mimo-mg")
+    _, qwen_tensors, _ = _megatron(f"{root}/qwen-mg1")
+    out["same as qwen2's import"] = sorted(mimo_tensors) == sorted(qwen_tensors) and all(
+        torch.equal(mimo_tensors[n], qwen_tensors[n]) for n in qwen_tensors)
+    out["export"] = _convert_captured("export", f"{root}/mimo-mg", f"{root}/mimo-back")[0]
+    back_config, back = _hf(f"{root}/mimo-back")
+    _, original = _hf(str(source))
+    out["exported config"] = [back_config["architectures"], back_config["model_type"],
+                              back_config.get("num_nextn_predict_layers")]
+    out["round trip"] = sorted(back) == sorted(original) and all(torch.equal(back[n], original[n]) for n in original)
+    out["trained as mimo"] = _convert_captured("export", f"{root}/trained", f"{root}/trained-mimo",
+                                       "--architecture", "mimo")[0]
+    config = json.loads((Path(root) / "trained-mimo" / "config.json").read_text())
+    out["trained config"] = [config["architectures"], config["model_type"], config["num_nextn_predict_layers"]]
+    refusals = {"llama as mimo": ("export", f"{root}/llama-mg", f"{root}/no-1", "--architecture", "mimo"),
+                "mimo in deepseek layout": ("export", f"{root}/trained", f"{root}/no-2", "--architecture", "mimo",
+                                            "--mtp-layout", "deepseek_v3")}
+    out["refusals"] = {}
+    for name, argv in refusals.items():
+        status, _, stderr = _convert_captured(*argv)
+        out["refusals"][name] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
+                                 "written": _leftovers(Path(root), argv[2].rsplit("/", 1)[1])}
+    return out
+
+
+def staging(root: str) -> dict:
+    """An import whose check after writing fails (a backbone parameter left to its initialization):
+    one line, exit status 2, and nothing in place of the output."""
+    from megatron_mtp.serving import mapping
+
+    original = mapping.hf_to_megatron
+
+    def dropping(*args, **kwargs):  # loses one backbone tensor: the model keeps its fresh initialization
+        tensors = original(*args, **kwargs)
+        tensors.pop("decoder.final_layernorm.weight")
+        return tensors
+
+    mapping.hf_to_megatron = dropping
+    try:
+        status, _, stderr = _convert_captured("import", f"{root}/qwen", f"{root}/dropped")
+    finally:
+        mapping.hf_to_megatron = original
+    return {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
+            "written": _leftovers(Path(root), "dropped")}
 
 
 def check(root: str) -> dict:
-    return {"parity": parity(root), "names": names(root), "round trips": round_trips(root),
-            "frozen backbone": frozen_backbone(root), "speculative": speculative_cases(root),
-            "evaluate": evaluate(root)}
+    """Every part's result, or the traceback of the part that failed (the others still run: a test
+    fails with its own part's error). `names` and `round trips` read the exports `parity` writes."""
+    import traceback
+
+    results = {}
+    for name, part in (("parity", parity), ("names", names), ("round trips", round_trips),
+                       ("frozen backbone", frozen_backbone), ("speculative", speculative_cases),
+                       ("kv cache", kv_cache), ("evaluate", evaluate), ("eval refusals", eval_refusals),
+                       ("mimo", mimo), ("staging", staging)):
+        try:
+            results[name] = part(root)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    return results
 
 
 
 # ---------------------------------------------------------------- a repeated MTP layer
 
 def _convert_captured(*argv: str) -> tuple[int, str, str]:
-    """convert_checkpoint.main in this process: (exit status, stdout, stderr)."""
-    import contextlib
-    import io
-
+    """tools/convert_checkpoint.py in this process: (exit status, stdout, stderr)."""
     import convert_checkpoint
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = convert_checkpoint.main(list(argv))
-    return status, out.getvalue(), err.getvalue()
+    return _captured(convert_checkpoint.main, *argv)
 
 
 def _leftovers(root: Path, name: str) -> bool:
