@@ -57,12 +57,9 @@ def quickstart(config: str, work, *args: str, **env) -> dict:
     return iterations
 
 
-def test_cpu_quickstart_with_each_mtp_config(tmp_path):
+def test_cpu_quickstart_then_draft_heads_on_its_backbone(tmp_path):
     d1 = quickstart("deepseek_v3_d1", tmp_path / "d1")
     assert "mtp_1 loss" in d1[4] and "mtp_2 loss" not in d1[4]
-
-    repeated = quickstart("repeated_d3", tmp_path / "repeated")
-    assert "mtp_3 chain acceptance" in repeated[4]
 
     # Draft heads on the D = 1 run's backbone: the backbone is frozen (no main gradient), the
     # heads train (they were one depth, now two: the second starts from its initialization).
@@ -72,6 +69,12 @@ def test_cpu_quickstart_with_each_mtp_config(tmp_path):
     assert "mtp_2 loss" in frozen[4]
 
 
+@pytest.mark.matrix
+def test_cpu_quickstart_with_a_repeated_layer(tmp_path):
+    repeated = quickstart("repeated_d3", tmp_path / "repeated")
+    assert "mtp_3 chain acceptance" in repeated[4]
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
@@ -79,10 +82,12 @@ def dataset(tmp_path_factory):
 
 
 @pytest.mark.parametrize("script,config,extra", [
-    ("examples/gpu_single_node.sh", "deepseek_v3_d1", {}),
-    ("examples/gpu_single_node.sh", "repeated_d3", {"TP": "2"}),
-    ("examples/gpu_multi_node.sh", "draft_heads_frozen_backbone", {"NNODES": "1", "MASTER_ADDR": "127.0.0.1"}),
+    # the default tier: the MoE config (EP, grouped GEMM checked on the GPUs)
     ("examples/gpu_single_node.sh", "deepseek_v3_moe_gpu", {"EP": "2"}),
+    pytest.param("examples/gpu_multi_node.sh", "draft_heads_frozen_backbone",
+                 {"NNODES": "1", "MASTER_ADDR": "127.0.0.1"}, marks=pytest.mark.matrix),
+    pytest.param("examples/gpu_single_node.sh", "deepseek_v3_d1", {}, marks=pytest.mark.matrix),
+    pytest.param("examples/gpu_single_node.sh", "repeated_d3", {"TP": "2"}, marks=pytest.mark.matrix),
 ])
 def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, tmp_path):
     output = bash(script, "--dry-run", env={"DATA": str(dataset), "SAVE": str(tmp_path / "run"), "GPUS_PER_NODE": "2",

@@ -25,7 +25,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("zygote", ["1", "0"], ids=["forked", "fresh"])
+@pytest.mark.parametrize("zygote", ["1", pytest.param("0", marks=pytest.mark.matrix)], ids=["forked", "fresh"])
 def test_ranks_are_separate_sessions_with_their_own_environment(zygote, monkeypatch):
     monkeypatch.setenv("MEGATRON_MTP_TEST_ZYGOTE", zygote)
     ranks = launch("tests.bodies.harness:identity", 3)

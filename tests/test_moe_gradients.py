@@ -15,7 +15,7 @@ section 11): upstream divided the repeated layer's balance loss by mtp_num_layer
 off the spec's gradient here); the series' patch "MoE: a repeated MTP layer's balance loss counts
 at every depth" makes it the spec's.
 
-Every carried build runs it: on 0.16.1 the series' backports (moe_grad_scale_func; the router's
+Every carried build runs it (the default tier: 0.16.1 on one rank; docs/tests.md): on 0.16.1 the series' backports (moe_grad_scale_func; the router's
 per-token weights, without which the seq_aux_loss setups are 0.22-0.47 off on one rank) make it
 exact.
 """
@@ -57,12 +57,22 @@ BREAKS = [["attached_D1_sigmoid_seq_z", "no_division"], ["attached_D1_sigmoid_se
 
 
 @pytest.fixture(scope="module")
-def runs(build, tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("moe-ckpt"))
-    (one_rank,) = launch("tests.bodies.moe_gradients:reference", 1,
-                         {"ckpt_root": root, "setups": SETUPS, "breaks": BREAKS}, timeout=600, build=build)
-    ranks = launch("tests.bodies.moe_gradients:layouts", 4, {"ckpt_root": root, "layouts": LAYOUTS, "setups": SETUPS},
-                   timeout=600, build=build)
+def ckpt_root(build, tmp_path_factory):
+    return str(tmp_path_factory.mktemp(f"moe-ckpt-{build}"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(build, ckpt_root):
+    """One rank against the reference (it writes the initial weights the layouts load)."""
+    (result,) = launch("tests.bodies.moe_gradients:reference", 1,
+                       {"ckpt_root": ckpt_root, "setups": SETUPS, "breaks": BREAKS}, timeout=600, build=build)
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(build, ckpt_root, one_rank):
+    ranks = launch("tests.bodies.moe_gradients:layouts", 4,
+                   {"ckpt_root": ckpt_root, "layouts": LAYOUTS, "setups": SETUPS}, timeout=600, build=build)
     return one_rank, ranks
 
 
@@ -72,8 +82,8 @@ def assert_matches(grads):
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_one_rank_matches_the_reference(runs, setup):
-    assert_matches(runs[0][setup]["grads"])
+def test_one_rank_matches_the_reference(one_rank, setup):
+    assert_matches(one_rank[setup]["grads"])
 
 
 @pytest.mark.parametrize("layout,setup", [(layout["name"], name) for layout in LAYOUTS for name in SETUPS])
@@ -117,10 +127,9 @@ def test_cut_invariance_against_one_rank(runs, layout):
             assert result["vs_one_rank"]["max_rel"] < TOL, (name, result["vs_one_rank"]["worst"])
 
 
-def test_a_wrong_router_loss_denominator_is_detected(runs):
+def test_a_wrong_router_loss_denominator_is_detected(one_rank):
     """The comparison fails when the router losses are divided by nothing (the loss scale
     alone) or by the step's valid targets instead of its routed tokens."""
-    one_rank, _ = runs
     for name, mode in BREAKS:
         assert one_rank[f"broken-{mode}/{name}"]["grads"]["max_rel"] > 1e-2, (name, mode)
 

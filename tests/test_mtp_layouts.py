@@ -67,6 +67,18 @@ LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), d
 # reduced (relative gradient error 0.048 and 1.05; tied, the build hung): refused when the
 # config is built (tests/in_build/test_mtp_layout_refusal.py).
 ALL_SETUPS = {**SETUPS, **HYBRID_SETUPS, **LAYOUT_ONLY_SETUPS}
+# The default tier's (layout, setup) cases: every layout, each setup at least once (D = 2 and 3,
+# repeated, isolated, tied, HybridModel attached and isolated), and every case the guards below
+# read; the other cases of the cross-product are in the matrix tier (docs/tests.md).
+DEFAULT_CASES = {
+    ("tp2_dp2", "attached_D2"), ("tp2_dp2", "isolated_D2_repeated"),
+    ("pp2_dp2", "attached_D2"), ("pp2_dp2", "attached_D2_tied"), ("pp2_dp2", "hybrid_attached_D2"),
+    ("pp2_dp2", "hybrid_isolated_D2_tied"), ("tp2_pp2", "isolated_D3"), ("dp4_distributed_optimizer", "isolated_D3"),
+    ("pp2_dp2_mtp_with_loss", "attached_D2"), ("pp2_dp2_mtp_with_loss", "attached_D2_tied"),
+    ("pp4_mtp_stage", "attached_D2"), ("pp4_mtp_stage", "attached_D2_tied"),
+    ("pp2_vpp2_dp2_mtp_with_loss", "attached_D2"), ("pp4_vpp2_mtp_stage", "attached_D2_L5"),
+    ("pp4_vpp2_mtp_stage", "attached_D2_L5_tied"), ("pp4_vpp2_empty_stage", "attached_D2"),
+}
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -75,12 +87,16 @@ def runs_on(build: str, setup: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runs(build, tmp_path_factory):
+def runs(build, matrix, tmp_path_factory):
+    """The reference of every setup, and every rank's results of the default cases (with --matrix,
+    of every case)."""
     root = str(tmp_path_factory.mktemp("mtp-ckpt"))
     setups = {name: kwargs for name, kwargs in ALL_SETUPS.items() if runs_on(build, name)}
     (reference,) = launch("tests.bodies.mtp_layouts:reference", 1, {"ckpt_root": root, "setups": setups},
                           timeout=600, build=build)
-    layouts = [dict(layout, setups=[name for name in setups_of(layout) if name in setups]) for layout in LAYOUTS]
+    layouts = [dict(layout, setups=[name for name in setups_of(layout) if name in setups
+                                    and (matrix or (layout["name"], name) in DEFAULT_CASES)]) for layout in LAYOUTS]
+    layouts = [layout for layout in layouts if layout["setups"]]
     ranks = launch("tests.bodies.mtp_layouts:layouts", 4,
                    {"ckpt_root": root, "layouts": layouts, "setups": setups}, timeout=600, build=build)
     return reference, ranks
@@ -97,12 +113,14 @@ def setups_of(layout: dict) -> list:
 
 
 def cases():
-    def marks(layout):  # a known defect: strict, so that its fix shows
+    def marks(layout, setup):
+        tier = [] if (layout["name"], setup) in DEFAULT_CASES else [pytest.mark.matrix]
         if "xfail" not in layout:
-            return []
-        return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=layout["xfail"])]
+            return tier
+        # a known defect: strict, so that its fix shows
+        return tier + [pytest.mark.xfail(strict=True, raises=AssertionError, reason=layout["xfail"])]
 
-    return [pytest.param(layout["name"], setup, marks=marks(layout))
+    return [pytest.param(layout["name"], setup, marks=marks(layout, setup))
             for layout in LAYOUTS for setup in setups_of(layout)]
 
 

@@ -24,10 +24,16 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 # (name, TP, PP, VPP, sequence parallel, chunks per step). Interleaved layouts take each
 # rank's micro-batches (of 1) in one chunk: several micro-batch groups of PP=2 per call.
-FOUR_RANK_LAYOUTS = [("dp4", 1, 1, None, False, 2), ("tp2_dp2", 2, 1, None, False, 2),
-                     ("pp2_dp2", 1, 2, None, False, 2), ("tp2_dp2_sp", 2, 1, None, True, 2),
-                     ("dp2_pp2_vpp2", 1, 2, 2, False, 1), ("tp2_pp2_vpp2", 2, 2, 2, False, 1)]
-TWO_RANK_LAYOUTS = [("pp2_vpp2", 1, 2, 2, False, 1), ("tp2_sp", 2, 1, None, True, 2)]
+# The default tier: DP=4 (uneven tokens, a rank with none), TP with sequence parallelism over DP,
+# interleaved PP with TP (several micro-batch groups, both word-embedding copies), TP=2 with SP.
+FOUR_RANK_LAYOUTS = [("dp4", 1, 1, None, False, 2), ("tp2_dp2_sp", 2, 1, None, True, 2),
+                     ("tp2_pp2_vpp2", 2, 2, 2, False, 1)]
+TWO_RANK_LAYOUTS = [("tp2_sp", 2, 1, None, True, 2)]
+# The matrix tier's: TP and PP over DP without SP, interleaved PP over DP and alone.
+MATRIX_FOUR_RANK_LAYOUTS = [("tp2_dp2", 2, 1, None, False, 2), ("pp2_dp2", 1, 2, None, False, 2),
+                            ("dp2_pp2_vpp2", 1, 2, 2, False, 1)]
+MATRIX_TWO_RANK_LAYOUTS = [("pp2_vpp2", 1, 2, 2, False, 1)]
+CASES_PER_LAYOUT = 7  # isolation x main-loss level x counts, and uneven data (DP=4: 11)
 
 
 @pytest.fixture(scope="module")
@@ -121,19 +127,44 @@ def test_abort_restores_everything(single):
     assert all(single["abort"].values()), single["abort"]
 
 
-def test_parallel_layouts_match_the_reference(layouts):
-    """Full gradients of every parameter copy in every layout: DP=4 (uneven tokens, a rank
-    with none), TP=2 x DP=2 with and without sequence parallelism, PP=2 x DP=2, and
-    interleaved PP=2 x VPP=2 alone, with DP=2 and with TP=2 over several micro-batch groups."""
-    four, two = layouts
-    assert len(four[0]["layouts"]) == 11 + 5 * 7 and len(two[0]["layouts"]) == 2 * 7
+@pytest.fixture(scope="module")
+def matrix_layouts(build, single, ckpt_root):
+    four = launch("tests.bodies.normalization:parallel_layouts_and_refusals", 4,
+                  {"ckpt_root": ckpt_root, "layouts": MATRIX_FOUR_RANK_LAYOUTS, "refusal_layouts": []},
+                  timeout=900, build=build)
+    two = launch("tests.bodies.normalization:parallel_layouts_and_refusals", 2,
+                 {"ckpt_root": ckpt_root, "layouts": MATRIX_TWO_RANK_LAYOUTS, "refusal_layouts": []},
+                 timeout=900, build=build)
+    return four, two
+
+
+def assert_layouts_match(four, two, expected_four: int, expected_two: int) -> None:
+    assert len(four[0]["layouts"]) == expected_four and len(two[0]["layouts"]) == expected_two
     for rank in four + two:
         for key, value in rank["layouts"].items():
             assert value["finite"], key
             assert value["full_rel"] < TOL, (key, value["full_rel"])
+
+
+def test_parallel_layouts_match_the_reference(layouts):
+    """Full gradients of every parameter copy: DP=4 (uneven tokens, a rank with none), TP=2 x
+    DP=2 with sequence parallelism, interleaved PP=2 x VPP=2 with TP=2 over several micro-batch
+    groups, TP=2 with sequence parallelism."""
+    four, two = layouts
+    assert_layouts_match(four, two, 11 + (len(FOUR_RANK_LAYOUTS) - 1) * CASES_PER_LAYOUT,
+                         len(TWO_RANK_LAYOUTS) * CASES_PER_LAYOUT)
     tokens = [rank["layouts"]["dp4/detach0/token/upfront/uneven"]["local_tokens"] for rank in four]
     assert max(tokens) >= 3 * min(tokens)  # really uneven
     assert [rank["layouts"]["dp4/detach0/token/upfront/rank0-empty"]["local_tokens"] for rank in four][0] == 0
+
+
+@pytest.mark.matrix
+def test_more_parallel_layouts_match_the_reference(matrix_layouts):
+    """The matrix tier's layouts: TP=2 x DP=2 and PP=2 x DP=2 without sequence parallelism,
+    interleaved PP=2 x VPP=2 with DP=2 and alone."""
+    four, two = matrix_layouts
+    assert_layouts_match(four, two, len(MATRIX_FOUR_RANK_LAYOUTS) * CASES_PER_LAYOUT,
+                         len(MATRIX_TWO_RANK_LAYOUTS) * CASES_PER_LAYOUT)
 
 
 def test_every_copy_of_a_replicated_parameter_is_compared(layouts):

@@ -70,6 +70,7 @@ def wait_until_done(slurm, job_id: str, timeout: float) -> dict:
     raise AssertionError(f"job {job_id} not done after {timeout}s: {slurm.job(job_id)}\n{slurm.logs()}")
 
 
+@pytest.mark.matrix  # Slurm's 30-s timer makes it 1.5-10 minutes; the default tier runs the single-node script
 def test_the_time_limit_checkpoints_requeues_and_resumes_exactly(slurm, dataset, tmp_path):
     save = tmp_path / "job"
     job_id = submit(slurm, "examples/slurm/pretrain_gpt_mtp_multinode.sbatch",

@@ -125,7 +125,8 @@ RESUME_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(RESUME_CASES))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "pp2-vpp2-distinct-isolated" else pytest.mark.matrix)
+                                  for case in RESUME_CASES])  # the default tier: interleaved PP
 def test_a_resumed_run_repeats_the_uninterrupted_run_bit_for_bit(case, dataset, tmp_path):
     nproc, args = RESUME_CASES[case]
     common = (*RESUME, "--data-path", str(dataset), *args)

@@ -216,7 +216,7 @@ def test_sigterm_saves_and_exits_zero_then_the_run_resumes(dataset, tmp_path):
     assert "[rank" not in changed.output
 
 
-@pytest.mark.parametrize("moment", ["after-tensor-files", "replacing-tracker"])
+@pytest.mark.parametrize("moment", [pytest.param("after-tensor-files", marks=pytest.mark.matrix), "replacing-tracker"])
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint(moment, dataset, tmp_path):
     save = tmp_path / "run"
     args = (*RUN, "--data-path", str(dataset), "--save", str(save), "--save-interval", "2", "--train-iters", "6")

@@ -61,6 +61,7 @@ def test_losses_and_grad_norm_are_the_same_however_the_step_is_cut(dataset, init
                                                                         reference[tag][step])
 
 
+@pytest.mark.matrix  # the default tier resumes GPTModel (PP=2 x VPP=2) and MoE (EP=2 -> 1)
 def test_resume_is_bit_exact_with_dropout(dataset, tmp_path):
     common = (*COMMON, "--micro-batch-size", "2", "--data-path", str(dataset), "--train-iters", "4",
               "--save-interval", "2", "--hidden-dropout", "0.1")

@@ -65,8 +65,9 @@ def initial_weights(dataset, tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("isolation,cuts", [((), tuple(CUTS)), (("--mtp-detach-heads",), ("1x4", "ep2"))],
-                         ids=["attached", "isolated"])
+@pytest.mark.parametrize("isolation,cuts", [
+    pytest.param((), tuple(CUTS), id="attached"),
+    pytest.param(("--mtp-detach-heads",), ("1x4", "ep2"), id="isolated", marks=pytest.mark.matrix)])
 def test_router_losses_and_gradients_are_the_same_however_the_step_is_cut(isolation, cuts, dataset,
                                                                            initial_weights, tmp_path):
     measured = {}
@@ -131,6 +132,7 @@ def assert_trains_on(whole_logs, resharded_logs) -> None:
             assert close(resharded[tag][step], whole[tag][step]), (tag, step, resharded[tag][step], whole[tag][step])
 
 
+@pytest.mark.matrix
 def test_the_deepseek_v3_moe_example_trains_on_cpu(tmp_path):
     output = bash("examples/cpu_quickstart.sh", "--train-iters", "3", "--lr-warmup-iters", "1", "--eval-iters", "0",
                   "--save-interval", "3", "--log-interval", "1",

@@ -8,8 +8,11 @@
   Hugging Face's (fused QKV per query group, [gate; up], MTP in MiMo's or DeepSeek-V3's layout).
 - files: reading and writing Hugging Face directories and megatron-core dist checkpoints.
 - model: megatron-core's GPTModel in one process (any saved TP / PP / VPP layout is read
-  through dist checkpointing), its main-head and per-depth MTP forward.
+  through dist checkpointing), its main-head and per-depth MTP forward over a KV cache.
+- kv_cache: the cache and the core attention that reads it (one stream per model part).
 - speculative: greedy decoding with MTP drafts, verified by the main head, and its statistics.
+- prompts: eval_speculative.py's prompts (a dataset's documents or a file) and the tokenizer
+  that encodes them (the checkpoint's own by default).
 
 Every refusal is a ServingError whose message is one line.
 """
