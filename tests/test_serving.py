@@ -45,7 +45,7 @@ def pipeline(tmp_path_factory):
           "--mtp-detach-heads", "--mtp-num-layers", "2", "--tensor-model-parallel-size", "2",
           "--pipeline-model-parallel-size", "2", "--train-iters", "4",
           "--lr", "3e-3", "--save", str(root / "trained"), "--save-interval", "4", timeout=400)
-    # what eval_speculative.py refuses: an MoE and a HybridModel checkpoint (D = 1 each)
+    # an MoE checkpoint (D = 1), which eval_speculative.py runs, and a HybridModel one, which it refuses
     train(1, *TINY, "--num-experts", "2", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
           "--disable-bias-linear", "--mtp-num-layers", "1", "--train-iters", "1", "--save", str(root / "trained-moe"),
           "--save-interval", "1", timeout=300)
@@ -177,6 +177,13 @@ def test_eval_speculative_on_a_trained_checkpoint_is_lossless(pipeline):
     assert all(0.0 <= rate <= 1.0 for rate in summary["teacher-forced acceptance per depth"])
 
 
+def test_eval_speculative_runs_an_moe_checkpoint(pipeline):
+    """MoE layers as the trainer builds them on CPU (it ended in a traceback)."""
+    run = part(pipeline, "evaluate")["moe"]
+    assert run["status"] == 0, run["stderr"]
+    assert run["results"]["lossless"] and run["results"]["depths"] == 1, run["results"]
+
+
 def test_eval_speculative_drafts_with_fewer_depths_than_trained(pipeline):
     """--depths 1 on a D = 2 checkpoint (it ended in an IndexError: the teacher-forced counters were
     sized to 1 depth, every depth was run)."""
@@ -196,7 +203,6 @@ def test_eval_speculative_encodes_prompts_with_the_checkpoint_s_tokenizer(pipeli
 def test_eval_speculative_refuses_bad_input_in_one_line(pipeline):
     expected = {"missing prompts": "--prompts", "bad tokenizer": "--tokenizer",
                 "tokenizer without prompts": "--tokenizer encodes --prompts",
-                "moe": "--num-experts 2, which this tool does not run",
                 "hybrid": "HybridModel (--hybrid-layer-pattern *-*-/*-)"}
     refusals = part(pipeline, "eval refusals")
     for name, words in expected.items():

@@ -35,7 +35,8 @@ text_generation_controllers/mtp_utils_pytorch.py) is not used here: its context,
 controller allocate CUDA buffers, streams and graphs throughout (about 320 `cuda` references),
 outside what the series' runtime-only CPU patches cover; its static context turns the causal mask
 off after the prefill (one new token per step), which a verify step of D + 1 tokens cannot use.
-A HybridModel or MoE checkpoint is refused in one line (this tool builds GPTModel's dense layers).
+MoE checkpoints run with upstream's MoE layers at one rank (the experts resharded by dist
+checkpointing), as the trainer builds them on CPU; a HybridModel checkpoint is refused in one line.
 Progress goes to stderr.
 """
 

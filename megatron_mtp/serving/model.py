@@ -1,4 +1,4 @@
-"""megatron-core's GPTModel (the trainer's local spec with SDPA attention) in one process.
+"""megatron-core's GPTModel (the trainer's local specs with SDPA attention, dense or MoE) in one process.
 
 A checkpoint saved at any TP / PP / VPP layout is read into it through megatron-core's dist
 checkpointing (the resharding is upstream's); its forward is run piece by piece, as
@@ -14,8 +14,10 @@ import torch
 from megatron_mtp.serving import ServingError
 
 # Flags under which the forward differs from what this module runs.
-UNSUPPORTED = ("num_experts", "multi_latent_attention", "qk_layernorm", "apply_layernorm_1p",
-               "layernorm_zero_centered_gamma", "squared_relu")
+UNSUPPORTED = ("multi_latent_attention", "qk_layernorm", "apply_layernorm_1p", "layernorm_zero_centered_gamma",
+               "squared_relu")
+# MoE options that name CUDA kernels: the same routing and experts run without them.
+MOE_KERNELS = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion", "moe_use_legacy_grouped_gemm")
 
 
 def _free_port() -> str:
@@ -53,6 +55,22 @@ def check_supported(args) -> None:
                                "which this tool does not run")
 
 
+def moe_fields(args) -> dict:
+    """A trainer checkpoint's MoE options as the trainer's TransformerConfig took them (Megatron-LM's
+    core_transformer_config_from_args), at one rank and without CUDA kernels; {} without experts."""
+    if not getattr(args, "num_experts", None):
+        return {}
+    import dataclasses
+
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    trained = core_transformer_config_from_args(args)
+    fields = {f.name: getattr(trained, f.name) for f in dataclasses.fields(trained)
+              if f.name.startswith("moe_") or f.name == "num_moe_experts"}
+    fields.update({name: False for name in MOE_KERNELS if name in fields})
+    return fields
+
+
 def transformer_config(args, mtp_num_layers=None):
     import torch.nn.functional as F
 
@@ -74,22 +92,52 @@ def transformer_config(args, mtp_num_layers=None):
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         init_method_std=getattr(args, "init_method_std", 0.02), mtp_num_layers=depths or None,
         mtp_use_repeated_layer=bool(getattr(args, "mtp_use_repeated_layer", False)) if depths else False,
-        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
+        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)), **moe_fields(args),
     )
 
 
-def build(args, mtp_num_layers=None):
-    """GPTModel (TP = PP = 1) of a checkpoint's arguments; `setup()` first."""
-    from megatron.core.fork.specs import get_gpt_layer_sdpa_spec
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
+def _with_cached_attention(*specs) -> None:
+    """Every SDPACoreAttention in the specs (decoder layers, MoE or dense, and the MTP layers') made
+    the cached one."""
+    import dataclasses
+
+    from megatron.core.fork.sdpa_attention import SDPACoreAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
 
+    seen = set()
+
+    def visit(node):
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, ModuleSpec):
+            visit(node.submodules)
+        elif isinstance(node, (list, tuple)):
+            for child in node:
+                visit(child)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for field in dataclasses.fields(node):
+                value = getattr(node, field.name)
+                if value is SDPACoreAttention:
+                    setattr(node, field.name, CachedSDPACoreAttention)
+                else:
+                    visit(value)
+
+    for spec in specs:
+        visit(spec)
+
+
+def build(args, mtp_num_layers=None):
+    """GPTModel (TP = PP = EP = 1) of a checkpoint's arguments, its layers chosen as the trainer
+    chooses them (with experts, upstream's MoE block); `setup()` first."""
+    from megatron.core.fork.specs import get_gpt_specs
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
     config = transformer_config(args, mtp_num_layers)
-    spec = get_gpt_layer_sdpa_spec()
-    spec.submodules.self_attention.submodules.core_attention = CachedSDPACoreAttention  # the MTP layers' too
-    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
+    spec, mtp_spec = get_gpt_specs(config, use_transformer_engine=False)
+    _with_cached_attention(spec, mtp_spec)
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,

@@ -235,7 +235,9 @@ def _hf(path):
 def _runner(path):
     from megatron_mtp.serving import model as serving_model
 
-    args, _, directory = _megatron(path)
+    from megatron_mtp.serving import files
+
+    args, directory = files.read_arguments(path)
     serving_model.setup()
     model = serving_model.build(args)
     serving_model.load(model, str(directory))
@@ -383,13 +385,15 @@ def _captured(main, *argv: str) -> tuple[int, str, str]:
 
 def evaluate(root: str) -> dict:
     """tools/eval_speculative.py on the trained checkpoint (D = 2): prompts from the run's data; the
-    first depth alone; a prompts file encoded by the checkpoint's own tokenizer (its data's: bytes)."""
+    first depth alone; a prompts file encoded by the checkpoint's own tokenizer (its data's: bytes);
+    and on the MoE checkpoint (D = 1)."""
     import eval_speculative
 
     runs = {}
-    for name, extra in (("all depths", ()), ("depth 1", ("--depths", "1"))):
+    for name, checkpoint, extra in (("all depths", "trained", ()), ("depth 1", "trained", ("--depths", "1")),
+                                    ("moe", "trained-moe", ())):
         out = f"{root}/eval-{name.replace(' ', '-')}.json"
-        status, _, stderr = _captured(eval_speculative.main, f"{root}/trained", "--num-prompts", "4",
+        status, _, stderr = _captured(eval_speculative.main, f"{root}/{checkpoint}", "--num-prompts", "4",
                                       "--prompt-length", "24", "--new-tokens", "24", "--json", out, *extra)
         runs[name] = {"status": status, "stderr": stderr[-2000:],
                       "results": json.loads(Path(out).read_text()) if status == 0 else None}
@@ -410,7 +414,6 @@ def eval_refusals(root: str) -> dict:
         "missing prompts": (trained, "--prompts", f"{root}/no-such-prompts.txt"),
         "bad tokenizer": (trained, "--prompts", f"{root}/prompts.txt", "--tokenizer", f"{root}/no-such.json"),
         "tokenizer without prompts": (trained, "--tokenizer", "bytes"),
-        "moe": (f"{root}/trained-moe",),
         "hybrid": (f"{root}/trained-hybrid",),
     }
     results = {}
@@ -422,8 +425,8 @@ def eval_refusals(root: str) -> dict:
 
 def kv_cache(root: str) -> dict:
     """Speculative and greedy decoding over the KV cache against tests/reference/speculative.py's
-    whole-sequence recompute, on the trained checkpoint and on the imported random Qwen2 (its second
-    depth new): the same outputs, and every draft's logits (each depth call's last position, in
+    whole-sequence recompute, on the trained checkpoint, on the imported random Qwen2 (its second
+    depth new) and on the MoE checkpoint: the same outputs, and every draft's logits (each depth call's last position, in
     order) within float32 round-off."""
     from megatron_mtp.serving import speculative
     from tests.reference import speculative as reference
@@ -443,13 +446,13 @@ def kv_cache(root: str) -> dict:
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (1, 6, 19)]
     results = {}
-    for name in ("trained", "qwen-mg"):
+    for name in ("trained", "qwen-mg", "trained-moe"):
         runner = _runner(f"{root}/{name}")
         worst, same, calls = 0.0, True, 0
         for prompt in prompts:
             cached, recomputed = Recorder(runner), Recorder(runner)
-            output = speculative.speculative(cached, prompt, 30, speculative.Stats(depths=2))
-            expected, _ = reference.speculative(recomputed, prompt, 30, 2)
+            output = speculative.speculative(cached, prompt, 30, speculative.Stats(depths=runner.depths))
+            expected, _ = reference.speculative(recomputed, prompt, 30, runner.depths)
             same &= output == expected and speculative.greedy(runner, prompt, 30) == reference.greedy(runner, prompt, 30)
             same &= [k for k, _ in cached.drafted] == [k for k, _ in recomputed.drafted]
             calls += len(recomputed.drafted)
