@@ -26,63 +26,34 @@ from functools import partial
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """GPTModel with its MTP block on the last stage: Transformer Engine layers, or megatron-core's
-    local layers with SDPA core attention (any device, packed rows); with --num-experts,
-    upstream's MoE decoder block (dense layers by --moe-layer-freq) and MoE MTP layers. With
-    --hybrid-layer-pattern, HybridModel (its MTP depths are the pattern's "/" parts)."""
-    from megatron.core.fork.specs import get_gpt_specs
+    """GPTModel with its MTP block on the last stage, its layers chosen as Megatron-LM's
+    gpt_builders.py chooses them (--spec, --experimental-attention-variant, MoE block specs,
+    --qk-layernorm, --multi-latent-attention, ...): Transformer Engine layers, or megatron-core's
+    local layers with SDPA core attention (any device, packed rows). With
+    --hybrid-layer-pattern, HybridModel (its MTP depths are the pattern's "/" parts). One
+    builder for the trainer, the library and serving (megatron_mtp.library.model)."""
+    from megatron.core.transformer.spec_utils import import_module
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
+    from megatron_mtp.library.model import build_gpt, build_hybrid, gpt_options
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
+    common = dict(use_transformer_engine=args.transformer_impl == "transformer_engine", vp_stage=vp_stage,
+                  pre_process=pre_process, post_process=post_process, pg_collection=pg_collection,
+                  **gpt_options(args))
     if args.hybrid_layer_pattern is not None:
-        model = _hybrid_model(args, config, pre_process, post_process, vp_stage, pg_collection)
+        model = build_hybrid(config, args.padded_vocab_size, args.max_position_embeddings,
+                             args.hybrid_layer_pattern, **common)
     else:
-        layer_spec, mtp_spec = get_gpt_specs(config, args.transformer_impl == "transformer_engine", vp_stage)
-        model = _gpt_model(args, config, layer_spec, mtp_spec, pre_process, post_process, vp_stage, pg_collection)
+        layer_spec = import_module(args.spec) if args.spec is not None else None
+        model = build_gpt(config, args.padded_vocab_size, args.max_position_embeddings, layer_spec=layer_spec,
+                          **common)
     if getattr(args, "freeze_backbone", False):  # this script's flag: the MTP heads train, the backbone is frozen
         for name, parameter in model.named_parameters():
             if not name.startswith("mtp."):
                 parameter.requires_grad_(False)
     return model
-
-
-def _gpt_model(args, config, layer_spec, mtp_spec, pre_process, post_process, vp_stage, pg_collection):
-    from megatron.core.models.gpt import GPTModel
-
-    return GPTModel(
-        config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
-        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection,
-    )
-
-
-def _hybrid_model(args, config, pre_process, post_process, vp_stage, pg_collection):
-    """HybridModel (--hybrid-layer-pattern "<main>/<mtp>/...", upstream's successor of GPTModel)
-    with the same MTP hooks: upstream's Transformer Engine stack spec, or the same layers built
-    from megatron-core's local modules (any device)."""
-    from megatron.core.fork.specs import get_hybrid_stack_spec
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
-
-    if args.transformer_impl == "transformer_engine":
-        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-    else:
-        hybrid_stack_spec = get_hybrid_stack_spec(config)
-    return HybridModel(
-        config=config, hybrid_stack_spec=hybrid_stack_spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, hybrid_layer_pattern=args.hybrid_layer_pattern,
-        pre_process=pre_process, post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection,
-    )
 
 
 def datasets_provider(train_valid_test_num_samples, vp_stage=None):
@@ -260,6 +231,7 @@ def main() -> int:
 
 def _pretrain(args) -> int:
     from megatron.core.enums import ModelType
+    from megatron.core.fork.specs import SpecError
     from megatron.core.fork.trainer import checkpoint
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -272,6 +244,9 @@ def _pretrain(args) -> int:
     except checkpoint.CheckpointError as error:  # raised alike on every rank: one line, not a traceback each
         arguments.fail(error)
         return 1
+    except SpecError as error:  # a flag the selected layer specs do not build, refused before the model is
+        arguments.fail(error)
+        return 2
     except AssertionError as error:
         if not str(error).startswith("OptimizerParamScheduler"):
             raise

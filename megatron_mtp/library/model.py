@@ -6,50 +6,83 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.fork.specs import get_gpt_specs, get_hybrid_stack_spec
+from megatron.core.fork.specs import SpecError, get_hybrid_stack_spec, gpt_specs, refuse_dropped
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def gpt_options(args) -> dict:
+    """GPTModel's options from Megatron-LM arguments, as Megatron-LM's gpt_builders.py passes them
+    (defaults for arguments an older checkpoint did not save)."""
+    return dict(
+        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+        rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(getattr(args, "rotary_base", 10000)),
+        rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        fp16_lm_cross_entropy=bool(getattr(args, "fp16_lm_cross_entropy", False)),
+    )
+
+
+def _stage(vp_stage, pre_process, post_process):
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return first if pre_process is None else pre_process, last if post_process is None else post_process
+
+
+def _set_impl(config: TransformerConfig, use_transformer_engine: bool) -> None:
+    # The specs are selected by config.transformer_impl, as in Megatron-LM; the library's
+    # callers say it by use_transformer_engine (TransformerConfig's default is Transformer Engine).
+    if use_transformer_engine != (config.transformer_impl == "transformer_engine"):
+        config.transformer_impl = "transformer_engine" if use_transformer_engine else "local"
+
+
 def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
               use_transformer_engine: bool = False, vp_stage: int | None = None,
-              share_embeddings_and_output_weights: bool = False,
-              position_embedding_type: str = "rope") -> GPTModel:
-    """The GPTModel (with its MTP block on the last stage) of one (virtual) pipeline stage."""
-    layer_spec, mtp_spec = get_gpt_specs(config, use_transformer_engine, vp_stage)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        # Rotary by default, as in DeepSeek-V3. (Learned absolute positions with MTP under
-        # pipeline parallelism are refused: the MTP stage's copy would not stay in sync.)
-        position_embedding_type=position_embedding_type,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-        mtp_block_spec=mtp_spec,
-        vp_stage=vp_stage,
-    )
+              pre_process: bool | None = None, post_process: bool | None = None, pg_collection=None,
+              layer_spec=None, core_attention=None, **options) -> GPTModel:
+    """The GPTModel (with its MTP block on the last stage) of one (virtual) pipeline stage: the
+    one GPT builder of the trainer, the library and serving. Its decoder and MTP specs are
+    Megatron-LM's selection for the config (`layer_spec` replaces it, as --spec), with this
+    device's modules (megatron.core.fork.specs.gpt_specs; `core_attention` replaces the local
+    layers' SDPA attention: serving's cached one); `options` are GPTModel's (rotary by
+    default, as in DeepSeek-V3: learned absolute positions with MTP under pipeline parallelism
+    are refused, as the MTP stage's copy would not stay in sync)."""
+    _set_impl(config, use_transformer_engine)
+    decoder_spec, mtp_spec = gpt_specs(config, vp_stage, layer_spec,
+                                       **({"core_attention": core_attention} if core_attention else {}))
+    pre_process, post_process = _stage(vp_stage, pre_process, post_process)
+    options = {"position_embedding_type": "rope", "parallel_output": True, **options}
+    return GPTModel(config=config, transformer_layer_spec=decoder_spec, vocab_size=vocab_size,
+                    max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
+                    mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection, **options)
 
 
 def build_hybrid(config: TransformerConfig, vocab_size: int, max_sequence_length: int, hybrid_layer_pattern: str,
-                 vp_stage: int | None = None, share_embeddings_and_output_weights: bool = False,
-                 position_embedding_type: str = "rope"):
+                 use_transformer_engine: bool = False, vp_stage: int | None = None,
+                 pre_process: bool | None = None, post_process: bool | None = None, pg_collection=None, **options):
     """The HybridModel of one (virtual) pipeline stage: `hybrid_layer_pattern` is upstream's
-    "<main>/<mtp>/..." ("|" between pipeline stages), built from local modules (any device)."""
+    "<main>/<mtp>/..." ("|" between pipeline stages); upstream's Transformer Engine stack spec,
+    or the same layers of megatron-core's local modules (any device)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    return HybridModel(
-        config=config, hybrid_stack_spec=get_hybrid_stack_spec(config), vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length, hybrid_layer_pattern=hybrid_layer_pattern,
-        position_embedding_type=position_embedding_type,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-        vp_stage=vp_stage,
-    )
+    _set_impl(config, use_transformer_engine)
+    if use_transformer_engine:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    else:
+        hybrid_stack_spec = get_hybrid_stack_spec(config)
+    refuse_dropped(config, hybrid_stack_spec.submodules.attention_layer, multi_latent=False)
+    pre_process, post_process = _stage(vp_stage, pre_process, post_process)
+    options = {"position_embedding_type": "rope", "parallel_output": True, **options}
+    if options.pop("rope_scaling", False):  # a GPTModel option HybridModel does not take
+        raise SpecError("--use-rope-scaling: HybridModel has no rotary scaling; drop it")
+    options.pop("rope_scaling_factor", None)
+    return HybridModel(config=config, hybrid_stack_spec=hybrid_stack_spec, vocab_size=vocab_size,
+                       max_sequence_length=max_sequence_length, hybrid_layer_pattern=hybrid_layer_pattern,
+                       pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                       pg_collection=pg_collection, **options)
 
 
 def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
@@ -67,7 +100,8 @@ def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length:
                               share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                               position_embedding_type=position_embedding_type)
         else:
-            model = build_hybrid(config, vocab_size, max_sequence_length, hybrid_layer_pattern, vp_stage=stage,
+            model = build_hybrid(config, vocab_size, max_sequence_length, hybrid_layer_pattern,
+                                 use_transformer_engine, vp_stage=stage,
                                  share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                                  position_embedding_type=position_embedding_type)
         if torch.cuda.is_available():

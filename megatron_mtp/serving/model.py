@@ -14,8 +14,8 @@ import torch
 from megatron_mtp.serving import ServingError
 
 # Flags under which the forward differs from what this module runs.
-UNSUPPORTED = ("multi_latent_attention", "qk_layernorm", "apply_layernorm_1p", "layernorm_zero_centered_gamma",
-               "squared_relu")
+UNSUPPORTED = ("multi_latent_attention", "apply_layernorm_1p", "layernorm_zero_centered_gamma", "squared_relu",
+               "experimental_attention_variant", "attention_output_gate")
 # MoE options that name CUDA kernels: the same routing and experts run without them.
 MOE_KERNELS = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion", "moe_use_legacy_grouped_gemm")
 
@@ -92,63 +92,20 @@ def transformer_config(args, mtp_num_layers=None):
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         init_method_std=getattr(args, "init_method_std", 0.02), mtp_num_layers=depths or None,
         mtp_use_repeated_layer=bool(getattr(args, "mtp_use_repeated_layer", False)) if depths else False,
-        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)), **moe_fields(args),
+        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)), qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)),
+        **moe_fields(args),
     )
-
-
-def _with_cached_attention(*specs) -> None:
-    """Every SDPACoreAttention in the specs (decoder layers, MoE or dense, and the MTP layers') made
-    the cached one."""
-    import dataclasses
-
-    from megatron.core.fork.sdpa_attention import SDPACoreAttention
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
-
-    seen = set()
-
-    def visit(node):
-        if id(node) in seen:
-            return
-        seen.add(id(node))
-        if isinstance(node, ModuleSpec):
-            visit(node.submodules)
-        elif isinstance(node, (list, tuple)):
-            for child in node:
-                visit(child)
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for field in dataclasses.fields(node):
-                value = getattr(node, field.name)
-                if value is SDPACoreAttention:
-                    setattr(node, field.name, CachedSDPACoreAttention)
-                else:
-                    visit(value)
-
-    for spec in specs:
-        visit(spec)
 
 
 def build(args, mtp_num_layers=None):
-    """GPTModel (TP = PP = EP = 1) of a checkpoint's arguments, its layers chosen as the trainer
-    chooses them (with experts, upstream's MoE block); `setup()` first."""
-    from megatron.core.fork.specs import get_gpt_specs
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    """GPTModel (TP = PP = EP = 1) of a checkpoint's arguments, built by the trainer's builder
+    (megatron_mtp.library.model.build_gpt) with the cached core attention; `setup()` first."""
+    from megatron_mtp.library.model import build_gpt, gpt_options
+    from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
 
-    config = transformer_config(args, mtp_num_layers)
-    spec, mtp_spec = get_gpt_specs(config, use_transformer_engine=False)
-    _with_cached_attention(spec, mtp_spec)
-    model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
-        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
-        rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(getattr(args, "rotary_base", 10000)),
-        rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
-        rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0)),
-        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
-        mtp_block_spec=mtp_spec,
-    )
+    model = build_gpt(transformer_config(args, mtp_num_layers), args.padded_vocab_size, args.max_position_embeddings,
+                      pre_process=True, post_process=True, core_attention=CachedSDPACoreAttention, **gpt_options(args))
     return model.eval()
 
 

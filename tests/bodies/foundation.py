@@ -159,11 +159,12 @@ def sdpa_matches_upstream_attention() -> dict:
     """SDPACoreAttention against upstream's local DotProductAttention on the same weights."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.fork.specs import get_gpt_layer_sdpa_spec
+    from megatron.core.fork.specs import on_this_device
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                               transformer_impl="local")
     tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(16).unsqueeze(0).expand(3, -1)
     causal = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)
@@ -173,7 +174,9 @@ def sdpa_matches_upstream_attention() -> dict:
     out = {}
     with model_parallel():
         models = []
-        for spec in (get_gpt_layer_local_spec(), get_gpt_layer_sdpa_spec()):
+        sdpa = get_gpt_layer_local_spec()
+        on_this_device(config, sdpa)  # upstream's local spec, its DotProductAttention swapped
+        for spec in (get_gpt_layer_local_spec(), sdpa):
             torch.manual_seed(11)
             models.append(GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64,
                                    max_sequence_length=16))

@@ -12,23 +12,24 @@ from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mtp.library.model import build_gpt
 from tests.harness.layout import model_parallel
-from tests.reference.gpt_mtp import ReferenceGPT, mtp_inner_layer_name
+from tests.reference.gpt_mtp import Architecture, ReferenceGPT, mtp_inner_layer_name
 
 VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, LAMBDA = 48, 32, 4, 2, 2, 12, 0.3
 SPARSE_CHUNK = 7  # rows per chunk of the sparse MTP loss: several chunks, the last one partial
 
 
-def make_config(depths, repeated=False, detach=False, recompute=False, **extra):
+def make_config(depths, repeated=False, detach=False, recompute=False, config_class=TransformerConfig, **extra):
     kwargs = dict(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         mtp_num_layers=depths or None, mtp_loss_scaling_factor=LAMBDA,
         mtp_use_repeated_layer=repeated, mtp_detach_heads=detach,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        calculate_per_token_loss=True, **extra,
+        calculate_per_token_loss=True,
     )
+    kwargs.update(extra)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(**kwargs)
+    return config_class(**kwargs)
 
 
 def padded_batch(seed=0):
@@ -113,11 +114,11 @@ def run_megatron(model, input_ids, labels, mask, segments):
             "grads": grads, "sums": STEP_STATISTICS.local_sums()}
 
 
-def reference_for(model, depths, tied, repeated, detach):
+def reference_for(model, depths, tied, repeated, detach, arch=Architecture()):
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, depths, groups=GROUPS, tied=tied,
                        repeated=repeated, detach_heads=detach, mtp_loss_scaling_factor=LAMBDA,
-                       mtp_inner_name=mtp_inner_layer_name(state))
+                       mtp_inner_name=mtp_inner_layer_name(state), arch=arch)
     ref.load_state_dict(state, strict=True)
     return ref
 
@@ -137,7 +138,7 @@ def max_rel(a, b) -> float:
     return error if error == error else float("inf")
 
 
-def against_reference(config, seed, tied, layout):
+def against_reference(config, seed, tied, layout, arch=Architecture()):
     """One step of the patched model and of the reference on its weights and a batch:
     (the model's run_megatron results, the reference's losses, its gradients, the mask)."""
     torch.manual_seed(seed)
@@ -145,17 +146,18 @@ def against_reference(config, seed, tied, layout):
     input_ids, labels, mask, segments = (padded_batch if layout == "padded" else packed_batch)()
     got = run_megatron(model, input_ids, labels, mask, segments)
     ref = reference_for(model, config.mtp_num_layers or 0, tied, config.mtp_use_repeated_layer,
-                        config.mtp_detach_heads)
+                        config.mtp_detach_heads, arch)
     losses = ref.losses(input_ids, labels, mask, segments)
     ref.objective_sums(input_ids, labels, mask, segments).backward()
     ref_grads = {name: p.grad for name, p in ref.named_parameters() if p.grad is not None}
     return got, losses, ref_grads, mask
 
 
-def compare_case(depths, repeated, tied, detach, recompute, layout, sparse):
+def compare_case(depths, repeated, tied, detach, recompute, layout, sparse, arch=Architecture(), **fields):
+    """`arch` is the reference's architecture and `fields` the config's that build the same one."""
     config = make_config(depths, repeated, detach, recompute, mtp_sparse_loss=sparse,
-                         sparse_loss_chunk_size=SPARSE_CHUNK)
-    got, (logits, main_ce, per_depth), ref_grads, _ = against_reference(config, 1000 + depths, tied, layout)
+                         sparse_loss_chunk_size=SPARSE_CHUNK, **fields)
+    got, (logits, main_ce, per_depth), ref_grads, _ = against_reference(config, 1000 + depths, tied, layout, arch)
     errors = {
         "main_logits": max_rel(got["logits"][-1], logits.detach()),
         "main_ce": max_rel(got["main_ce"], main_ce.detach()),

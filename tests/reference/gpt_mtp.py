@@ -12,37 +12,146 @@ weights. Everything is [batch, seq, hidden]. Spec sections 1-4:
 
 with isolation: h^0 detached into depth 1 only, E detached at every depth, W_out
 detached for MTP logits.
+
+Attention variants (`Attention`): multi-head / grouped-query attention, optionally with a
+norm of each head's query and key before RoPE (q/k layernorm, Qwen3); and multi-latent
+attention (DeepSeek-V2/V3): queries from a low-rank latent (q-LoRA, normed), keys and values
+from a shared latent (kv-LoRA, normed) plus one RoPE key shared by all heads, the RoPE part
+of each head's query and key taken with DeepSeek's even/odd de-interleave, and YaRN frequencies
+(written from the YaRN paper and DeepSeek-V3's rounded correction range).
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+def norm(kind, size):
+    return nn.RMSNorm(size, eps=1e-5) if kind == "RMSNorm" else nn.LayerNorm(size, eps=1e-5)
+
+
+def causal_within_segments(scores, segments):
+    s = segments.size(1)
+    allowed = (segments[:, :, None] == segments[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    return scores.masked_fill(~allowed[:, None], float("-inf"))
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, hidden, heads, groups):
+    def __init__(self, hidden, heads, groups, qk_norm=None):
         super().__init__()
         self.heads, self.groups, self.head_dim = heads, groups, hidden // heads
         self.linear_qkv = nn.Linear(hidden, (heads + 2 * groups) * self.head_dim)
         self.linear_proj = nn.Linear(hidden, hidden)
+        if qk_norm:
+            self.q_layernorm, self.k_layernorm = norm(qk_norm, self.head_dim), norm(qk_norm, self.head_dim)
+        self.qk_norm = qk_norm
 
-    def forward(self, x, rope, segments):
+    def forward(self, x, positions, segments):
         b, s, _ = x.shape
         per_group = self.heads // self.groups
         qkv = self.linear_qkv(x).view(b, s, self.groups, (per_group + 2) * self.head_dim)
         q, k, v = qkv.split([per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         q = q.reshape(b, s, self.heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim)
-        allowed = segments[:, :, None] == segments[:, None, :]
-        allowed = allowed & torch.ones(s, s, dtype=torch.bool).tril()
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        angles = rope_table(positions, self.head_dim)
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        scores = causal_within_segments(torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim), segments)
         out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
         return self.linear_proj(out.reshape(b, s, -1))
+
+
+@dataclass(frozen=True)
+class Latent:
+    """Multi-latent attention's sizes; `yarn` = (scaling factor, original context, beta_fast,
+    beta_slow, mscale, mscale_all_dim), or None for plain RoPE."""
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_head_dim: int
+    rope_head_dim: int
+    v_head_dim: int
+    yarn: tuple | None = None
+
+
+def yarn_frequencies(dim, base, factor, original, beta_fast, beta_slow):
+    """YaRN's per-pair frequencies: a pair that turns fewer than beta_slow times over the original
+    context is interpolated (theta / factor), one that turns more than beta_fast times is kept,
+    linearly blended between, over the dimension indices where those turn counts fall (rounded
+    outwards, as DeepSeek-V3's released code does)."""
+    theta = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+    def index_turning(times):  # the dimension index i whose pair turns `times` over `original`
+        return dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(index_turning(beta_fast)), 0), min(math.ceil(index_turning(beta_slow)), dim - 1)
+    high = high if high != low else high + 0.001
+    kept = 1.0 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return theta / factor * (1 - kept) + theta * kept
+
+
+def yarn_attention_factor(factor, mscale):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class MLASelfAttention(nn.Module):
+    def __init__(self, hidden, heads, latent: Latent, qk_norm=None):
+        super().__init__()
+        self.heads, self.latent = heads, latent
+        q_dim = latent.qk_head_dim + latent.rope_head_dim
+        self.linear_q_down_proj = nn.Linear(hidden, latent.q_lora_rank, bias=False)
+        self.linear_q_up_proj = nn.Linear(latent.q_lora_rank, heads * q_dim, bias=False)
+        self.linear_kv_down_proj = nn.Linear(hidden, latent.kv_lora_rank + latent.rope_head_dim, bias=False)
+        self.linear_kv_up_proj = nn.Linear(latent.kv_lora_rank, heads * (latent.qk_head_dim + latent.v_head_dim),
+                                           bias=False)
+        self.linear_proj = nn.Linear(heads * latent.v_head_dim, hidden)
+        if qk_norm:
+            self.q_layernorm, self.kv_layernorm = norm(qk_norm, latent.q_lora_rank), norm(qk_norm, latent.kv_lora_rank)
+        self.qk_norm = qk_norm
+        self.scale = 1.0 / math.sqrt(q_dim)
+        if latent.yarn:
+            factor, _, _, _, _, mscale_all_dim = latent.yarn
+            self.scale *= yarn_attention_factor(factor, mscale_all_dim) ** 2
+
+    def rope(self, x, positions):
+        """x [b, s, h, r]: DeepSeek's RoPE, pairs (x_0, x_1), (x_2, x_3), ... rotated."""
+        dim = self.latent.rope_head_dim
+        if self.latent.yarn:
+            factor, original, beta_fast, beta_slow, mscale, mscale_all_dim = self.latent.yarn
+            theta = yarn_frequencies(dim, 10000.0, factor, original, beta_fast, beta_slow)
+            magnitude = yarn_attention_factor(factor, mscale) / yarn_attention_factor(factor, mscale_all_dim)
+        else:
+            theta, magnitude = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+        angles = positions.float()[..., None] * theta  # [b, s, r/2]
+        cos, sin = angles.cos()[:, :, None] * magnitude, angles.sin()[:, :, None] * magnitude
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+    def forward(self, x, positions, segments):
+        b, s, _ = x.shape
+        lat, h = self.latent, self.heads
+        q_latent = self.linear_q_down_proj(x)
+        kv_latent, k_rope = self.linear_kv_down_proj(x).split([lat.kv_lora_rank, lat.rope_head_dim], dim=-1)
+        if self.qk_norm:
+            q_latent, kv_latent = self.q_layernorm(q_latent), self.kv_layernorm(kv_latent)
+        q = self.linear_q_up_proj(q_latent).view(b, s, h, lat.qk_head_dim + lat.rope_head_dim)
+        q_content, q_rope = q.split([lat.qk_head_dim, lat.rope_head_dim], dim=-1)
+        kv = self.linear_kv_up_proj(kv_latent).view(b, s, h, lat.qk_head_dim + lat.v_head_dim)
+        k_content, v = kv.split([lat.qk_head_dim, lat.v_head_dim], dim=-1)
+        q = torch.cat([q_content, self.rope(q_rope, positions)], dim=-1)
+        k_rope = self.rope(k_rope[:, :, None], positions).expand(b, s, h, lat.rope_head_dim)
+        k = torch.cat([k_content, k_rope], dim=-1)
+        scores = causal_within_segments(torch.einsum("bqhd,bkhd->bhqk", q, k) * self.scale, segments)
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
+        return self.linear_proj(out.reshape(b, s, -1))
+
+
+def attention(hidden, heads, groups, qk_norm, latent):
+    return MLASelfAttention(hidden, heads, latent, qk_norm) if latent else SelfAttention(hidden, heads, groups, qk_norm)
 
 
 class MLP(nn.Module):
@@ -55,44 +164,54 @@ class MLP(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
+@dataclass(frozen=True)
+class Architecture:
+    """What a layer is made of: the norm of every layer and head (LayerNorm or RMSNorm), q/k
+    norms of that kind, and multi-latent attention (`latent`) instead of grouped-query."""
+    normalization: str = "LayerNorm"
+    qk_norm: bool = False
+    latent: Latent | None = None
+
+
 class TransformerLayer(nn.Module):
-    def __init__(self, hidden, heads, groups, ffn):
+    def __init__(self, hidden, heads, groups, ffn, arch=Architecture()):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(hidden, eps=1e-5)
-        self.self_attention = SelfAttention(hidden, heads, groups)
-        self.pre_mlp_layernorm = nn.LayerNorm(hidden, eps=1e-5)
+        self.input_layernorm = norm(arch.normalization, hidden)
+        self.self_attention = attention(hidden, heads, groups, arch.normalization if arch.qk_norm else None,
+                                        arch.latent)
+        self.pre_mlp_layernorm = norm(arch.normalization, hidden)
         self.mlp = MLP(hidden, ffn)
 
-    def forward(self, x, rope, segments):
-        x = x + self.self_attention(self.input_layernorm(x), rope, segments)
+    def forward(self, x, positions, segments):
+        x = x + self.self_attention(self.input_layernorm(x), positions, segments)
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
 class Decoder(nn.Module):
-    def __init__(self, layers, hidden, heads, groups, ffn):
+    def __init__(self, layers, hidden, heads, groups, ffn, arch=Architecture()):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(hidden, heads, groups, ffn) for _ in range(layers))
-        self.final_layernorm = nn.LayerNorm(hidden, eps=1e-5)
+        self.layers = nn.ModuleList(TransformerLayer(hidden, heads, groups, ffn, arch) for _ in range(layers))
+        self.final_layernorm = norm(arch.normalization, hidden)
 
-    def forward(self, x, rope, segments):
+    def forward(self, x, positions, segments):
         for layer in self.layers:
-            x = layer(x, rope, segments)
+            x = layer(x, positions, segments)
         return self.final_layernorm(x)
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, hidden, heads, groups, ffn, inner_name):
+    def __init__(self, hidden, heads, groups, ffn, inner_name, arch=Architecture()):
         super().__init__()
-        self.enorm = nn.LayerNorm(hidden, eps=1e-5)
-        self.hnorm = nn.LayerNorm(hidden, eps=1e-5)
+        self.enorm = norm(arch.normalization, hidden)
+        self.hnorm = norm(arch.normalization, hidden)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.inner_name = inner_name
-        setattr(self, inner_name, TransformerLayer(hidden, heads, groups, ffn))
-        self.final_layernorm = nn.LayerNorm(hidden, eps=1e-5)
+        setattr(self, inner_name, TransformerLayer(hidden, heads, groups, ffn, arch))
+        self.final_layernorm = norm(arch.normalization, hidden)
 
-    def forward(self, embedded, hidden, rope, segments):
+    def forward(self, embedded, hidden, positions, segments):
         u = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.final_layernorm(getattr(self, self.inner_name)(u, rope, segments))
+        return self.final_layernorm(getattr(self, self.inner_name)(u, positions, segments))
 
 
 class Embedding(nn.Module):
@@ -102,9 +221,9 @@ class Embedding(nn.Module):
 
 
 class MTPBlock(nn.Module):
-    def __init__(self, layers, hidden, heads, groups, ffn, inner_name):
+    def __init__(self, layers, hidden, heads, groups, ffn, inner_name, arch=Architecture()):
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(hidden, heads, groups, ffn, inner_name) for _ in range(layers))
+        self.layers = nn.ModuleList(MTPLayer(hidden, heads, groups, ffn, inner_name, arch) for _ in range(layers))
 
 
 def mtp_inner_layer_name(state_dict) -> str:
@@ -149,19 +268,19 @@ def shift_left(tensor, k, segments):
 class ReferenceGPT(nn.Module):
     def __init__(self, vocab, hidden, heads, layers, mtp_depths, groups=None, ffn=None,
                  tied=False, repeated=False, detach_heads=False, mtp_loss_scaling_factor=0.1,
-                 mtp_inner_name="transformer_layer"):
+                 mtp_inner_name="transformer_layer", arch=Architecture()):
         super().__init__()
         groups, ffn = groups or heads, ffn or 4 * hidden
         self.heads, self.hidden, self.depths = heads, hidden, mtp_depths
         self.tied, self.repeated, self.detach_heads = tied, repeated, detach_heads
         self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
         self.embedding = Embedding(vocab, hidden)
-        self.decoder = Decoder(layers, hidden, heads, groups, ffn)
+        self.decoder = Decoder(layers, hidden, heads, groups, ffn, arch)
         if not tied:
             self.output_layer = nn.Module()
             self.output_layer.weight = nn.Parameter(torch.empty(vocab, hidden))
         if mtp_depths:
-            self.mtp = MTPBlock(1 if repeated else mtp_depths, hidden, heads, groups, ffn, mtp_inner_name)
+            self.mtp = MTPBlock(1 if repeated else mtp_depths, hidden, heads, groups, ffn, mtp_inner_name, arch)
 
     def output_weight(self):
         return self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
@@ -170,9 +289,9 @@ class ReferenceGPT(nn.Module):
         """Returns main logits [b, s, V] and per-depth MTP logits (list of [b, s, V])."""
         if segments is None:
             segments = torch.zeros_like(input_ids)
-        rope = rope_table(positions_within_segments(segments), self.hidden // self.heads)
+        positions = positions_within_segments(segments)
         embed = self.embedding.word_embeddings
-        h = self.decoder(embed(input_ids), rope, segments)
+        h = self.decoder(embed(input_ids), positions, segments)
         logits = h @ self.output_weight().t()
         mtp_logits = []
         hidden = h.detach() if self.detach_heads else h
@@ -180,7 +299,7 @@ class ReferenceGPT(nn.Module):
             tokens_k = shift_left(input_ids, k, segments)
             e = embed(tokens_k).detach() if self.detach_heads else embed(tokens_k)
             layer = self.mtp.layers[0 if self.repeated else k - 1]
-            hidden = layer(e, hidden, rope, segments)
+            hidden = layer(e, hidden, positions, segments)
             weight = self.output_weight().detach() if self.detach_heads else self.output_weight()
             mtp_logits.append(hidden @ weight.t())
         return logits, mtp_logits

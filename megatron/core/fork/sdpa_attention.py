@@ -47,6 +47,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -59,12 +61,14 @@ class SDPACoreAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp'])
         tp_size = pg_collection.tp.size()
         self.attn_mask_type = attn_mask_type
-        projection_size = config.kv_channels * config.num_attention_heads
-        self.hidden_size_per_partition = divide(projection_size, tp_size)
+        # Multi-latent attention gives its query/key and value head dimensions (k_channels,
+        # v_channels), as to Transformer Engine's attention; the others have kv_channels. The
+        # output's head dimension is that of the value it is given (MLA pads it to the query's
+        # on packed rows), so v_channels is taken for the signature only.
+        k_channels = config.kv_channels if k_channels is None else k_channels
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.query_groups_per_partition = divide(config.num_query_groups, tp_size)
-        head_dim = divide(projection_size, config.num_attention_heads)
-        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        self.softmax_scale = 1.0 / math.sqrt(k_channels) if softmax_scale is None else softmax_scale
         # apply_query_key_layer_scaling needs no handling: upstream divides the scale by the
         # layer number and multiplies it back inside its fp32 softmax, a net factor of one.
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -118,7 +122,7 @@ class SDPACoreAttention(MegatronModule):
 
         # [b, n, s, h] -> [s, b, n*h]
         context = context.permute(2, 0, 1, 3).contiguous()
-        context = context.view(context.size(0), context.size(1), self.hidden_size_per_partition)
+        context = context.view(context.size(0), context.size(1), -1)
         if packed:
             context = context.squeeze(1)
         return context

@@ -1,35 +1,183 @@
-"""Layer specs that run on any device.
+"""Layer specs as Megatron-LM chooses them, with the modules this device needs.
 
-``get_gpt_layer_sdpa_spec`` is upstream's local (Transformer-Engine-free) GPT layer
-spec with its ``core_attention`` replaced by ``SDPACoreAttention``; everything else
-(parallel linears, norms, MLP, parameter names) is upstream's. ``get_gpt_specs`` gives
-a model's decoder and MTP block specs the way Megatron-LM's GPT builder chooses them:
-with experts, upstream's decoder block spec (MoE and dense layers by ``moe_layer_freq``),
-and MTP depths whose layer is the backbone's last layer (an MoE layer when that one is,
-as DeepSeek-V3's MTP layer). ``get_hybrid_stack_spec`` is upstream's HybridModel stack spec
-(``hybrid_stack_spec``, Transformer-Engine-only) built from the same local modules: an
-attention layer (``*``) is the GPT layer's attention half, an MLP layer (``-``) its MLP
-half, so a pattern "*-" per layer is the GPT network; the MTP depths' inner layers come
-from the same pattern characters.
+``gpt_specs`` takes a GPTModel's decoder and MTP block specs from upstream's own selection:
+on 0.19.2 Megatron-LM's ``megatron.training.models.gpt`` (``default_layer_spec``,
+``mtp_block_spec``: the choices of Megatron-LM's ``gpt_builders.py``: experimental
+attention variants, MoE block specs with dense layers by ``moe_layer_freq``, heterogeneous
+layers, ``qk_layernorm``, ``multi_latent_attention``, ``normalization``); on 0.16.1, whose
+sdist has no ``megatron.training``, the same choices through megatron-core's spec functions.
+``on_this_device`` is the one hook that changes them: with Transformer Engine nothing changes
+(the GPU path is upstream's byte for byte); with megatron-core's local modules it swaps the
+core attention for ``SDPACoreAttention`` (packed rows, any device). ``refuse_dropped`` refuses
+in one line an architecture flag the specs do not build.
+
+``get_hybrid_stack_spec`` is upstream's HybridModel stack spec (``hybrid_stack_spec``,
+Transformer-Engine-only) built from the same local modules: an attention layer (``*``) is
+the GPT layer's attention half, an MLP layer (``-``) its MLP half, so a pattern "*-" per
+layer is the GPT network; the MTP depths' inner layers come from the same pattern characters.
 """
 
+import dataclasses
+
 from megatron.core.fork.sdpa_attention import SDPACoreAttention
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_decoder_layer_specs,
-    get_gpt_layer_local_spec,
-    get_gpt_mtp_block_spec,
-)
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
-def _with_sdpa(spec: ModuleSpec) -> ModuleSpec:
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
+class SpecError(ValueError):
+    """An architecture flag the selected specs do not build (one line)."""
 
 
-def get_gpt_layer_sdpa_spec(**local_spec_kwargs) -> ModuleSpec:
-    return _with_sdpa(get_gpt_layer_local_spec(**local_spec_kwargs))
+def _walk(node, visit, seen=None):
+    """Call visit(holder, field name, value) for every field of every submodules dataclass
+    reachable from `node` (ModuleSpecs, lists of them, submodules dataclasses), each once."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, ModuleSpec):
+        _walk(node.submodules, visit, seen)
+    elif isinstance(node, (list, tuple)):
+        for child in node:
+            _walk(child, visit, seen)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for field in dataclasses.fields(node):
+            value = getattr(node, field.name)
+            visit(node, field.name, value)
+            _walk(value, visit, seen)
+
+
+def replace_modules(replacements: dict, *specs) -> None:
+    """Every submodule class `old` in the specs (in place) made `replacements[old]`."""
+
+    def visit(holder, name, value):
+        if isinstance(value, type) and value in replacements:
+            setattr(holder, name, replacements[value])
+
+    for spec in specs:
+        _walk(spec, visit)
+
+
+def on_this_device(config, *specs, core_attention=SDPACoreAttention) -> None:
+    """The one change to upstream's specs: with megatron-core's local modules, upstream's
+    DotProductAttention (CUDA buffers, no packed rows, no MLA head dimensions) becomes
+    SDPACoreAttention (or `core_attention`: serving's cached one), and under qk_l2_norm the q/k norms are L2Norm, as in upstream's
+    Transformer Engine layer spec (its local dense selection leaves them out). Transformer
+    Engine's specs are left as upstream builds them."""
+    if config.transformer_impl == "transformer_engine":
+        return
+    replace_modules({DotProductAttention: core_attention}, *specs)
+    if config.qk_l2_norm:
+        from megatron.core.transformer.attention import SelfAttentionSubmodules
+        from megatron.core.transformer.torch_norm import L2Norm
+
+        for spec in _attention_submodules(*specs):
+            if isinstance(spec.submodules, SelfAttentionSubmodules):
+                spec.submodules.q_layernorm = spec.submodules.k_layernorm = L2Norm
+
+
+def _attention_submodules(*specs) -> list:
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+
+    found = []
+
+    def visit(holder, name, value):
+        if isinstance(value, ModuleSpec) and isinstance(value.submodules, (SelfAttentionSubmodules,
+                                                                            MLASelfAttentionSubmodules)):
+            found.append(value)
+
+    for spec in specs:
+        _walk(spec, visit)
+    return found
+
+
+def refuse_dropped(config, *specs, multi_latent: bool = True) -> None:
+    """Raise SpecError when the specs do not build an architecture flag of `config`: q/k norms
+    with qk_layernorm, L2 q/k norms with qk_l2_norm, and (`multi_latent`: a GPT's specs, where
+    the flag selects the attention; a HybridModel's pattern places it) every attention layer
+    multi-latent with multi_latent_attention."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
+
+    if config.layernorm_zero_centered_gamma:
+        torch_norms = []
+        _walk(list(specs), lambda holder, name, value: torch_norms.append(value) if value is WrappedTorchNorm else None)
+        if torch_norms:
+            raise SpecError("--apply-layernorm-1p (zero-centred gamma) is not built by megatron-core's torch norms, "
+                            "which these local specs use (Apex and Transformer Engine norms have it)")
+    attentions = _attention_submodules(*specs)
+    for spec in attentions:
+        sub = spec.submodules
+        norms = [getattr(sub, n) for n in ("q_layernorm", "k_layernorm", "kv_layernorm") if hasattr(sub, n)]
+        if config.qk_l2_norm and not all(norm is L2Norm for norm in norms if norm is not None):
+            raise SpecError(f"--qk-l2-norm is not built by {spec.module.__name__}'s spec here (its q/k norms are "
+                            f"{', '.join(getattr(n, '__name__', str(n)) for n in norms)}); drop it")
+        if config.qk_layernorm and any(norm in (None, IdentityOp) for norm in norms):
+            raise SpecError(f"--qk-layernorm is not built by {spec.module.__name__}'s spec here (it has no q/k "
+                            "norms); drop it")
+    if multi_latent and config.multi_latent_attention and any(spec.module is not MLASelfAttention for spec in attentions):
+        raise SpecError("--multi-latent-attention is not built by these specs (their attention is "
+                        f"{sorted({s.module.__name__ for s in attentions})}); drop it")
+
+
+def _upstream_gpt_specs(config, vp_stage, layer_spec):
+    use_te = config.transformer_impl == "transformer_engine"
+    variant = getattr(config, "experimental_attention_variant", None)  # (0.19.2's field)
+    if variant is not None and not use_te:
+        raise SpecError(f"--experimental-attention-variant {variant} is built with "
+                        "Transformer Engine only (its local layers are not carried); on CPU use the attention "
+                        "variants of the local specs")
+    try:
+        from megatron.training.models.gpt import GPTModelConfig, default_layer_spec, mtp_block_spec
+    except ImportError:  # 0.16.1: megatron-core's spec functions, as that release's gpt_builders.py calls them
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+            get_gpt_decoder_layer_specs,
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+            get_gpt_mtp_block_spec,
+        )
+
+        options = dict(normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
+        if config.multi_latent_attention and not use_te:
+            raise SpecError("--multi-latent-attention without Transformer Engine needs the 0.19.2 build (0.16.1's "
+                            "runtime part leaves its YaRN rotary embedding on CUDA)")
+        if layer_spec is not None:
+            decoder = layer_spec
+        elif config.num_moe_experts:
+            decoder = get_gpt_decoder_block_spec(config, use_te, vp_stage=vp_stage, **options)
+        elif use_te:
+            decoder = get_gpt_layer_with_transformer_engine_spec(
+                None, False, config.qk_layernorm, config.multi_latent_attention, qk_l2_norm=config.qk_l2_norm)
+        else:
+            decoder = get_gpt_layer_local_spec(None, False, config.qk_layernorm, config.multi_latent_attention,
+                                               **options)
+        mtp = None
+        if config.mtp_num_layers:
+            layer = get_gpt_decoder_layer_specs(config, use_te, **options)[-1]
+            mtp = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=use_te, vp_stage=vp_stage)
+        return decoder, mtp
+    # GPTModelConfig proxies its fields to the TransformerConfig when it has them (MLA's
+    # rotary_base, rotary_percent): give it the config's own values, or it overwrites them.
+    shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(GPTModelConfig)
+              if f.init and f.name != "transformer" and hasattr(config, f.name)}
+    model_config = GPTModelConfig(transformer=config, transformer_layer_spec=layer_spec, **shared)
+    decoder = layer_spec if layer_spec is not None else default_layer_spec(model_config, vp_stage)
+    mtp = mtp_block_spec(model_config, decoder, vp_stage=vp_stage) if config.mtp_num_layers else None
+    return decoder, mtp
+
+
+def gpt_specs(config, vp_stage=None, layer_spec=None, core_attention=SDPACoreAttention):
+    """(decoder spec, MTP block spec or None) of one (virtual) pipeline stage, for
+    config.transformer_impl: upstream's selection (or `layer_spec`, as Megatron-LM's --spec),
+    its MTP layer the decoder's last layer spec (an MoE layer when that one is, as DeepSeek-V3's
+    MTP layer), then this device's modules. A flag the specs do not build raises SpecError."""
+    decoder, mtp = _upstream_gpt_specs(config, vp_stage, layer_spec)
+    on_this_device(config, decoder, mtp, core_attention=core_attention)
+    refuse_dropped(config, decoder, mtp)
+    return decoder, mtp
 
 
 def norm_without_te(te_norm):
@@ -44,9 +192,7 @@ def norm_without_te(te_norm):
 def get_hybrid_stack_spec(config) -> ModuleSpec:
     """A HybridStack spec of local modules (any device): attention ``*``, MLP ``-``, MoE ``E``
     (with experts) and the MTP block; the other layer types need Transformer Engine."""
-    import dataclasses
-
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules, get_gpt_mtp_block_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -73,24 +219,3 @@ def get_hybrid_stack_spec(config) -> ModuleSpec:
         layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=experts, mlp_bda=gpt.mlp_bda))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
-
-
-def get_gpt_specs(config, use_transformer_engine: bool, vp_stage=None):
-    """(decoder spec, MTP block spec or None) of one (virtual) pipeline stage."""
-    if config.num_moe_experts is None:
-        if use_transformer_engine:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-            layer = decoder = get_gpt_layer_with_transformer_engine_spec()
-        else:
-            layer = decoder = get_gpt_layer_sdpa_spec()
-    else:
-        options = dict(normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
-        decoder = get_gpt_decoder_block_spec(config, use_transformer_engine, vp_stage=vp_stage, **options)
-        layer = get_gpt_decoder_layer_specs(config, use_transformer_engine, **options)[-1]
-        if not use_transformer_engine:
-            for spec in {id(s): s for s in [*decoder.layer_specs, layer]}.values():
-                _with_sdpa(spec)
-    mtp = (get_gpt_mtp_block_spec(config, layer, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage)
-           if config.mtp_num_layers else None)
-    return decoder, mtp

@@ -1,0 +1,174 @@
+"""Architecture flags build what they name: the trainer's model against upstream's builder (issue 27).
+
+For every architecture flag (q/k layernorm with either norm, --qk-l2-norm, multi-latent
+attention with YaRN and with plain RoPE, gated attention output, partial rotary, MLA + MoE
+with a dense first layer), the model pretrain_gpt_mtp.py builds has exactly the parameter
+names and shapes of the model upstream's builder (megatron.training.models.gpt, Megatron-LM's
+gpt_builders.py choices) gives for the same arguments, and holds the modules the flag names
+in every attention layer, decoder and MTP: before, the trainer built its dense layers with
+no arguments and dropped --qk-layernorm and --multi-latent-attention without a word. A flag
+the selected specs do not build is refused in one line.
+
+Exact MTP on the architectures: q/k LayerNorm, q/k RMSNorm, multi-latent attention with RoPE,
+and with YaRN (factor 4, both mscales) and q/k RMSNorm, each against the plain-PyTorch
+reference (tests/reference/gpt_mtp.py, MLA and YaRN written from the papers) for D in {1, 2},
+isolation on and off, the repeated layer, tied and untied, recompute, padded rows with holes
+and packed rows of uneven segments, dense and sparse MTP loss: logits, losses, every
+parameter's gradient and the per-depth counts (exact). Tolerance: relative 3e-5 of each
+tensor's largest magnitude (float32 round-off; measured <= 9.7e-6, the largest on
+k_layernorm.bias, a gradient that only RoPE keeps from cancelling to zero: its largest entry
+is 1e-3 of the others').
+
+Cut invariance on the architectures (the trainer's exact steps): from the same weights,
+1 rank x 4 micro-batches and the other cuts log the same lm loss, per-depth MTP losses and
+grad norm at every iteration (relative 2e-5), D = 2 isolated, short documents with
+--eod-mask-loss: DeepSeek-V3's attention (MLA with q- and kv-LoRA, YaRN, q/k RMSNorm) with MoE
+behind a dense first layer, cut by DP = 2 and EP = 2; Qwen3's (q/k RMSNorm, gated attention
+output, partial rotary) by DP = 2 and TP = 2 (the head split).
+"""
+
+import pytest
+
+from tests.harness import launch
+from tests.harness.corpora import preprocess, sentences, write_jsonl
+from tests.harness.trainer import TINY, close, scalars, train
+
+pytestmark = pytest.mark.slow
+
+MLA = ("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")
+CASES = {
+    "default": (),
+    "qk_layernorm": ("--qk-layernorm",),
+    "qk_layernorm_rmsnorm": ("--qk-layernorm", "--normalization", "RMSNorm"),
+    "qk_l2_norm": ("--qk-l2-norm",),
+    "mla_yarn": MLA,
+    "mla_rope_qk_layernorm": (*MLA, "--rope-type", "rope", "--qk-layernorm"),
+    "attention_output_gate": ("--attention-output-gate",),
+    "rotary_percent": ("--rotary-percent", "0.5"),
+    "mla_moe_dense_first": (*MLA, "--qk-layernorm", "--normalization", "RMSNorm", "--num-experts", "4",
+                            "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-layer-freq",
+                            "[0,1,1,1]"),
+    "hybrid_qk_layernorm": ("--hybrid-layer-pattern", "*-*-/*-/*-", "--qk-layernorm"),
+    "refused_apply_layernorm_1p": ("--apply-layernorm-1p",),
+    "refused_gated_delta_net": ("--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"),
+}
+DEPTHS = 2  # the embedded default's MTP depths: every case's MTP layers are checked with the decoder's
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("architectures"))
+    (result,) = launch("tests.bodies.architectures:builder_cases", 1,
+                       {"cases": {k: list(v) for k, v in CASES.items()}, "save": save}, timeout=600)
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference_cases():
+    (result,) = launch("tests.bodies.architectures:against_the_reference", 1, timeout=600)
+    return result
+
+
+REFERENCE_TOL = 3e-5
+
+
+def test_mtp_on_each_architecture_matches_the_reference(reference_cases):
+    assert len(reference_cases) == 4 * 5  # architectures x setups (tests/bodies/architectures.py)
+    failures = {}
+    for name, errors in reference_cases.items():
+        bad = {k: v for k, v in errors.items()
+               if (isinstance(v, bool) and not v) or (isinstance(v, float) and not v <= REFERENCE_TOL)}
+        if bad:
+            failures[name] = bad
+    assert not failures, failures
+
+
+BUILT = [name for name in CASES if not name.startswith(("hybrid", "refused"))]
+
+
+@pytest.mark.parametrize("case", BUILT)
+def test_same_parameter_names_and_shapes_as_upstreams_builder(results, case):
+    result = results[case]
+    assert "refused" not in result, result
+    assert result["ours"] == result["upstream"]
+
+
+@pytest.mark.parametrize("case", BUILT)
+def test_every_attention_layer_holds_what_the_flag_names(results, case):
+    result = results[case]
+    layers = 4 + DEPTHS  # decoder and MTP layers
+    assert result["attention_layers"] == layers
+    assert result["core_attention"] == ["SDPACoreAttention"]  # the one CPU swap
+    assert result["attention"] == (["MLASelfAttention"] if "mla" in case else ["SelfAttention"])
+    norms = {"qk_layernorm": ["LayerNorm"], "qk_layernorm_rmsnorm": ["RMSNorm"], "qk_l2_norm": ["L2Norm"],
+             "mla_rope_qk_layernorm": ["LayerNorm"], "mla_moe_dense_first": ["RMSNorm"]}
+    # without q/k norms: SelfAttention holds None, MLASelfAttention upstream's IdentityOp
+    expected = norms.get(case, ["IdentityOp"] if "mla" in case else ["NoneType"])
+    assert result["qk_norms"] == expected
+    assert result["gate"] == [case == "attention_output_gate"]
+    assert result["loss"] == result["loss"] and 0 < result["loss"] < 20  # finite: the layers run here
+
+
+def test_flags_change_the_parameters(results):
+    # what the old builder got wrong: every flag below gave the default's parameters
+    default = results["default"]["ours"]
+    for case in ("qk_layernorm", "mla_yarn", "attention_output_gate", "mla_moe_dense_first"):
+        assert results[case]["ours"] != default, case
+    assert any("q_layernorm" in name for name in results["qk_layernorm"]["ours"])
+    assert any("linear_kv_down_proj" in name for name in results["mla_yarn"]["ours"])
+    assert any(".experts." in name for name in results["mla_moe_dense_first"]["ours"])
+    assert not any(".experts." in name for name in results["mla_moe_dense_first"]["ours"]
+                   if name.startswith("decoder.layers.0."))
+
+
+@pytest.mark.parametrize("case,flag", [("hybrid_qk_layernorm", "--qk-layernorm"),
+                                       ("refused_apply_layernorm_1p", "--apply-layernorm-1p"),
+                                       ("refused_gated_delta_net", "--experimental-attention-variant")])
+def test_a_flag_the_specs_do_not_build_is_refused_in_one_line(results, case, flag):
+    refused = results[case]["refused"]
+    assert flag in refused and "\n" not in refused
+
+
+DEEPSEEK_V3 = (*MLA, "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+               "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+               "--moe-layer-freq", "[0,1]", "--moe-router-score-function", "sigmoid",
+               "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2",
+               "--moe-token-dispatcher-type", "alltoall")
+QWEN3 = ("--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+         "--attention-output-gate", "--rotary-percent", "0.5", "--group-query-attention", "--num-query-groups", "2")
+STEP = (*TINY, "--mtp-num-layers", "2", "--mtp-detach-heads", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--eod-mask-loss", "--global-batch-size", "8", "--lr", "1e-3", "--make-vocab-size-divisible-by", "256")
+ARCHITECTURES = {
+    "deepseek_v3": (DEEPSEEK_V3, {"dp2x2": (2, ("--micro-batch-size", "2")),
+                                  "ep2": (2, ("--micro-batch-size", "2", "--expert-model-parallel-size", "2"))}),
+    "qwen3": (QWEN3, {"dp2x1": (2, ("--micro-batch-size", "4")),
+                      "tp2": (2, ("--micro-batch-size", "2", "--tensor-model-parallel-size", "2"))}),
+}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
+
+
+@pytest.mark.parametrize("architecture", [
+    "deepseek_v3", pytest.param("qwen3", marks=pytest.mark.matrix)])  # the default tier cuts MLA + MoE
+def test_trainer_steps_are_the_same_however_the_step_is_cut(architecture, dataset, tmp_path):
+    flags, cuts = ARCHITECTURES[architecture]
+    common = (*STEP, *flags, "--data-path", str(dataset))
+    initial = tmp_path / "initial"
+    train(1, *common, "--micro-batch-size", "8", "--train-iters", "1", "--save", str(initial), "--save-interval", "1")
+    measured = {}
+    for cut, (nproc, args) in {"1x4": (1, ("--micro-batch-size", "2")), **cuts}.items():
+        train(nproc, *common, *args, "--load", str(initial), "--finetune", "--train-iters", "3",
+              "--tensorboard-dir", str(tmp_path / cut))
+        measured[cut] = scalars(tmp_path / cut)
+    reference = measured.pop("1x4")
+    for cut, values in measured.items():
+        for tag in ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm", "mtp grad norm"):
+            assert sorted(values[tag]) == sorted(reference[tag]) == [1, 2, 3], (cut, tag)
+            for step in (1, 2, 3):
+                assert close(values[tag][step], reference[tag][step]), (
+                    f"{cut}, {tag}, step {step}: {values[tag][step]!r} vs 1x4 {reference[tag][step]!r}")
