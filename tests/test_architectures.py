@@ -22,14 +22,15 @@ is 1e-3 of the others').
 Cut invariance on the architectures (the trainer's exact steps): from the same weights,
 1 rank x 4 micro-batches and the other cuts log the same lm loss, per-depth MTP losses and
 grad norm at every iteration (relative 2e-5), D = 2 isolated, short documents with
---eod-mask-loss: DeepSeek-V3's attention (MLA with q- and kv-LoRA, YaRN, q/k RMSNorm) with MoE
+--eod-mask-loss (matrix tier): DeepSeek-V3's attention (MLA with q- and kv-LoRA, YaRN, q/k RMSNorm) with MoE
 behind a dense first layer, cut by DP = 2 and EP = 2; Qwen3's (q/k RMSNorm, gated attention
-output, partial rotary) by DP = 2 and TP = 2 (the head split).
+output, partial rotary) by DP = 2 and TP = 2 (the head split). The DeepSeek-V3 checkpoint
+loaded by a model without MLA and q/k norms is refused in one line naming both fields.
 """
 
 import pytest
 
-from tests.harness import launch
+from tests.harness import argument_cases, launch
 from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness.trainer import TINY, close, scalars, train
 
@@ -130,11 +131,11 @@ def test_a_flag_the_specs_do_not_build_is_refused_in_one_line(results, case, fla
     assert flag in refused and "\n" not in refused
 
 
-DEEPSEEK_V3 = (*MLA, "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-               "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-               "--moe-layer-freq", "[0,1]", "--moe-router-score-function", "sigmoid",
-               "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2",
-               "--moe-token-dispatcher-type", "alltoall")
+DEEPSEEK_V3_MOE = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--num-experts", "4",
+                   "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1]",
+                   "--moe-router-score-function", "sigmoid", "--moe-router-load-balancing-type", "seq_aux_loss",
+                   "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall")
+DEEPSEEK_V3 = (*MLA, "--qk-layernorm", *DEEPSEEK_V3_MOE)
 QWEN3 = ("--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
          "--attention-output-gate", "--rotary-percent", "0.5", "--group-query-attention", "--num-query-groups", "2")
 STEP = (*TINY, "--mtp-num-layers", "2", "--mtp-detach-heads", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -153,8 +154,8 @@ def dataset(tmp_path_factory):
     return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
 
 
-@pytest.mark.parametrize("architecture", [
-    "deepseek_v3", pytest.param("qwen3", marks=pytest.mark.matrix)])  # the default tier cuts MLA + MoE
+@pytest.mark.matrix  # the default tier: MLA and q/k norms against the reference (library), and the trainer's build
+@pytest.mark.parametrize("architecture", ["deepseek_v3", "qwen3"])
 def test_trainer_steps_are_the_same_however_the_step_is_cut(architecture, dataset, tmp_path):
     flags, cuts = ARCHITECTURES[architecture]
     common = (*STEP, *flags, "--data-path", str(dataset))
@@ -172,3 +173,21 @@ def test_trainer_steps_are_the_same_however_the_step_is_cut(architecture, datase
             for step in (1, 2, 3):
                 assert close(values[tag][step], reference[tag][step]), (
                     f"{cut}, {tag}, step {step}: {values[tag][step]!r} vs 1x4 {reference[tag][step]!r}")
+
+
+def test_the_trainer_refuses_a_flag_the_specs_do_not_build_in_one_line():
+    run = train(1, *TINY, "--apply-layernorm-1p", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                "--vocab-size", "64", "--train-iters", "1", "--lr", "1e-3", check=False)
+    errors = run.errors()
+    assert run.returncode != 0 and len(errors) == 1, run.tail()
+    assert "--apply-layernorm-1p (zero-centred gamma) is not built" in errors[0], errors
+
+
+def test_a_checkpoint_of_another_attention_is_refused_before_anything_is_built(dataset, tmp_path):
+    common = (*STEP, *DEEPSEEK_V3_MOE, "--data-path", str(dataset), "--micro-batch-size", "8", "--train-iters", "1")
+    train(1, *common, *MLA, "--qk-layernorm", "--save", str(tmp_path), "--save-interval", "1")
+    (refused,) = argument_cases.check([{"argv": [*common, "--load", str(tmp_path)],
+                                        "env": {"WORLD_SIZE": "1", "RANK": "0"}}], timeout=300)
+    assert not refused["accepted"] and len(refused["errors"]) == 1, refused
+    assert "multi_latent_attention: checkpoint True, model False" in refused["errors"][0], refused
+    assert "qk_layernorm: checkpoint True, model False" in refused["errors"][0], refused

@@ -224,6 +224,17 @@ def test_a_mimo_checkpoint_imports_and_exports_as_mimo(pipeline):
         assert not refusal["written"], refusal
 
 
+def test_a_qwen3_checkpoint_imports_with_its_qk_norms_and_exports_as_qwen3(pipeline):
+    # before: "unknown architecture ['Qwen3ForCausalLM']"; q_norm / k_norm have no Llama / Qwen2 name
+    result = part(pipeline, "qwen3")
+    assert result["import"] == 0 and result["export"] == 0, result
+    assert "--qk-layernorm" in result["flags"] and "--add-qkv-bias" not in result["flags"]
+    assert result["logits"] <= PARITY, result["logits"]
+    assert result["exported config"] == [["Qwen3ForCausalLM"], "qwen3", 24]
+    assert result["round trip"] is True
+    assert result["export's logits"] <= PARITY, result["export's logits"]
+
+
 def test_an_import_that_fails_after_writing_leaves_nothing(pipeline):
     """The check that every backbone tensor was imported ran after the rename: a failing import left
     its output in place. Now it runs inside the staging directory."""

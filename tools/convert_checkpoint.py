@@ -8,11 +8,11 @@
 
     # a trainer checkpoint (any TP / PP / VPP layout) to Hugging Face, MTP depths in MiMo's layout
     tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout mimo|deepseek_v3|none]
-        [--architecture llama|qwen2|mimo] [--dtype fp32|bf16] [--tokenizer DIR]
+        [--architecture llama|qwen2|mimo|qwen3] [--dtype fp32|bf16] [--tokenizer DIR]
 
 import reads config.json and safetensors (model.safetensors, or shards with
-model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM or MiMoForCausalLM (Qwen2
-with model.mtp_layers), and MTP depths when present (MiMo's model.mtp_layers.{i}.*, or
+model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM, MiMoForCausalLM (Qwen2
+with model.mtp_layers) or Qwen3ForCausalLM (q/k norms: --qk-layernorm), and MTP depths when present (MiMo's model.mtp_layers.{i}.*, or
 DeepSeek-V3's model.layers.{L+k}.*); it writes a torch_dist release checkpoint that
 pretrain_gpt_mtp.py --load DIR --finetune loads at any PP layout and at the tensor-parallel
 size given (the vocabulary is padded as the trainer pads it there), and the model flags that
@@ -20,7 +20,8 @@ build it, dropout included (OUT_DIR/megatron_flags.txt, also printed).
 --mtp-num-layers D adds MTP depths the Hugging Face checkpoint does not have, initialized as
 megatron-core initializes them (seeded by --seed).
 
-export writes the backbone as Llama (Qwen2 when the model has QKV biases; MiMo when it was imported
+export writes the backbone as Llama (Qwen2 when the model has QKV biases, Qwen3 when it has q/k
+norms; MiMo when it was imported
 from MiMo, or with --architecture mimo, so that vLLM and SGLang pick their MiMo MTP model): config.json,
 model.safetensors, the tokenizer's files when --tokenizer is given; the MTP depths in MiMo's
 layout (default) or DeepSeek-V3's (with the copies of the output weight and embedding that
@@ -72,9 +73,9 @@ def parse(argv):
     exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "none"], default=None,
                      help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths; "
                           "none: the backbone only)")
-    exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo"], default=None,
-                     help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases and "
-                          "Llama without); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
+    exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3"], default=None,
+                     help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases, "
+                          "Qwen3 with q/k norms, Llama without either); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
                           "MTP depths as MiMo's")
     exp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     exp.add_argument("--tokenizer", help="tokenizer directory (or file) whose files are copied beside the model")

@@ -1,5 +1,5 @@
-"""The model both sides describe: a Llama or Qwen2 decoder (GQA, RMSNorm, SwiGLU, RoPE) with
-D MTP depths, read from a Hugging Face config.json or from a trainer checkpoint's arguments,
+"""The model both sides describe: a Llama, Qwen2 or Qwen3 decoder (GQA, RMSNorm, SwiGLU, RoPE;
+Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm) with D MTP depths, read from a Hugging Face config.json or from a trainer checkpoint's arguments,
 and written back to either (config.json, the trainer's flags, the arguments a checkpoint holds).
 """
 
@@ -11,16 +11,18 @@ from megatron_mtp.serving import ServingError
 
 # MiMo (model_type "mimo") is Qwen2 with MTP depths in model.mtp_layers; its own name in config.json
 # is what makes vLLM and SGLang serve those depths (their MiMo MTP models).
-FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo"}
+FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
+            "Qwen3ForCausalLM": "qwen3"}
 ARCHITECTURES = {family: architecture for architecture, family in FAMILIES.items()}
 QKV_BIAS_FAMILIES = ("qwen2", "mimo")
+QK_NORM_FAMILIES = ("qwen3",)  # an RMSNorm of each head's query and key (megatron-core's --qk-layernorm)
 # megatron-core's Llama 3 RoPE scaling has these constants built in (rotary_pos_embedding._apply_scaling).
 LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped)
+    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3"
     vocab_size: int  # the tokenizer's vocabulary (Hugging Face's vocab_size)
     padded_vocab_size: int  # rows of megatron-core's embedding and output layer
     hidden_size: int
@@ -35,6 +37,7 @@ class ModelConfig:
     tied: bool
     qkv_bias: bool
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", "factor": F, ...}
+    qk_layernorm: bool = False
     mtp_num_layers: int = 0
     mtp_repeated: bool = False
     attention_dropout: float = 0.0  # Llama's and Qwen2's; neither has hidden dropout
@@ -62,7 +65,7 @@ class ModelConfig:
                 norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 tied=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=family in QKV_BIAS_FAMILIES,
+                qkv_bias=family in QKV_BIAS_FAMILIES, qk_layernorm=family in QK_NORM_FAMILIES,
             )
         except KeyError as missing:
             raise ServingError(f"config.json has no {missing.args[0]!r}") from None
@@ -71,8 +74,10 @@ class ModelConfig:
             raise ServingError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
         if family == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
             raise ServingError("config.json: Llama attention_bias / mlp_bias are not supported")
-        if family in QKV_BIAS_FAMILIES and config.get("use_sliding_window"):
-            raise ServingError("config.json: Qwen2 sliding-window attention is not supported")
+        if family == "qwen3" and (config.get("attention_bias") or config.get("mlp_bias")):
+            raise ServingError("config.json: Qwen3 attention_bias is not supported")
+        if family != "llama" and config.get("use_sliding_window"):
+            raise ServingError(f"config.json: {ARCHITECTURES[family]} sliding-window attention is not supported")
         if heads % values["num_query_groups"]:
             raise ServingError(f"config.json: num_attention_heads {heads} is not a multiple of "
                                f"num_key_value_heads {values['num_query_groups']}")
@@ -103,6 +108,9 @@ class ModelConfig:
         }
         if self.family == "llama":
             config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        elif self.family == "qwen3":
+            config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                          max_window_layers=self.num_layers)
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
         config.update(self.extra)
@@ -114,7 +122,8 @@ class ModelConfig:
 
     @classmethod
     def from_megatron_args(cls, args) -> "ModelConfig":
-        """A trainer checkpoint's arguments; refused (one line) unless the model is Llama / Qwen2-shaped."""
+        """A trainer checkpoint's arguments; refused (one line) unless the model is Llama-, Qwen2- or
+        Qwen3-shaped (q/k norms without QKV biases)."""
         def get(name, default=None):
             return getattr(args, name, default)
 
@@ -127,12 +136,15 @@ class ModelConfig:
             problems.append("linear biases (needs --disable-bias-linear)")
         if get("position_embedding_type") != "rope" or get("rotary_percent", 1.0) != 1.0 or get("rotary_interleaved"):
             problems.append("positions other than full, non-interleaved RoPE")
-        for flag in ("qk_layernorm", "layernorm_zero_centered_gamma", "apply_layernorm_1p", "num_experts",
-                     "multi_latent_attention", "squared_relu"):
+        if get("qk_layernorm") and get("add_qkv_bias"):
+            problems.append("--qk-layernorm with --add-qkv-bias (Qwen3 has q/k norms, Qwen2 QKV biases)")
+        for flag in ("qk_l2_norm", "layernorm_zero_centered_gamma", "apply_layernorm_1p", "num_experts",
+                     "multi_latent_attention", "squared_relu", "attention_output_gate"):
             if get(flag):
                 problems.append(f"--{flag.replace('_', '-')}")
         if problems:
-            raise ServingError("the checkpoint's model is not Llama / Qwen2-shaped, it has " + ", ".join(problems))
+            raise ServingError("the checkpoint's model is not Llama-, Qwen2- or Qwen3-shaped, it has "
+                               + ", ".join(problems))
         heads = get("num_attention_heads")
         groups = get("num_query_groups") if get("group_query_attention") else heads
         scaling = None
@@ -148,7 +160,7 @@ class ModelConfig:
             # the end-of-document id may lie past --vocab-size's ids (Megatron-LM's NullTokenizer convention
             # eod = vocab_size): its row is the tokenizer's too
             vocab_size = max(vocab_size, min(eod + 1, int(get("padded_vocab_size"))))
-        family = "qwen2" if get("add_qkv_bias") else "llama"
+        family = "qwen2" if get("add_qkv_bias") else "qwen3" if get("qk_layernorm") else "llama"
         if family == "qwen2" and get("serving_family") == "mimo":  # imported from MiMo: exported as MiMo
             family = "mimo"
         return cls(
@@ -160,13 +172,18 @@ class ModelConfig:
             norm_epsilon=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),
             rope_theta=float(get("rotary_base", 10000)), max_position_embeddings=int(get("max_position_embeddings")),
             tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")),
+            qk_layernorm=bool(get("qk_layernorm")),
             rope_scaling=scaling, mtp_num_layers=int(get("mtp_num_layers") or 0),
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
             attention_dropout=float(get("attention_dropout") or 0.0),
         )
 
     def as_architecture(self, name: str) -> None:
-        """Export as `name` (llama, qwen2, mimo) instead of the family the model's shape names."""
+        """Export as `name` (llama, qwen2, mimo, qwen3) instead of the family the model's shape names."""
+        if (name in QK_NORM_FAMILIES) != self.qk_layernorm:
+            raise ServingError(f"--architecture {name}: {ARCHITECTURES[name]} "
+                               f"{'has' if name in QK_NORM_FAMILIES else 'has no'} q/k norms, the model "
+                               f"{'has' if self.qk_layernorm else 'has none'}")
         if (name in QKV_BIAS_FAMILIES) != self.qkv_bias:
             raise ServingError(f"--architecture {name}: {ARCHITECTURES[name]} "
                                f"{'has' if name in QKV_BIAS_FAMILIES else 'has no'} QKV biases, the model "
@@ -181,6 +198,7 @@ class ModelConfig:
             num_attention_heads=self.num_attention_heads, group_query_attention=True,
             num_query_groups=self.num_query_groups, kv_channels=self.head_dim, normalization="RMSNorm",
             layernorm_epsilon=self.norm_epsilon, swiglu=True, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_layernorm,
             position_embedding_type="rope", rotary_base=self.rope_theta, rotary_percent=1.0,
             rotary_interleaved=False, use_rope_scaling=scaling.get("rope_type") == "llama3",
             rope_scaling_factor=float(scaling.get("factor", 8.0)),
@@ -209,6 +227,8 @@ class ModelConfig:
                  "--hidden-dropout", "0"]
         if self.qkv_bias:
             flags.append("--add-qkv-bias")
+        if self.qk_layernorm:
+            flags.append("--qk-layernorm")
         if not self.tied:
             flags.append("--untie-embeddings-and-output-weights")
         if self.rope_scaling and self.rope_scaling["rope_type"] == "llama3":

@@ -12,7 +12,8 @@ along a leading axis; the MTP depth's inner layer is `transformer_layer` in chec
     mtp.layers.{k}.{enorm, hnorm, eh_proj, transformer_layer.*, final_layernorm}
                                                         eh_proj's input is [embedding, hidden]
 
-Hugging Face: Llama / Qwen2 names (q/k/v/o_proj, gate/up/down_proj, input_layernorm,
+Hugging Face: Llama / Qwen2 / Qwen3 names (q/k/v/o_proj, Qwen3's q_norm / k_norm = megatron-core's
+q_layernorm / k_layernorm, gate/up/down_proj, input_layernorm,
 post_attention_layernorm, model.norm, lm_head), the MTP depths in MiMo's layout
 (model.mtp_layers.{k}: token_layernorm = enorm, hidden_layernorm = hnorm, input_proj over
 [hidden, embedding], i.e. eh_proj with its halves swapped, final_layernorm) or DeepSeek-V3's
@@ -59,6 +60,9 @@ def layer_to_hf(layer: dict, cfg: ModelConfig) -> dict:
     if cfg.qkv_bias:
         q, k, v = _qkv_split(layer["self_attention.linear_qkv.bias"], cfg)
         out.update({"self_attn.q_proj.bias": q, "self_attn.k_proj.bias": k, "self_attn.v_proj.bias": v})
+    if cfg.qk_layernorm:
+        out.update({"self_attn.q_norm.weight": layer["self_attention.q_layernorm.weight"],
+                    "self_attn.k_norm.weight": layer["self_attention.k_layernorm.weight"]})
     out["self_attn.o_proj.weight"] = layer["self_attention.linear_proj.weight"]
     out["post_attention_layernorm.weight"] = layer["mlp.linear_fc1.layer_norm_weight"]
     gate, up = torch.chunk(layer["mlp.linear_fc1.weight"], 2, dim=0)
@@ -76,6 +80,9 @@ def layer_from_hf(layer: dict, cfg: ModelConfig) -> dict:
         out["self_attention.linear_qkv.bias"] = _qkv_fuse(layer["self_attn.q_proj.bias"],
                                                           layer["self_attn.k_proj.bias"],
                                                           layer["self_attn.v_proj.bias"], cfg)
+    if cfg.qk_layernorm:
+        out.update({"self_attention.q_layernorm.weight": layer["self_attn.q_norm.weight"],
+                    "self_attention.k_layernorm.weight": layer["self_attn.k_norm.weight"]})
     out["self_attention.linear_proj.weight"] = layer["self_attn.o_proj.weight"]
     out["mlp.linear_fc1.layer_norm_weight"] = layer["post_attention_layernorm.weight"]
     out["mlp.linear_fc1.weight"] = torch.cat([layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]], 0)
@@ -92,6 +99,8 @@ def hf_layer_shapes(cfg: ModelConfig) -> dict:
               "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F)}
     if cfg.qkv_bias:
         shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if cfg.qk_layernorm:
+        shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     return shapes
 
 

@@ -498,6 +498,39 @@ def mimo(root: str) -> dict:
     return out
 
 
+def qwen3(root: str) -> dict:
+    """A tiny random Qwen3 (q/k RMSNorms with non-unit weights, head_dim 24, not hidden / heads):
+    imported, its logits against transformers'; exported, the original tensors and config back."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(5)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=GROUPS, head_dim=24, max_position_embeddings=128, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_theta=1e6))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(1, 0.2)
+    model.save_pretrained(Path(root) / "qwen3")
+    out = {"import": _convert_captured("import", f"{root}/qwen3", f"{root}/qwen3-mg")[0]}
+    out["flags"] = (Path(root) / "qwen3-mg" / "megatron_flags.txt").read_text().split()
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = model.eval()(tokens).logits
+    _, logits = _runner(f"{root}/qwen3-mg").main(tokens)
+    out["logits"] = _rel(logits, expected)
+    out["export"] = _convert_captured("export", f"{root}/qwen3-mg", f"{root}/qwen3-back")[0]
+    back_config, back = _hf(f"{root}/qwen3-back")
+    _, original = _hf(f"{root}/qwen3")
+    out["exported config"] = [back_config["architectures"], back_config["model_type"], back_config["head_dim"]]
+    out["round trip"] = sorted(back) == sorted(original) and all(torch.equal(back[n], original[n]) for n in original)
+    reloaded = AutoModelForCausalLM.from_pretrained(f"{root}/qwen3-back", dtype=torch.float32).eval()
+    with torch.no_grad():
+        out["export's logits"] = _rel(reloaded(tokens).logits, expected)
+    return out
+
+
 def staging(root: str) -> dict:
     """An import whose check after writing fails (a backbone parameter left to its initialization):
     one line, exit status 2, and nothing in place of the output."""
@@ -528,7 +561,7 @@ def check(root: str) -> dict:
     for name, part in (("parity", parity), ("names", names), ("round trips", round_trips),
                        ("frozen backbone", frozen_backbone), ("speculative", speculative_cases),
                        ("kv cache", kv_cache), ("evaluate", evaluate), ("eval refusals", eval_refusals),
-                       ("mimo", mimo), ("staging", staging)):
+                       ("mimo", mimo), ("qwen3", qwen3), ("staging", staging)):
         try:
             results[name] = part(root)
         except Exception:

@@ -8,7 +8,9 @@ megatron.training's, through megatron.core.fork.trainer.checkpoint, and the libr
 (``mtp_detach_heads``) is a training choice, not a shape: it is not compared. With mixture
 of experts the expert count, the experts' sizes and which layers are MoE layers are part of
 the shape (dist checkpoints key experts by global index: another count or placement would
-load some experts and leave others as initialized).
+load some experts and leave others as initialized). So are the attention's parameters: q/k
+norms and multi-latent attention with its ranks and head sizes (a model without q/k norms
+would load the others and drop them without a word).
 """
 
 from megatron.core.fork import compat
@@ -25,6 +27,8 @@ SHAPE_FIELDS = (
     "mtp_use_repeated_layer",
 )
 MOE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layers")
+ATTENTION_FIELDS = ("qk_layernorm", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                    "qk_pos_emb_head_dim", "v_head_dim")
 # What a finetune may change: MTP depths added to, or dropped from, a pretrained backbone.
 MTP_FIELDS = ("mtp_num_layers", "mtp_use_repeated_layer")
 
@@ -33,6 +37,10 @@ def config_shape(config) -> dict:
     """The part of the shape a TransformerConfig fixes: sizes, MTP depths and mode, experts."""
     shape = {field: compat.config_field(config, field) for field in SHAPE_FIELDS}
     shape["mtp_num_layers"] = shape["mtp_num_layers"] or 0  # None and 0 both mean no MTP
+    shape["qk_layernorm"] = bool(getattr(config, "qk_layernorm", False))
+    shape["multi_latent_attention"] = bool(getattr(config, "multi_latent_attention", False))
+    if shape["multi_latent_attention"]:
+        shape.update({field: getattr(config, field) for field in ATTENTION_FIELDS[2:]})
     experts = getattr(config, "num_moe_experts", None) or 0
     shape["num_moe_experts"] = experts
     if experts:
@@ -62,12 +70,14 @@ def model_shape(model) -> dict:
 
 def check_same_shape(saved: dict, current: dict, finetune: bool = False) -> None:
     """Raise ValueError naming every field where the checkpoint and the model differ (a shape
-    saved before the experts were recorded is compared without them; with `finetune`, the MTP
-    depths may differ)."""
+    saved before the experts, or the attention's fields, were recorded is compared without
+    them; with `finetune`, the MTP depths may differ)."""
     if finetune:
         saved = dict(saved, **{field: current.get(field) for field in MTP_FIELDS})
     if "num_moe_experts" not in saved:
         current = {field: value for field, value in current.items() if field not in MOE_FIELDS}
+    if "qk_layernorm" not in saved:
+        current = {field: value for field, value in current.items() if field not in ATTENTION_FIELDS}
     differences = [
         f"{field}: checkpoint {saved.get(field)!r}, model {current.get(field)!r}"
         for field in sorted(set(saved) | set(current))
