@@ -183,8 +183,9 @@ def test_the_trainer_refuses_a_flag_the_specs_do_not_build_in_one_line():
     assert "--apply-layernorm-1p (zero-centred gamma) is not built" in errors[0], errors
 
 
-def test_a_checkpoint_of_another_attention_is_refused_before_anything_is_built(dataset, tmp_path):
-    common = (*STEP, *DEEPSEEK_V3_MOE, "--data-path", str(dataset), "--micro-batch-size", "8", "--train-iters", "1")
+def test_a_checkpoint_of_another_attention_is_refused_before_anything_is_built(tmp_path):
+    common = (*TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--lr", "1e-3",
+              "--global-batch-size", "2", "--train-iters", "1", "--normalization", "RMSNorm")
     train(1, *common, *MLA, "--qk-layernorm", "--save", str(tmp_path), "--save-interval", "1")
     (refused,) = argument_cases.check([{"argv": [*common, "--load", str(tmp_path)],
                                         "env": {"WORLD_SIZE": "1", "RANK": "0"}}], timeout=300)

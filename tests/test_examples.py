@@ -57,6 +57,12 @@ def quickstart(config: str, work, *args: str, **env) -> dict:
     return iterations
 
 
+def test_cpu_quickstart(tmp_path):
+    d1 = quickstart("deepseek_v3_d1", tmp_path / "d1")
+    assert "mtp_1 loss" in d1[4] and "mtp_2 loss" not in d1[4]
+
+
+@pytest.mark.matrix  # the default tier trains draft heads on a frozen backbone in test_serving's pipeline
 def test_cpu_quickstart_then_draft_heads_on_its_backbone(tmp_path):
     d1 = quickstart("deepseek_v3_d1", tmp_path / "d1")
     assert "mtp_1 loss" in d1[4] and "mtp_2 loss" not in d1[4]

@@ -25,14 +25,14 @@ TOL = 1e-5
 # (name, TP, PP, VPP, sequence parallel, chunks per step). Interleaved layouts take each
 # rank's micro-batches (of 1) in one chunk: several micro-batch groups of PP=2 per call.
 # The default tier: DP=4 (uneven tokens, a rank with none), TP with sequence parallelism over DP,
-# interleaved PP with TP (several micro-batch groups, both word-embedding copies), TP=2 with SP.
+# interleaved PP with TP (several micro-batch groups, both word-embedding copies).
 FOUR_RANK_LAYOUTS = [("dp4", 1, 1, None, False, 2), ("tp2_dp2_sp", 2, 1, None, True, 2),
                      ("tp2_pp2_vpp2", 2, 2, 2, False, 1)]
-TWO_RANK_LAYOUTS = [("tp2_sp", 2, 1, None, True, 2)]
-# The matrix tier's: TP and PP over DP without SP, interleaved PP over DP and alone.
+TWO_RANK_LAYOUTS = []  # the two-rank launch checks the refusals only
+# The matrix tier's: TP and PP over DP without SP, interleaved PP over DP and alone, TP=2 with SP.
 MATRIX_FOUR_RANK_LAYOUTS = [("tp2_dp2", 2, 1, None, False, 2), ("pp2_dp2", 1, 2, None, False, 2),
                             ("dp2_pp2_vpp2", 1, 2, 2, False, 1)]
-MATRIX_TWO_RANK_LAYOUTS = [("pp2_vpp2", 1, 2, 2, False, 1)]
+MATRIX_TWO_RANK_LAYOUTS = [("pp2_vpp2", 1, 2, 2, False, 1), ("tp2_sp", 2, 1, None, True, 2)]
 CASES_PER_LAYOUT = 7  # isolation x main-loss level x counts, and uneven data (DP=4: 11)
 
 
@@ -149,7 +149,7 @@ def assert_layouts_match(four, two, expected_four: int, expected_two: int) -> No
 def test_parallel_layouts_match_the_reference(layouts):
     """Full gradients of every parameter copy: DP=4 (uneven tokens, a rank with none), TP=2 x
     DP=2 with sequence parallelism, interleaved PP=2 x VPP=2 with TP=2 over several micro-batch
-    groups, TP=2 with sequence parallelism."""
+    groups."""
     four, two = layouts
     assert_layouts_match(four, two, 11 + (len(FOUR_RANK_LAYOUTS) - 1) * CASES_PER_LAYOUT,
                          len(TWO_RANK_LAYOUTS) * CASES_PER_LAYOUT)
@@ -160,7 +160,7 @@ def test_parallel_layouts_match_the_reference(layouts):
 
 @pytest.mark.matrix
 def test_more_parallel_layouts_match_the_reference(matrix_layouts):
-    """The matrix tier's layouts: TP=2 x DP=2 and PP=2 x DP=2 without sequence parallelism,
+    """The matrix tier's layouts: TP=2 x DP=2 and PP=2 x DP=2 without sequence parallelism, TP=2 with it,
     interleaved PP=2 x VPP=2 with DP=2 and alone."""
     four, two = matrix_layouts
     assert_layouts_match(four, two, len(MATRIX_FOUR_RANK_LAYOUTS) * CASES_PER_LAYOUT,
@@ -175,7 +175,7 @@ def test_every_copy_of_a_replicated_parameter_is_compared(layouts):
     assert copies["embedding.word_embeddings.weight"] == 2  # first stage and the MTP stage
     assert copies["decoder.final_layernorm.weight"] == 2  # one per TP rank
     assert copies["decoder.layers.0.self_attention.linear_qkv.weight"] == 1  # TP shards joined
-    assert two[0]["layouts"]["tp2_sp/detach1/token/upfront/uneven"]["copies"]["mtp.layers.0.enorm.weight"] == 2
+    assert four[0]["layouts"]["tp2_dp2_sp/detach1/token/upfront/uneven"]["copies"]["mtp.layers.0.enorm.weight"] == 2
 
 
 def test_learned_absolute_positions_with_mtp_under_pp_are_refused_on_every_rank(layouts):

@@ -66,7 +66,8 @@ def initial_weights(dataset, tmp_path_factory):
 
 
 @pytest.mark.parametrize("isolation,cuts", [
-    pytest.param((), tuple(CUTS), id="attached"),
+    pytest.param((), ("1x4", "dp2x2", "ep2"), id="attached"),
+    pytest.param((), ("1x4", "dp2x1"), id="attached-dp2x1", marks=pytest.mark.matrix),
     pytest.param(("--mtp-detach-heads",), ("1x4", "ep2"), id="isolated", marks=pytest.mark.matrix)])
 def test_router_losses_and_gradients_are_the_same_however_the_step_is_cut(isolation, cuts, dataset,
                                                                            initial_weights, tmp_path):
