@@ -38,13 +38,6 @@ OLDER_BUILDS_BY_DEFAULT = {
     "tests/test_mtp_model.py": None,
     # one rank: the 0.16.1 backports of the router losses' weights and scale
     "tests/test_moe_gradients.py": {"test_one_rank_matches_the_reference", "test_a_wrong_router_loss_denominator_is_detected"},
-    # the one-process launch: every cut of the step, metrics, refusals, zero tokens, lambda, fp16, abort
-    "tests/test_normalization.py": {"test_every_cut_of_the_step_matches_the_reference",
-                                    "test_dict_microbatches_are_opaque_to_the_step",
-                                    "test_metrics_do_not_depend_on_the_cut", "test_refused_combination_changes_nothing",
-                                    "test_zero_token_step_gives_finite_zero_gradients",
-                                    "test_isolated_main_norm_ignores_lambda_and_mtp_norm_scales_with_it",
-                                    "test_fp16_loss_scale_reaches_every_branch", "test_abort_restores_everything"},
 }
 
 

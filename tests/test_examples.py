@@ -29,6 +29,7 @@ def bash(script: str, *args: str, env: dict, timeout: float = 300) -> str:
     return output
 
 
+@pytest.mark.matrix  # the default tier runs the main command as a user (test_rerun), resumed and rerun
 def test_the_readme_main_command_trains_on_the_embedded_default(tmp_path):
     """`torchrun --nproc-per-node 2 pretrain_gpt_mtp.py`, shortened: the embedded corpus is
     written from scratch (by both ranks at once), trained on with D = 2, evaluated, saved.

@@ -32,14 +32,18 @@ CASES = [
     dict(name="pp2_vpp2_dp2_interleaved_mtp", tp=1, pp=2, vpp=2, mtp=2, micro_batch=1),
     dict(name="tp2_pp2_vpp2_interleaved_mtp", tp=2, pp=2, vpp=2, mtp=2, micro_batch=1),
 ]
+# The matrix tier's (each layout family keeps a default case: TP x DP, TP x PP with and without MTP's
+# stage, DP with the distributed optimizer, interleaved PP with TP).
+MATRIX_CASES = {"pp2_dp2_1f1b", "pp2_vpp2_dp2_interleaved", "pp2_vpp2_dp2_interleaved_mtp"}
 
 
 @pytest.fixture(scope="module")
-def runs(build, tmp_path_factory):
+def runs(build, matrix, tmp_path_factory):
     ckpt_root = str(tmp_path_factory.mktemp("ckpt"))
+    cases = [case for case in CASES if matrix or case["name"] not in MATRIX_CASES]
     (single,) = launch("tests.bodies.foundation:reference_suite", 1, {"ckpt_root": ckpt_root}, timeout=600,
                        build=build)
-    layouts = launch("tests.bodies.foundation:layouts", 4, {"ckpt_root": ckpt_root, "cases": CASES}, timeout=900,
+    layouts = launch("tests.bodies.foundation:layouts", 4, {"ckpt_root": ckpt_root, "cases": cases}, timeout=900,
                      build=build)
     return single, layouts
 
@@ -70,7 +74,8 @@ def test_reference_trains(runs):
             assert all(d > LEARN_MARGIN for d in dropped) == must_learn, (name, mtp, losses)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.matrix) if c["name"] in MATRIX_CASES else c
+                                  for c in CASES], ids=[c["name"] for c in CASES])
 def test_layout_matches_single_process(runs, case):
     single, layouts = runs
     reference = single["reference"][f"fp32_mtp{case['mtp']}"]

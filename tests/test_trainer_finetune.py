@@ -114,6 +114,7 @@ def test_new_depths_start_from_megatron_cores_initialization(finetuned):
     assert abs(float(from_d0["mtp.layers.0.eh_proj.weight"].std()) - 0.02) < 0.002
 
 
+@pytest.mark.matrix  # the default tier's shape refusals: test_trainer_faults, test_architectures
 def test_without_finetune_the_same_load_is_refused_in_one_line(dataset, backbones):
     """The fine-tuning command lines without --finetune: refused before anything is built, one line
     naming the depth difference; with --finetune the same arguments pass every check."""

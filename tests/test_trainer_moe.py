@@ -143,6 +143,7 @@ def test_the_deepseek_v3_moe_example_trains_on_cpu(tmp_path):
     assert iterations[3]["seq_load_balancing_loss"] > 0 and "mtp_1 loss" in iterations[3]
 
 
+@pytest.mark.matrix  # the default tier: MoE's router losses over DP and EP cuts
 def test_a_dense_first_pipeline_stage_reports_the_router_losses(dataset, tmp_path):
     """Upstream's #3401: with MTP, a pipeline stage without MoE layers gave the MoE metrics
     tracker fewer slots than the stages that route, and the all-reduce over the pipeline hung
@@ -160,6 +161,7 @@ def test_a_dense_first_pipeline_stage_reports_the_router_losses(dataset, tmp_pat
     assert mtp == pytest.approx(run.iterations[2]["mtp_1 seq load balancing loss"], rel=1e-5)
 
 
+@pytest.mark.matrix  # the default tier refuses other shapes in test_trainer_faults and test_architectures
 def test_a_checkpoint_of_another_expert_shape_is_refused_before_anything_is_built(dataset, initial_weights):
     """The expert count, the experts' size and the MoE layers' placement are part of the
     checkpoint's shape: experts are keyed by global index, so another count would load some
