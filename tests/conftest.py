@@ -59,7 +59,23 @@ def matrix(request) -> bool:
     return request.config.getoption("--matrix")
 
 
+# The default tier's longest files (their serial seconds in fresh-clone CI on 2026-12-03: 70-150),
+# longest first: pytest-xdist (--dist loadfile, --no-loadscope-reorder in pytest.ini) hands out
+# files in collection order, so the two workers start on these and finish together instead of
+# one of them running a long file alone at the end (a tail of about a minute before).
+LONGEST_FIRST = ("tests/test_data_and_logging.py", "tests/test_fork_tool.py", "tests/test_trainer_faults.py",
+                 "tests/test_serving.py", "tests/test_trainer_moe.py", "tests/test_trainer_exactness.py",
+                 "tests/test_normalization.py", "tests/test_architectures.py", "tests/test_user_checkout.py",
+                 "tests/test_upstream_loss_contract.py")
+
+
+def _cost_rank(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_cost_rank)  # stable: each file's own order is kept
     for item in items:
         if _in_matrix_by_build(item):
             item.add_marker(pytest.mark.matrix)
