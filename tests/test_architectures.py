@@ -183,6 +183,7 @@ def test_the_trainer_refuses_a_flag_the_specs_do_not_build_in_one_line():
     assert "--apply-layernorm-1p (zero-centred gamma) is not built" in errors[0], errors
 
 
+@pytest.mark.matrix  # the attention's fields in the default tier: test_trainer_faults' shape refusal (q/k norms)
 def test_a_checkpoint_of_another_attention_is_refused_before_anything_is_built(tmp_path):
     common = (*TINY, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--lr", "1e-3",
               "--global-batch-size", "2", "--train-iters", "1", "--normalization", "RMSNorm")

@@ -67,6 +67,7 @@ def sentencepiece_model(corpus, tmp_path_factory) -> Path:
     return root / "spm.model"
 
 
+@pytest.mark.matrix  # bytes: every trainer test's dataset; several workers: test_a_local_tokenizer_json
 def test_bytes_with_a_configurable_key_skipped_lines_and_several_workers(corpus, tmp_path):
     path, texts = corpus
     one = preprocess("--input", str(path), "--output-prefix", str(tmp_path / "one"), "--tokenizer", "bytes",
@@ -113,17 +114,26 @@ def test_a_sentencepiece_model(corpus, sentencepiece_model, tmp_path):
     assert documents_of(tmp_path / "spm") == [model.encode(t) + [model.eos_id()] for t in texts]
 
 
-def test_bad_input_is_one_line_and_leaves_no_files(corpus, tmp_path):
+# Each case is a launch of the tool (about 10 s: it imports Megatron-LM's argument parser). The
+# default tier keeps the refusal before any work and the one after the writers started.
+@pytest.mark.parametrize("cases", [
+    pytest.param(("missing input", "no string field"), id="input"),
+    pytest.param(("missing tokenizer", "unreadable tokenizer"), id="tokenizer", marks=pytest.mark.matrix),
+])
+def test_bad_input_is_one_line_and_leaves_no_files(cases, corpus, tmp_path):
     path, _ = corpus
     not_a_tokenizer = tmp_path / "broken.json"
     not_a_tokenizer.write_text("{}")
-    cases = [
-        (("--input", str(tmp_path / "none.jsonl"), "--tokenizer", "bytes"), "does not exist"),
-        (("--input", str(path), "--tokenizer", str(tmp_path / "missing.json")), "neither 'bytes' nor an existing file"),
-        (("--input", str(path), "--tokenizer", str(not_a_tokenizer)), "is not a readable tokenizer.json"),
-        (("--input", str(path), "--tokenizer", "bytes", "--json-key", "nothing"), "no document with a string field"),
-    ]
-    for args, expected in cases:
+    every_case = {
+        "missing input": (("--input", str(tmp_path / "none.jsonl"), "--tokenizer", "bytes"), "does not exist"),
+        "missing tokenizer": (("--input", str(path), "--tokenizer", str(tmp_path / "missing.json")),
+                              "neither 'bytes' nor an existing file"),
+        "unreadable tokenizer": (("--input", str(path), "--tokenizer", str(not_a_tokenizer)),
+                                 "is not a readable tokenizer.json"),
+        "no string field": (("--input", str(path), "--tokenizer", "bytes", "--json-key", "nothing"),
+                            "no document with a string field"),
+    }
+    for args, expected in (every_case[name] for name in cases):
         result = preprocess(*args, "--output-prefix", str(tmp_path / "out"))
         assert result.returncode == 2, (args, result.stderr)
         lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -82,9 +82,13 @@ def initial_weights(dataset, tmp_path_factory):
 
 
 @pytest.mark.parametrize("level,isolation,layouts", [
-    ("token", ("--mtp-detach-heads",), tuple(LAYOUTS)),
-    ("sequence", (), ("pp2-vpp2",)),
-], ids=["token-isolated", "sequence-attached"])
+    pytest.param("token", ("--mtp-detach-heads",), tuple(layout for layout in LAYOUTS if "sparse" not in layout),
+                 id="token-isolated"),
+    pytest.param("sequence", (), ("pp2-vpp2",), id="sequence-attached"),
+    # The sparse main loss on TP x SP: its rows against the dense loss also in test_mtp_sparse_loss.
+    pytest.param("token", ("--mtp-detach-heads",), ("tp2-sequence-parallel-sparse-lm-loss",),
+                 id="token-isolated-sparse-lm-loss", marks=pytest.mark.matrix),
+])
 def test_every_layout_trains_the_spec_objective(level, isolation, layouts, dataset, initial_weights, tmp_path):
     common = (*EXACT, "--data-path", str(dataset), "--load", str(initial_weights), "--finetune",
               "--main-loss-level", level, *isolation)
