@@ -41,8 +41,7 @@ def test_a_users_entry_script_with_exact_steps_trains_the_spec_objective(tmp_pat
         ("user, per-token loss", 2, "tests/harness/upstream_contract_pretrain.py", USER),
     ]:
         logs = tmp_path / f"tb-{len(runs)}"
-        train(nproc, *COMMON, "--data-path", data, *extra, "--tensorboard-dir", str(logs), script=script,
-              env={"PYTHONPATH": "."})
+        train(nproc, *COMMON, "--data-path", data, *extra, "--tensorboard-dir", str(logs), script=script)
         runs[name] = scalars(logs)
     want = runs["trainer"]
     exact, upstream = runs["user, --exact-steps"], runs["user, per-token loss"]
