@@ -142,7 +142,7 @@ def is_weight(item: str) -> bool:
         return False
 
 
-LOCAL_HYBRID_LAYERS = "*-E"  # megatron.core.fork.specs.get_hybrid_stack_spec
+LOCAL_HYBRID_LAYERS = "*-EG"  # megatron.core.fork.specs.get_hybrid_stack_spec
 
 
 def _check(args) -> None:
@@ -187,9 +187,14 @@ def _check(args) -> None:
         if others:
             raise ArgumentError(f"--hybrid-layer-pattern layers {' '.join(others)} need Transformer Engine (Mamba 'M' "
                                 "also mamba-ssm's CUDA kernels); without it the hybrid layers are attention '*', "
-                                "MLP '-' and MoE 'E' (with --num-experts)")
+                                "MLP '-', MoE 'E' (with --num-experts) and Gated DeltaNet 'G'")
         if "E" in pattern and not args.num_experts:
             raise ArgumentError("--hybrid-layer-pattern has MoE layers 'E': give --num-experts")
+    if pattern is not None and "G" in pattern and not args.swiglu:
+        # GatedDeltaNet's convolution (FLA's causal_conv1d, or its PyTorch form here) takes SiLU only,
+        # and the layer gates its output with the same activation.
+        raise ArgumentError("--hybrid-layer-pattern has Gated DeltaNet layers 'G', whose convolution and output "
+                            "gate use the model's activation, SiLU only (upstream's): give --swiglu")
     if args.reset_attention_mask:
         # Megatron-LM's pretrain_gpt.py passes the dataset's per-document mask to the model; this
         # trainer passes none (its attention is causal without one), so the flag would do nothing.

@@ -8,6 +8,7 @@ different numbers of valid targets (a local normalization, upstream's process_mt
 differs by cut). Resume: saved at iteration 2 of 4 with dropout, the resumed run repeats
 iterations 3-4 bit for bit. Refused in one line before anything is built: a checkpoint of
 another pattern (naming both), and layers the local (CPU) hybrid stack does not build.
+Gated DeltaNet layers ("G", matrix tier): the same cuts for 1 x 4, 2 x 2 and 2 x 1.
 """
 
 import subprocess
@@ -61,6 +62,32 @@ def test_losses_and_grad_norm_are_the_same_however_the_step_is_cut(dataset, init
                                                                         reference[tag][step])
 
 
+# Qwen3-Next's layers (issue 27): Gated DeltaNet mixers, full attention in the MTP depths.
+DELTA_NET = ("--hybrid-layer-pattern", "G-*-/*-/*-", "--swiglu", "--normalization", "RMSNorm",
+             "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+             "--linear-value-head-dim", "16", "--linear-conv-kernel-dim", "4")
+
+
+@pytest.mark.matrix  # the default tier: test_hybrid_model's Gated DeltaNet against the reference
+def test_gated_deltanet_layers_train_the_same_however_the_step_is_cut(dataset, tmp_path):
+    common = (*COMMON, *DELTA_NET, "--data-path", str(dataset), "--hidden-dropout", "0", "--attention-dropout", "0")
+    train(1, *common, "--micro-batch-size", "8", "--train-iters", "1", "--save", str(tmp_path / "initial"),
+          "--save-interval", "1")
+    measured = {}
+    for cut in ("1x4", "dp2x2", "dp2x1"):
+        nproc, args = CUTS[cut]
+        train(nproc, *common, *args, "--load", str(tmp_path / "initial"), "--finetune", "--train-iters", "3",
+              "--tensorboard-dir", str(tmp_path / cut))
+        measured[cut] = scalars(tmp_path / cut)
+    reference = measured.pop("1x4")
+    for cut, values in measured.items():
+        for tag in ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm"):
+            assert sorted(values[tag]) == sorted(reference[tag]) == [1, 2, 3], (cut, tag)
+            for step in (1, 2, 3):
+                assert close(values[tag][step], reference[tag][step]), (cut, tag, step, values[tag][step],
+                                                                        reference[tag][step])
+
+
 @pytest.mark.matrix  # the default tier resumes GPTModel (PP=2 x VPP=2) and MoE (EP=2 -> 1)
 def test_resume_is_bit_exact_with_dropout(dataset, tmp_path):
     common = (*COMMON, "--micro-batch-size", "2", "--data-path", str(dataset), "--train-iters", "4",
@@ -81,6 +108,7 @@ def test_another_pattern_and_layers_without_a_local_build_are_refused_in_one_lin
          f"hybrid_layer_pattern: checkpoint '{PATTERN}', model '*-*-*-/*-/*-'"),
         (("--hybrid-layer-pattern", "M-M-/*-"), "--hybrid-layer-pattern layers M need Transformer Engine"),
         (("--hybrid-layer-pattern", "*E*E/*E"), "--hybrid-layer-pattern has MoE layers 'E': give --num-experts"),
+        (("--hybrid-layer-pattern", "G-*-/*-/*-"), "Gated DeltaNet layers 'G', whose convolution and output gate"),
     ]
     cases = [{"argv": [*base, *extra], "env": {"WORLD_SIZE": "1", "RANK": "0"}} for extra, _ in expected]
     cases.append({"argv": [*base, "--load", str(initial_weights)], "env": {"WORLD_SIZE": "1", "RANK": "0"}})

@@ -18,7 +18,9 @@ norm of each head's query and key before RoPE (q/k layernorm, Qwen3); and multi-
 attention (DeepSeek-V2/V3): queries from a low-rank latent (q-LoRA, normed), keys and values
 from a shared latent (kv-LoRA, normed) plus one RoPE key shared by all heads, the RoPE part
 of each head's query and key taken with DeepSeek's even/odd de-interleave, and YaRN frequencies
-(written from the YaRN paper and DeepSeek-V3's rounded correction range).
+(written from the YaRN paper and DeepSeek-V3's rounded correction range). Mixers of linear
+attention (`GatedDeltaNet`, Qwen3-Next's layers): the Gated DeltaNet paper's recurrence, one
+token at a time. MLPs: GeLU, or SwiGLU.
 """
 
 import math
@@ -154,33 +156,116 @@ def attention(hidden, heads, groups, qk_norm, latent):
     return MLASelfAttention(hidden, heads, latent, qk_norm) if latent else SelfAttention(hidden, heads, groups, qk_norm)
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden, ffn):
+@dataclass(frozen=True)
+class DeltaNet:
+    """A Gated DeltaNet mixer's sizes: query/key heads of `key_dim`, value heads of `value_dim`
+    (a multiple of the key heads, which are repeated over them), a causal convolution `conv` wide."""
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv: int = 4
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025) in its
+    recurrent form, one token at a time: with a per-head state S (key_dim x value_dim),
+
+        S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t / sqrt(key_dim)
+
+    where alpha_t = exp(g_t), g_t = -exp(A_log) softplus(a_t + dt_bias), beta_t = sigmoid(b_t),
+    q and k L2-normalized per head after a causal depthwise convolution and SiLU over [q, k, v];
+    the output is norm(o_t) * SiLU(z_t) per value head, then projected (Qwen3-Next's layer).
+    Parameter names and the input projection's layout [q, k, v, z, b, a] are megatron-core's."""
+
+    def __init__(self, hidden, spec: DeltaNet, normalization):
         super().__init__()
-        self.linear_fc1 = nn.Linear(hidden, ffn)
+        self.spec = spec
+        qk, v = spec.key_heads * spec.key_dim, spec.value_heads * spec.value_dim
+        self.sections = [qk, qk, v, v, spec.value_heads, spec.value_heads]
+        self.in_proj = nn.Linear(hidden, sum(self.sections), bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(2 * qk + v, 1, spec.conv))
+        self.dt_bias = nn.Parameter(torch.empty(spec.value_heads))
+        self.A_log = nn.Parameter(torch.empty(spec.value_heads))
+        self.out_norm = norm(normalization, spec.value_dim)
+        self.out_proj = nn.Linear(v, hidden, bias=False)
+
+    def causal_convolution(self, x):
+        """out[t, c] = sum_j w[c, j] x[t - (width - 1) + j, c], zero before the row starts."""
+        width = self.spec.conv
+        padded = F.pad(x, (0, 0, width - 1, 0))
+        weight = self.conv1d.weight[:, 0]  # [channels, width]
+        return sum(weight[:, j] * padded[:, j:j + x.size(1)] for j in range(width))
+
+    def forward(self, x, positions, segments):
+        if bool((segments != segments[:, :1]).any()):
+            raise NotImplementedError("packed rows: the model refuses them with Gated DeltaNet layers")
+        spec, (b, s, _) = self.spec, x.shape
+        q, k, v, z, beta, a = self.in_proj(x).split(self.sections, dim=-1)
+        q, k, v = F.silu(self.causal_convolution(torch.cat([q, k, v], dim=-1))).split(self.sections[:3], dim=-1)
+        repeat = spec.value_heads // spec.key_heads
+
+        def heads(t, count, dim):
+            return t.reshape(b, s, count, dim)
+
+        def unit(t):
+            return t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6)
+
+        q = unit(heads(q, spec.key_heads, spec.key_dim)).repeat_interleave(repeat, dim=2) / math.sqrt(spec.key_dim)
+        k = unit(heads(k, spec.key_heads, spec.key_dim)).repeat_interleave(repeat, dim=2)
+        v = heads(v, spec.value_heads, spec.value_dim)
+        alpha = torch.exp(-self.A_log.exp() * F.softplus(a + self.dt_bias))  # [b, s, value heads]
+        beta = beta.sigmoid()
+        state = x.new_zeros(b, spec.value_heads, spec.key_dim, spec.value_dim)
+        eye = torch.eye(spec.key_dim)
+        outputs = []
+        for t in range(s):
+            k_t, v_t, beta_t = k[:, t], v[:, t], beta[:, t, :, None, None]
+            erase = eye - beta_t * k_t[..., :, None] * k_t[..., None, :]  # I - beta k k^T
+            state = alpha[:, t, :, None, None] * (erase @ state) + beta_t * k_t[..., :, None] * v_t[..., None, :]
+            outputs.append((state * q[:, t, ..., None]).sum(-2))  # S^T q
+        o = torch.stack(outputs, dim=1)  # [b, s, value heads, value_dim]
+        gated = self.out_norm(o) * F.silu(heads(z, spec.value_heads, spec.value_dim))
+        return self.out_proj(gated.reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden, ffn, swiglu=False):
+        super().__init__()
+        self.swiglu = swiglu
+        self.linear_fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn)
         self.linear_fc2 = nn.Linear(ffn, hidden)
 
     def forward(self, x):
+        if self.swiglu:  # megatron-core's order: the gate's half first
+            gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+            return self.linear_fc2(F.silu(gate) * up)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
 @dataclass(frozen=True)
 class Architecture:
     """What a layer is made of: the norm of every layer and head (LayerNorm or RMSNorm), q/k
-    norms of that kind, and multi-latent attention (`latent`) instead of grouped-query."""
+    norms of that kind, multi-latent attention (`latent`) instead of grouped-query, a SwiGLU
+    MLP, and Gated DeltaNet mixers (`delta_net`) in the decoder layers `linear_layers` (the
+    others, and the MTP depths' layers, attend)."""
     normalization: str = "LayerNorm"
     qk_norm: bool = False
     latent: Latent | None = None
+    swiglu: bool = False
+    delta_net: DeltaNet | None = None
+    linear_layers: frozenset = frozenset()
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, hidden, heads, groups, ffn, arch=Architecture()):
+    def __init__(self, hidden, heads, groups, ffn, arch=Architecture(), linear=False):
         super().__init__()
         self.input_layernorm = norm(arch.normalization, hidden)
-        self.self_attention = attention(hidden, heads, groups, arch.normalization if arch.qk_norm else None,
-                                        arch.latent)
+        self.self_attention = GatedDeltaNet(hidden, arch.delta_net, arch.normalization) if linear else \
+            attention(hidden, heads, groups, arch.normalization if arch.qk_norm else None, arch.latent)
         self.pre_mlp_layernorm = norm(arch.normalization, hidden)
-        self.mlp = MLP(hidden, ffn)
+        self.mlp = MLP(hidden, ffn, arch.swiglu)
 
     def forward(self, x, positions, segments):
         x = x + self.self_attention(self.input_layernorm(x), positions, segments)
@@ -190,7 +275,8 @@ class TransformerLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, layers, hidden, heads, groups, ffn, arch=Architecture()):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(hidden, heads, groups, ffn, arch) for _ in range(layers))
+        self.layers = nn.ModuleList(TransformerLayer(hidden, heads, groups, ffn, arch, i in arch.linear_layers)
+                                    for i in range(layers))
         self.final_layernorm = norm(arch.normalization, hidden)
 
     def forward(self, x, positions, segments):

@@ -101,3 +101,12 @@ def empty_cache() -> None:
     """Release cached device memory; the CPU allocator has no cache to release."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def jit_fuser_on_cuda(function):
+    """megatron-core's ``jit_fuser`` (torch.compile) on a machine with CUDA, as upstream applies
+    it; elsewhere the function as written (compiling on CPU needs a C++ toolchain and costs more
+    than it saves at the sizes run there)."""
+    from megatron.core.jit import jit_fuser
+
+    return jit_fuser(function) if torch.cuda.is_available() else function

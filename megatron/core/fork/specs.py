@@ -191,14 +191,14 @@ def norm_without_te(te_norm):
 
 def get_hybrid_stack_spec(config) -> ModuleSpec:
     """A HybridStack spec of local modules (any device): attention ``*``, MLP ``-``, MoE ``E``
-    (with experts) and the MTP block; the other layer types need Transformer Engine."""
+    (with experts), Gated DeltaNet ``G`` and the MTP block; the other layer types need
+    Transformer Engine."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules, get_gpt_mtp_block_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     gpt = get_gpt_layer_local_submodules(normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
-    gpt.self_attention.submodules.core_attention = SDPACoreAttention
     attention = TransformerLayerSubmodules(
         input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention, self_attn_bda=gpt.self_attn_bda,
         sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"})
@@ -209,8 +209,11 @@ def get_hybrid_stack_spec(config) -> ModuleSpec:
                                  use_transformer_engine=False)
     for layer in mtp.layer_specs if mtp is not None else ():  # (None off the MTP stage) layers from the pattern
         layer.submodules = dataclasses.replace(layer.submodules, mtp_model_layer=None)
+    on_this_device(config, gpt, mtp)
     layers = dict(attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
                   mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp), mtp_block_spec=mtp)
+    if config.linear_num_value_heads:  # (0.19.2's fields) Gated DeltaNet layers, "G"
+        layers["gdn_layer"] = _gated_delta_net_layer(gpt)
     if config.num_moe_experts:
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.transformer.transformer_layer import MoETransformerLayer
@@ -219,3 +222,19 @@ def get_hybrid_stack_spec(config) -> ModuleSpec:
         layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=experts, mlp_bda=gpt.mlp_bda))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
+
+
+def _gated_delta_net_layer(gpt) -> ModuleSpec:
+    """Upstream's HybridModel GDN layer (hybrid_layer_specs.py: TELayerNormColumnParallelLinear,
+    TENorm, TERowParallelLinear) from local modules: the input norm apart from the projection,
+    under the name Transformer Engine's fused one has in checkpoints, as the attention layer's.
+    Without FLA and CUDA the runtime part gives GatedDeltaNet its kernels in PyTorch."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    mixer = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=gpt.input_layernorm, out_proj=RowParallelLinear))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=gpt.input_layernorm, self_attention=mixer, self_attn_bda=gpt.self_attn_bda,
+        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.in_proj.layer_norm_"}))
