@@ -101,6 +101,7 @@ def test_a_local_tokenizer_json(corpus, tokenizer_json, tmp_path):
                                              for t in texts]
 
 
+@pytest.mark.matrix  # a tokenizer file in the default tier: test_a_local_tokenizer_json
 def test_a_sentencepiece_model(corpus, sentencepiece_model, tmp_path):
     import sentencepiece
 

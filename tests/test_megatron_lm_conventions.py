@@ -79,6 +79,7 @@ def test_the_loss_function_checks_nan_inf_and_spiky_loss_through_the_rerun_state
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # the check itself in the default tier: the rerun state machine's test above
 def test_a_nan_loss_is_caught_at_the_loss(tmp_path):
     """An absurd learning rate makes step 2's weights non-finite: the loss check finds the NaN
     before any gradient exists; upstream's rerun state machine reruns the step, finds it
@@ -119,6 +120,7 @@ UNUSABLE_CUDA = """
 """
 
 
+@pytest.mark.matrix  # a GPU machine's fault; the default tier's faults: test_trainer_faults
 def test_a_machine_with_nvidia_gpus_but_unusable_cuda_is_refused_in_one_line():
     args = [*TINY, *MOCK, "--lr", "1e-3", "--train-iters", "2"]
     result = python(f"ARGS = {args!r}\n" + textwrap.dedent(UNUSABLE_CUDA))
@@ -162,7 +164,11 @@ def test_pipeline_layouts_upstream_accepts_are_accepted_and_the_rest_refused_in_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,layout", [(3, MTP_STAGE), (2, UNEVEN)], ids=["mtp-stage", "uneven"])
+@pytest.mark.parametrize("nproc,layout", [
+    # an MTP stage of its own in the default tier: test_mtp_layouts' pp4_vpp2_mtp_stage
+    pytest.param(3, MTP_STAGE, id="mtp-stage", marks=pytest.mark.matrix),
+    pytest.param(2, UNEVEN, id="uneven"),
+])
 def test_the_issue_s_layouts_train(nproc, layout):
     run = train(nproc, *LAYOUT, *layout)
     assert sorted(run.iterations) == [1, 2] and "mtp_1 loss" in run.iterations[2], run.tail()

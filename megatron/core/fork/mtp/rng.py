@@ -12,9 +12,9 @@ the MTP block is built or run, and swaps back after: the backbone's streams are 
 they were. The MTP streams live in the RNG tracker under ``mtp/<name>`` (``mtp/default`` for the
 device's default generator, ``mtp/cpu`` for the CPU generator on a CUDA machine), so Megatron-LM's
 checkpoints save and restore them with the tracker's states and a resumed run draws what the
-uninterrupted one drew. Each is created on first use from a hash of the backbone stream it
-stands beside (without advancing that stream): as reproducible as the backbone's seeds, different
-per tensor-parallel or expert rank where those are.
+uninterrupted one drew. Each starts, when the block is built, from a hash of the backbone stream
+it stands beside (without advancing that stream): as reproducible as the backbone's seeds,
+different per tensor-parallel or expert rank where those are.
 
 Activation recompute of an MTP layer restores the tracker states and default generator it saw in
 the forward (which were the MTP streams), so the recomputed dropout masks are the forward's.
@@ -63,9 +63,11 @@ def _tracker():
 
 
 @contextlib.contextmanager
-def own_streams(config, only_if: bool = True):
+def own_streams(config, only_if: bool = True, start: bool = False):
     """Within: the MTP block's streams in place of the backbone's (with ``mtp_detach_heads``, and
-    `only_if`: an MTP stage's own embedding copy, say)."""
+    `only_if`: an MTP stage's own embedding copy, say). `start` (building the block): the MTP
+    streams start anew beside the backbone's, so a model built again after the same seeding is
+    the same model, as the backbone's streams make it."""
     if not (only_if and getattr(config, "mtp_detach_heads", False)):
         yield
         return
@@ -75,10 +77,13 @@ def own_streams(config, only_if: bool = True):
     backbone = {name: get() for name, (get, _, _) in generators.items()}
     tracked = [name for name in states if not name.startswith(PREFIX)]
     device = compute_device.device_type()
-    for name in tracked:  # created on first use, or after a checkpoint from before they existed
-        states.setdefault(PREFIX + name, _beside(states[name], name, device))
-    for name, (_, _, kind) in generators.items():
-        states.setdefault(PREFIX + name, _beside(backbone[name], name, kind))
+    # Created when the block is built (and on first use after a checkpoint from before they
+    # existed); a checkpoint that has them restores them after the build.
+    begun = {**{name: (states[name], device) for name in tracked},
+             **{name: (backbone[name], kind) for name, (_, _, kind) in generators.items()}}
+    for name, (beside, kind) in begun.items():
+        if start or PREFIX + name not in states:
+            states[PREFIX + name] = _beside(beside, name, kind)
     swapped = dict(states)
     for name in tracked:
         swapped[name], swapped[PREFIX + name] = states[PREFIX + name], states[name]
