@@ -82,12 +82,13 @@ def initial_weights(dataset, tmp_path_factory):
 
 
 @pytest.mark.parametrize("level,isolation,layouts", [
-    pytest.param("token", ("--mtp-detach-heads",), tuple(layout for layout in LAYOUTS if "sparse" not in layout),
-                 id="token-isolated"),
+    pytest.param("token", ("--mtp-detach-heads",), ("tp2-sequence-parallel", "pp2-vpp2"), id="token-isolated"),
     pytest.param("sequence", (), ("pp2-vpp2",), id="sequence-attached"),
-    # The sparse main loss on TP x SP: its rows against the dense loss also in test_mtp_sparse_loss.
-    pytest.param("token", ("--mtp-detach-heads",), ("tp2-sequence-parallel-sparse-lm-loss",),
-                 id="token-isolated-sparse-lm-loss", marks=pytest.mark.matrix),
+    # DP with the distributed optimizer (its model-level case in the default tier: test_mtp_layouts'
+    # dp4_distributed_optimizer); the sparse main loss on TP x SP (its rows against the dense loss
+    # also in test_mtp_sparse_loss).
+    pytest.param("token", ("--mtp-detach-heads",), ("dp2-distributed-optimizer", "tp2-sequence-parallel-sparse-lm-loss"),
+                 id="token-isolated-dp-and-sparse-lm-loss", marks=pytest.mark.matrix),
 ])
 def test_every_layout_trains_the_spec_objective(level, isolation, layouts, dataset, initial_weights, tmp_path):
     common = (*EXACT, "--data-path", str(dataset), "--load", str(initial_weights), "--finetune",
