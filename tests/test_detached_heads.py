@@ -17,7 +17,8 @@ last stage) and DP = 2 (matrix tier).
 
 import pytest
 
-from tests.harness.trainer import TINY, checkpoint_tensors, scalars, train
+from megatron_mtp.runs import read
+from tests.harness.trainer import TINY, checkpoint_tensors, train
 
 pytestmark = pytest.mark.slow
 
@@ -48,13 +49,15 @@ def test_detached_heads_leave_the_backbone_bit_identical(layout, tmp_path):
     for name, mtp in RUNS.items():
         root = tmp_path / name.replace(" ", "_").replace("=", "")
         train(nproc, *COMMON, *args, *mtp, "--save", str(root / "ckpt"), "--tensorboard-dir", str(root / "tb"))
-        logged[name] = scalars(root / "tb")
+        logged[name] = read(root / "tb").series
         saved[name] = backbone(checkpoint_tensors(root / "ckpt" / f"iter_{ITERATIONS:07d}"))
     without, detached, attached = (logged[name] for name in RUNS)
-    for tag in ("lm loss", "grad-norm"):
+    for tag in ("lm loss", "grad norm"):
         assert sorted(without[tag]) == sorted(detached[tag]) == list(range(1, ITERATIONS + 1)), tag
         assert detached[tag] == without[tag], (tag, detached[tag], without[tag])
     assert "mtp grad norm" in detached and "mtp_2 loss" in detached  # the heads did train
+    # tools/plot_runs.py's tokens axis from the trainer's own events: 8 sequences of 64 tokens a step.
+    assert read(tmp_path / "detached_D2" / "tb").tokens == {step: step * 8 * 64 for step in range(1, ITERATIONS + 1)}
 
     reference = saved["without MTP"]
     weights = [key for key in reference if "optimizer" not in key]

@@ -7,8 +7,9 @@ torchrun's workers for this checkout's scripts are forked from a zygote that has
 imported megatron (tests.harness.zygote: the worker torchrun starts is a small client that
 behaves as the script's process); `fresh=True` or MEGATRON_MTP_TEST_ZYGOTE=0 starts them as
 fresh interpreters, as a user's torchrun does.
-`scalars` reads a TensorBoard log directory; `checkpoint_tensors` reads every tensor of
-a torch_dist checkpoint (model and optimizer) in this process, for bit-exact comparisons.
+`parse` and `scalars` (megatron_mtp.runs) read the console and a TensorBoard log directory;
+`checkpoint_tensors` reads every tensor of a torch_dist checkpoint (model and optimizer) in this
+process, for bit-exact comparisons.
 """
 
 import os
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_mtp.patched_core import build_tree, current_upstream_version
+from megatron_mtp.runs import parse_console as parse
+from megatron_mtp.runs import tensorboard_scalars as scalars  # noqa: F401 (the tests import it from here)
 from tests.harness import zygote as zygotes
 from tests.harness.launcher import REPO_ROOT, free_port
 
@@ -28,8 +31,6 @@ from tests.harness.launcher import REPO_ROOT, free_port
 TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0")
-ITERATION = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|(.*)$")
-VALIDATION = re.compile(r"validation.* loss at iteration (\d+) \|(.*)$")
 ERROR = re.compile(r"^(?:\[default\d+\]:)?(pretrain_gpt_mtp\.py: error: .*)$", re.MULTILINE)
 
 
@@ -51,33 +52,6 @@ class Run:
             kept = kept[:next(i for i, line in enumerate(kept) if line.startswith("Traceback")
                               or "ChildFailedError" in line)]
         return "\n".join(self.errors() + ["..."] + kept[-lines:])
-
-
-def _fields(text: str) -> dict:
-    values = {}
-    # Fields end with "|"; what follows the last one is another print that lost its line break.
-    for part in text.rsplit("|", 1)[0].split("|"):
-        name, sep, value = part.rpartition(":")
-        if not sep:
-            continue
-        name = name.strip()
-        if name.endswith(" value"):  # validation lines: "lm loss value: ..."
-            name = name[: -len(" value")]
-        try:
-            values[name] = float(value.strip())
-        except ValueError:
-            pass
-    return values
-
-
-def parse(output: str) -> tuple[dict, dict]:
-    iterations, validations = {}, {}
-    for line in output.splitlines():
-        if match := ITERATION.search(line):
-            iterations[int(match.group(1))] = _fields(match.group(2))
-        elif match := VALIDATION.search(line):
-            validations[int(match.group(1))] = _fields(match.group(2))
-    return iterations, validations
 
 
 def torchrun_command(nproc: int, *args: str, script: str = "pretrain_gpt_mtp.py",
@@ -171,16 +145,6 @@ def train(nproc: int, *args: str, timeout: float = 300, check: bool = True, env:
     if check and run.returncode != 0:
         raise AssertionError(f"pretrain_gpt_mtp.py exited with {run.returncode}:\n{run.tail()}")
     return run
-
-
-def scalars(logdir: Path) -> dict:
-    """{tag: {step: value}} of every scalar in a TensorBoard log directory."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {tag: {event.step: event.value for event in accumulator.Scalars(tag)}
-            for tag in accumulator.Tags()["scalars"]}
 
 
 def checkpoint_tensors(directory: Path) -> dict:
