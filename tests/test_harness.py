@@ -14,7 +14,7 @@ import pytest
 
 from tests.harness import DistributedTestFailure, launch
 from tests.harness.launcher import REPO_ROOT
-from tests.harness.trainer import finish, kill_group, start, train
+from tests.harness.trainer import finish, kill_group, start, torchrun_workers, train
 
 
 def alive(pid: int) -> bool:
@@ -84,7 +84,7 @@ def test_a_worker_s_exit_status_and_signals_reach_torchrun(tmp_path):
         deadline = time.monotonic() + 60
         while "waiting" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        for worker in psutil.Process(proc.pid).children():  # torchrun's workers: the clients
+        for worker in torchrun_workers(proc, WORKER):  # the clients torchrun started
             worker.send_signal(signal.SIGTERM)
     finally:
         run = finish(proc, log, timeout=60)

@@ -20,12 +20,11 @@ import shutil
 import signal
 import time
 
-import psutil
 import pytest
 
 from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness import argument_cases
-from tests.harness.trainer import TINY, finish, last_rank_output, start, train
+from tests.harness.trainer import TINY, finish, last_rank_output, start, torchrun_workers, train
 
 pytestmark = pytest.mark.slow
 
@@ -197,8 +196,8 @@ def test_sigterm_saves_and_exits_zero_then_the_run_resumes(dataset, tmp_path):
             "--exit-signal-handler")
     proc, log = start(2, *args, "--train-iters", "100000", log=tmp_path / "run.log")
     wait_for_iteration(proc, log, 3)
-    workers = psutil.Process(proc.pid).children()
-    assert len(workers) == 2
+    workers = torchrun_workers(proc)
+    assert len(workers) == 2, workers
     for worker in workers:  # what a scheduler does: every training process gets the signal
         worker.send_signal(signal.SIGTERM)
     run = finish(proc, log, timeout=120)

@@ -1,17 +1,18 @@
 """Run pretrain_gpt_mtp.py as a user does (torchrun, CPU, gloo) and read what it leaves.
 
 `train` starts torchrun in its own process group with a free port and a deadline, kills
-the whole group on timeout (nothing is left behind) and returns the run: its exit
-status, its output, the console's iteration and validation lines parsed into numbers.
-torchrun's workers for this checkout's scripts are forked from a zygote that has already
-imported megatron (tests.harness.zygote: the worker torchrun starts is a small client that
-behaves as the script's process); `fresh=True` or MEGATRON_MTP_TEST_ZYGOTE=0 starts them as
-fresh interpreters, as a user's torchrun does.
+every process of the launch on timeout (nothing is left behind) and returns the run: its
+exit status, its output, the console's iteration and validation lines parsed into numbers.
+For this checkout's scripts, torchrun itself and its workers are forked from a zygote that
+has already imported torch and megatron (tests.harness.zygote: what the test and torchrun
+start is a small client that behaves as the process it stands for); `fresh=True` or
+MEGATRON_MTP_TEST_ZYGOTE=0 starts them as fresh interpreters, as a user's torchrun does.
 `parse` and `scalars` (megatron_mtp.runs) read the console and a TensorBoard log directory;
 `checkpoint_tensors` reads every tensor of a torch_dist checkpoint (model and optimizer) in this
 process, for bit-exact comparisons.
 """
 
+import itertools
 import os
 import re
 import signal
@@ -31,6 +32,8 @@ from tests.harness.launcher import REPO_ROOT, free_port
 TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0")
+LAUNCH_TAG = "MEGATRON_MTP_TEST_LAUNCH"  # in every process of one launch: what kill_group kills
+_LAUNCHES = itertools.count()
 ERROR = re.compile(r"^(?:\[default\d+\]:)?(pretrain_gpt_mtp\.py: error: .*)$", re.MULTILINE)
 
 
@@ -58,12 +61,14 @@ def torchrun_command(nproc: int, *args: str, script: str = "pretrain_gpt_mtp.py"
                      rank_logs: Path | None = None, zygote: zygotes.Zygote | None = None) -> list[str]:
     """torchrun on this machine; with `rank_logs`, each rank's output also goes to a file there
     (the metrics lines come from the last rank, and ranks' prints interleave in the console);
-    with `zygote`, each worker is that zygote's client running the script."""
+    with `zygote`, torchrun's agent and each worker are that zygote's clients (torchrun's
+    import of torch, about 2.5 s a launch, is done once), running torchrun and the script."""
     logs = [f"--log-dir={rank_logs}", "--tee=3"] if rank_logs else []
-    worker = [script]
+    python, worker = [sys.executable], [script]
     if zygote is not None:
-        worker = ["--no-python", sys.executable, "-S", zygotes.__file__, "client", zygote.socket_path, script]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        client = [sys.executable, "-S", zygotes.__file__, "client", zygote.socket_path]
+        python, worker = client, ["--no-python", *client, script]
+    return [*python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", *logs, *worker, *args]
 
 
@@ -80,13 +85,15 @@ def start(nproc: int, *args: str, env: dict | None = None, cwd: Path = REPO_ROOT
           script: str = "pretrain_gpt_mtp.py", fresh: bool = False) -> tuple[subprocess.Popen, Path]:
     """torchrun in its own process group, output to `log`; for tests that signal the run."""
     log = log or Path(tempfile.mkstemp(prefix="trainer-", suffix=".log")[1])
+    tag = f"{os.getpid()}-{next(_LAUNCHES)}"
     environment = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                       **(env or {}))
+                       **{LAUNCH_TAG: tag}, **(env or {}))
     zygote = None if fresh else _zygote(script, cwd, env)
     command = torchrun_command(nproc, *args, script=script, rank_logs=rank_logs(log), zygote=zygote)
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    proc.launch_tag = tag
     return proc, log
 
 
@@ -111,28 +118,60 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float) -> Run:
     return Run(proc.returncode, log.read_text(errors="replace"), iterations, validations)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """Kill torchrun's process group and every worker's: torchrun starts each worker in a
-    session of its own, which a signal to torchrun's group does not reach. (A worker that is
-    a zygote's client takes its child with it: the zygote kills the child's group.)"""
+def launch_processes(proc: subprocess.Popen) -> list:
+    """Every live process of a launch (torchrun, its workers, and what a zygote forked for them):
+    those whose environment carries the launch's tag."""
     import psutil
 
-    try:
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:  # torchrun has exited, and stopped its workers
-        workers = []
-    groups = {proc.pid}
-    for worker in workers:
+    found = []
+    for process in psutil.process_iter():
         try:
-            groups.add(os.getpgid(worker.pid))
-        except ProcessLookupError:
+            if process.environ().get(LAUNCH_TAG) == proc.launch_tag:
+                found.append(process)
+        except (psutil.Error, OSError):
             pass
-    for group in groups:
+    return found
+
+
+def torchrun_workers(proc: subprocess.Popen, script: str = "pretrain_gpt_mtp.py") -> list:
+    """The processes torchrun started as its workers (what a scheduler signals): `python SCRIPT`,
+    or the zygote's clients running SCRIPT."""
+    import psutil
+
+    workers = []
+    for process in launch_processes(proc):
         try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+            argv = process.cmdline()
+        except psutil.Error:  # it has gone
+            continue
+        if script in argv and "torch.distributed.run" not in argv and "serve" not in argv:
+            workers.append(process)
+    return workers
+
+
+def kill_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Kill every process group of a launch: torchrun's and each worker's (torchrun starts each
+    worker in a session of its own, and a zygote forks its children in sessions of their own,
+    which a signal to torchrun's group does not reach); return when none is left."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        groups = {proc.pid}
+        for process in launch_processes(proc):
+            try:
+                groups.add(os.getpgid(process.pid))
+            except ProcessLookupError:
+                pass
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        proc.wait()
+        if not launch_processes(proc) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def train(nproc: int, *args: str, timeout: float = 300, check: bool = True, env: dict | None = None,

@@ -8,14 +8,15 @@ request. Two kinds of request, one mechanism:
 
 - a launch rank (tests.harness.launcher): the test process asks for tests.harness.worker with
   the rank's argv, environment and log file;
-- a torchrun worker (tests.harness.trainer): torchrun runs `python -S zygote.py client SOCKET
-  SCRIPT ARGS...` as the worker, a client that starts in milliseconds. It hands the zygote its
+- torchrun and its workers (tests.harness.trainer): the test runs `python -S zygote.py client
+  SOCKET -m torch.distributed.run ...` and torchrun runs `python -S zygote.py client SOCKET
+  SCRIPT ARGS...` as each worker, a client that starts in milliseconds. It hands the zygote its
   argv, environment, working directory and standard streams, forwards the signals it receives
   to the child and exits as the child did (status or signal), so torchrun, its --tee logs and
   a test that signals the workers see what a fresh `python SCRIPT ARGS...` would give them.
 
-A child starts its own session (its own process group). The zygote kills that group when the
-requester's connection closes (the client was killed, or the test process died), so killing a
+A child starts its own session (its own process group). The zygote kills that group, and those
+of the child's descendants, when the requester's connection closes (the client was killed, or the test process died), so killing a
 torchrun process group still leaves nothing behind. The zygote has no thread besides its main
 one when it forks (checked at start). GPU runs, MEGATRON_MTP_TEST_ZYGOTE=0, and a tree whose
 zygote cannot start keep the plain start.
@@ -135,6 +136,15 @@ class Zygote:
         return Forked(sock, pid)
 
     def close(self):
+        """Stop the zygote: closing its stdin makes it kill its children's groups and leave;
+        SIGKILL only if it has not gone within seconds."""
+        import subprocess
+
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -219,10 +229,15 @@ def _run_script(argv: list) -> int:
     import threading
     import traceback
 
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        if argv[0] == "-m":  # `python -m MODULE ARGS...` (torchrun): the working directory first on sys.path
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as leaving:
         if leaving.code is None or isinstance(leaving.code, int):
@@ -298,10 +313,19 @@ def serve(socket_path: str) -> None:
     print(json.dumps({"ready": True}), flush=True)
 
     def kill(pid):
+        """The child's group and those of its descendants (torchrun's workers have sessions of their own)."""
+        import psutil
+
+        groups = {pid}
         try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            groups.update(os.getpgid(p.pid) for p in psutil.Process(pid).children(recursive=True))
+        except (psutil.Error, ProcessLookupError):
             pass
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     while True:
         for key, _ in selector.select():
@@ -363,4 +387,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "client":
         client(*sys.argv[2:])
     else:
-        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | client SOCKET SCRIPT [ARGS...]")
+        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | client SOCKET (SCRIPT | -m MODULE) [ARGS...]")
