@@ -124,6 +124,9 @@ def test_decoding_over_the_kv_cache_equals_a_whole_sequence_recompute(pipeline):
     for name, result in part(pipeline, "kv cache").items():
         assert result["same"] and result["draft calls"] > 0, (name, result)
         assert result["worst"] <= KV_CACHE, (name, result)
+        # Sampling (GumbelSampler): speculative = plain sampling, token for token; drafts were accepted.
+        assert result["sampled same"], (name, result)
+    assert part(pipeline, "kv cache")["trained"]["sampled accepted"] > 0
 
 
 class ScriptedRunner:
@@ -407,3 +410,33 @@ def test_bad_input_is_one_line_and_writes_nothing(pipeline, tmp_path):
     out = tmp_path / "out-no-mtp"
     refused(cli("export", str(root / "llama-mg"), str(out), "--mtp-layout", "mimo"), "has no MTP depths")
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+def test_gumbel_sampling_draws_from_the_softmax_by_position_and_drafts_change_no_token():
+    """GumbelSampler: token frequencies over many keys follow softmax(logits / T) (4,000 draws:
+    standard error 0.007, tolerance 0.03); a position's token depends on its key and logits alone,
+    so speculative decoding returns plain sampling's tokens whether drafts are right or wrong."""
+    logits = torch.tensor([[0.0, float(torch.log(torch.tensor(3.0))), -30.0]])  # p = 1/4, 3/4, ~0
+    for temperature, expected in ((1.0, 0.75), (2.0, 3 ** 0.5 / (1 + 3 ** 0.5))):
+        draws = [speculative.GumbelSampler(seed=1, sequence=s, temperature=temperature)(logits, 5)[0]
+                 for s in range(4000)]
+        assert abs(draws.count(1) / 4000 - expected) < 0.03 and draws.count(2) == 0, (temperature, draws.count(1))
+    sampler = speculative.GumbelSampler(seed=1, sequence=0)
+    assert sampler(logits.repeat(3, 1), 7)[1] == sampler(logits, 8)[0]  # the row at position 8, either way
+    assert set(sampler(logits.repeat(200, 1), 0)) == {0, 1}  # each position draws noise of its own
+
+    class NoisyMain(ScriptedRunner):  # main head: +1 or +2 (equally likely), so sampling matters
+        def main(self, tokens, start=0):
+            ids = tokens[0].tolist()
+            logits = self._logits([(x + 1) % 10 for x in ids]) + self._logits([(x + 2) % 10 for x in ids])
+            return torch.zeros(len(ids), 1, 1), logits * 20
+
+    for drafts in ([lambda x: x + 1, lambda x: x + 2], [lambda x: x + 2, lambda x: x + 4], [lambda x: x + 5]):
+        runner = NoisyMain(drafts)
+        for sequence in range(5):
+            choose = speculative.GumbelSampler(seed=3, sequence=sequence)
+            stats = speculative.Stats(depths=runner.depths)
+            output = speculative.speculative(runner, [0], 12, stats, choose=choose)
+            assert output == speculative.greedy(runner, [0], 12, choose=choose), (drafts, sequence)
+    assert len({tuple(speculative.greedy(NoisyMain([]), [0], 12, choose=speculative.GumbelSampler(3, s)))
+                for s in range(5)}) > 1  # the keys do sample different texts

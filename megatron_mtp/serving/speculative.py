@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with the MTP depths as drafts, verified by the main head.
+"""Speculative decoding with the MTP depths as drafts, verified by the main head: greedy or sampled.
 
 One step, with `seq` the accepted tokens (its last one the main head's own greedy token) and
 the drafts d_1..d_D proposed after it:
@@ -20,6 +20,15 @@ for good. Depth k's state at position t is final once x_{t+k}, its input token, 
 next step, as a whole-sequence recompute would run them (tests/reference/speculative.py is that
 recompute; the tests compare the two). Statistics follow vLLM's and SGLang's definitions (see
 `Stats`).
+
+Which token a head's logits give is the `choose` function's: `greedy_choice` (argmax), or a
+`GumbelSampler`, which samples position p's token as argmax(logits / T + g_p) with Gumbel noise
+g_p drawn from a stream keyed by (seed, sequence, p). The noise depends on the position alone,
+never on what was drafted, so speculative sampling returns exactly the tokens that plain
+sampling with the same key returns (lossless token for token, not only in distribution), and a
+draft drawn with the same noise is accepted whenever the depth's perturbed argmax is the main
+head's. An RL loop's rollouts are therefore the same with or without drafts
+(examples/rl/grpo.py).
 """
 
 from dataclasses import dataclass, field
@@ -61,13 +70,38 @@ class Stats:
         }
 
 
-def greedy(runner, prompt: list[int], new_tokens: int) -> list[int]:
-    """Plain greedy decoding: one forward of one new token per token (the lossless reference)."""
+def greedy_choice(logits: torch.Tensor, first_position: int) -> list[int]:
+    """The tokens of logits rows [n, V] at positions first_position .. + n - 1: their argmax."""
+    return logits.argmax(-1).tolist()
+
+
+class GumbelSampler:
+    """Samples from softmax(logits / temperature) by the Gumbel-max trick, the noise of each
+    position drawn from its own stream keyed by (seed, sequence, position): a token depends on
+    its position's logits and key only."""
+
+    def __init__(self, seed: int, sequence: int, temperature: float = 1.0):
+        if temperature <= 0:
+            raise ValueError(f"temperature {temperature} must be > 0 (greedy_choice is temperature 0)")
+        self.seed, self.sequence, self.temperature = seed, sequence, temperature
+
+    def noise(self, position: int, vocab: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(hash((self.seed, self.sequence, position)) % 2**63)
+        uniform = torch.rand(vocab, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+        return -torch.log(-torch.log(uniform))
+
+    def __call__(self, logits: torch.Tensor, first_position: int) -> list[int]:
+        rows = logits.double() / self.temperature
+        return [int((row + self.noise(first_position + i, row.numel())).argmax()) for i, row in enumerate(rows)]
+
+
+def greedy(runner, prompt: list[int], new_tokens: int, choose=greedy_choice) -> list[int]:
+    """Plain decoding: one forward of one new token per token (the lossless reference)."""
     _, logits = runner.main(torch.tensor([prompt]))
-    seq = list(prompt) + [int(logits[0, -1].argmax())]
+    seq = list(prompt) + choose(logits[0, -1:], len(prompt))
     while len(seq) - len(prompt) < new_tokens:
         _, logits = runner.main(torch.tensor([seq[-1:]]), start=len(seq) - 1)
-        seq.append(int(logits[0, -1].argmax()))
+        seq += choose(logits[0, -1:], len(seq))
     return seq[len(prompt):]
 
 
@@ -76,8 +110,8 @@ class Drafter:
     will not change (final[0]: the main head's over the accepted prefix), so that each depth runs
     from P_k on, over its KV cache of the positions before."""
 
-    def __init__(self, runner, depths: int):
-        self.runner, self.depths = runner, depths
+    def __init__(self, runner, depths: int, choose=greedy_choice):
+        self.runner, self.depths, self.choose = runner, depths, choose
         self.final = [None] * (depths + 1)
 
     def accept(self, hidden0: torch.Tensor) -> None:
@@ -98,7 +132,7 @@ class Drafter:
             inputs = below if tail is None else torch.cat([below, tail])  # positions start .. t
             ahead = torch.tensor([tokens[start + k: t + 1 + k]])  # x_{t'+k}
             hidden, logits = self.runner.depth(k, inputs, ahead, start=start)
-            token = int(logits[0, -1].argmax())
+            [token] = self.choose(logits[0, -1:], t + k + 1)  # depth k at t drafts x_{t+k+1}
             drafts.append(token)
             tokens.append(token)
             settled = max(start, min(t + 1, len(seq) - k)) - start  # positions whose x_{t'+k} is accepted
@@ -107,14 +141,15 @@ class Drafter:
         return drafts
 
 
-def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None) -> list[int]:
-    """Greedy decoding with MTP drafts; returns exactly `new_tokens` tokens."""
+def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None,
+                choose=greedy_choice) -> list[int]:
+    """Decoding with MTP drafts; returns exactly `new_tokens` tokens, those of `greedy(..., choose)`."""
     depths = runner.depths if depths is None else depths
-    drafter = Drafter(runner, depths)
+    drafter = Drafter(runner, depths, choose)
     # prefill: the first token is the main head's, then the first drafts
     hidden, logits = runner.main(torch.tensor([prompt]))
     stats.forwards += 1
-    seq = list(prompt) + [int(logits[0, -1].argmax())]
+    seq = list(prompt) + choose(logits[0, -1:], len(prompt))
     stats.generated += 1
     drafter.accept(hidden)
     drafts = drafter.draft(seq) if depths else []
@@ -123,14 +158,14 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
         hidden, logits = runner.main(torch.tensor([seq[-1:] + drafts]), start=base)
         stats.forwards += 1
         stats.drafts += 1 if drafts else 0
-        greedy_tokens = logits[0].argmax(-1).tolist()
+        chosen = choose(logits[0], base + 1)  # the main head's token at each position after base
         accepted = 0
         for j, token in enumerate(drafts):
-            if token != greedy_tokens[j]:
+            if token != chosen[j]:
                 break
             accepted += 1
             stats.accepted_per_position[j] += 1
-        seq += drafts[:accepted] + [greedy_tokens[accepted]]
+        seq += drafts[:accepted] + [chosen[accepted]]
         stats.generated += accepted + 1
         drafter.accept(hidden[: accepted + 1])  # h^0 of the accepted prefix (positions before the bonus)
         if depths:
