@@ -88,9 +88,13 @@ def build_hybrid(config: TransformerConfig, vocab_size: int, max_sequence_length
 def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                 use_distributed_optimizer: bool = False, use_transformer_engine: bool = False,
                 share_embeddings_and_output_weights: bool = False, position_embedding_type: str = "rope",
-                hybrid_layer_pattern: str | None = None):
+                hybrid_layer_pattern: str | None = None, core_attention=None):
     """One DDP-wrapped model per virtual pipeline stage (a GPTModel, or with
-    `hybrid_layer_pattern` a HybridModel); sets the config's schedule hooks."""
+    `hybrid_layer_pattern` a HybridModel); sets the config's schedule hooks. `core_attention`
+    replaces a GPTModel's SDPA attention (serving's cached one, for a model that trains and
+    decodes: examples/rl)."""
+    if core_attention is not None and hybrid_layer_pattern is not None:
+        raise ValueError("core_attention replaces a GPTModel's attention; a HybridModel keeps its own")
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -98,7 +102,7 @@ def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length:
         if hybrid_layer_pattern is None:
             model = build_gpt(config, vocab_size, max_sequence_length, use_transformer_engine, vp_stage=stage,
                               share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                              position_embedding_type=position_embedding_type)
+                              position_embedding_type=position_embedding_type, core_attention=core_attention)
         else:
             model = build_hybrid(config, vocab_size, max_sequence_length, hybrid_layer_pattern,
                                  use_transformer_engine, vp_stage=stage,

@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""A small GRPO-style RL loop on the library: speculative rollouts drafted by the policy's own MTP heads.
+
+    .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --heads online --out runs/rl/online
+    .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --heads none --out runs/rl/none
+
+One step, as AReaL's GRPO with online-trained MTP heads runs it, on CPU:
+
+1. rollouts: each data-parallel rank takes its share of the step's prompts and samples a group
+   of G responses per prompt by speculative decoding (megatron_mtp.serving.speculative, the
+   decoder of tools/eval_speculative.py, over its KV cache), the MTP depths drafting and the
+   main head verifying. Tokens are sampled by per-position Gumbel noise keyed by (seed,
+   response, position), so the rollouts are exactly plain sampling's, with or without drafts;
+2. rewards from the task (examples/rl/task.py: string reversal, exact), group-normalized
+   advantages A = (r - mean_group) / (std_group + 1e-6) given to every token of the response;
+3. one exact optimizer step on a SplitStep: the main loss is the policy gradient's, sum of
+   A_t * (-log pi(a_t)) through step_loss.main_loss, at token level (divided by the step's
+   response tokens) or sequence level (each response's token mean, averaged over responses:
+   GRPO's); one update per batch of rollouts, so the importance ratio is 1 and its clipping
+   does nothing (no KL term). The MTP heads train on the rollout tokens with mtp_detach_heads:
+   their loss never reaches the policy.
+
+--heads online: the heads train every step (above); frozen: they keep the weights they had
+after the warm-start (restored after every step), so their drafts age as the policy moves;
+none: no MTP depths (plain sampling). The policy's trajectory is the same in all three: the
+same rewards every step and the same backbone weights at the end (summary.json's
+"backbone sha256"), because detached heads draw from random streams of their own, never
+reach the backbone's gradients, and the rollouts do not depend on the drafts.
+
+Before RL, --sft-steps supervised steps on correct answers (the same SplitStep, advantage 1)
+give the policy a start that RL improves on, and its heads something to draft with.
+
+Each RL step prints one line in the trainer's console format (rank 0; tools/plot_runs.py reads
+it): reward, rollout acceptance per depth (vLLM's per-position rate) and mean acceptance
+length (incl. bonus), the heads' teacher-forced acceptance on the rollouts (mtp_k acceptance),
+the policy-gradient loss, grad norms. --out DIR keeps that log (console.log) and summary.json.
+Progress goes to stderr.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from task import Reversal  # noqa: E402
+
+PROG = "grpo.py"
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", choices=("online", "frozen", "none"), default="online")
+    parser.add_argument("--depths", type=int, default=2, help="MTP depths (with --heads online or frozen)")
+    parser.add_argument("--steps", type=int, default=40, help="RL steps")
+    parser.add_argument("--sft-steps", type=int, default=30, help="supervised warm-start steps")
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8, help="responses sampled per prompt")
+    parser.add_argument("--micro-batch-size", type=int, default=16)
+    parser.add_argument("--main-loss-level", choices=("token", "sequence"), default="sequence")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--length", type=int, default=5, help="letters to reverse")
+    parser.add_argument("--alphabet", type=int, default=8)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", default=None, help="directory for console.log and summary.json")
+    args = parser.parse_args(argv)
+    for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "depths"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.sft_steps < 0:
+        parser.error("--sft-steps must be >= 0")
+    return args
+
+
+def progress(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+def build(args, task):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_mtp.library.initialize import initialize_distributed
+    from megatron_mtp.library.model import build_model
+    from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
+
+    initialize_distributed(1, 1, None, args.seed)
+    depths = 0 if args.heads == "none" else args.depths
+    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=4,
+                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                               calculate_per_token_loss=True, mtp_num_layers=depths or None,
+                               mtp_detach_heads=bool(depths), mtp_loss_scaling_factor=0.3)
+    # Cached SDPA: the same modules train (no cache attached to a step) and decode over a KV cache.
+    chunks = build_model(config, task.vocab_size, task.sequence_length, core_attention=CachedSDPACoreAttention)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
+                                                       clip_grad=1.0), chunks)
+    return chunks, optimizer, depths
+
+
+def policy_gradient_loss(per_token_ce, advantages, loss_mask):
+    """A_t * (-log pi(a_t)) per token, normalized by the running step (token or sequence level)."""
+    from megatron.core.fork.step_loss import main_loss
+
+    return main_loss(per_token_ce * advantages, loss_mask)
+
+
+def forward_step(data_iterator, model):
+    """Micro-batch = (tokens [b, s+1], loss_mask [b, s], advantages [b, s])."""
+    tokens, loss_mask, advantages = next(data_iterator)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.size(1)).unsqueeze(0).expand_as(inputs)
+    output = model(inputs, positions, None, labels=labels, loss_mask=loss_mask)
+    return output, partial(policy_gradient_loss, advantages=advantages, loss_mask=loss_mask)
+
+
+def train_step(chunks, optimizer, sequences, advantages, task, args) -> dict:
+    """One exact step over this rank's sequences (prompt + response) and per-sequence advantages."""
+    from megatron.core import parallel_state
+    from megatron.core.fork.split_step import SplitStep
+    from megatron.core.fork.step_loss import step_counts
+
+    tokens = torch.tensor(sequences)
+    loss_mask = torch.zeros(tokens.size(0), tokens.size(1) - 1)
+    loss_mask[:, task.prompt_length - 1:] = 1.0  # the positions that predict response tokens
+    per_token = torch.tensor(advantages, dtype=torch.float32).unsqueeze(1) * loss_mask
+    size = args.micro_batch_size
+    microbatches = [(tokens[i:i + size], loss_mask[i:i + size], per_token[i:i + size])
+                    for i in range(0, tokens.size(0), size)]
+    step = SplitStep(chunks, optimizer, forward_step, seq_length=tokens.size(1) - 1, micro_batch_size=size,
+                     main_loss=args.main_loss_level)
+    counts, routed = step_counts([mask for _, mask, _ in microbatches], group=parallel_state.get_data_parallel_group())
+    step.begin(counts, routed_tokens=routed)
+    step.accumulate(microbatches)
+    return step.finish()
+
+
+def rollouts(runner, prompts, task, args, step: int, first_index: int, stats):
+    """G sampled responses per prompt, drafted by the MTP depths (none: plain sampling)."""
+    from megatron_mtp.serving import speculative
+
+    responses = []
+    for p, prompt in enumerate(prompts):
+        for g in range(args.group_size):
+            key = (step * args.prompts_per_step + first_index + p) * args.group_size + g  # unique per response
+            choose = speculative.GumbelSampler(args.seed, key, args.temperature)
+            responses.append(speculative.speculative(runner, prompt, task.answer_length, stats, choose=choose))
+    return responses
+
+
+def advantages_of(rewards: list[float], group: int) -> list[float]:
+    out = []
+    for i in range(0, len(rewards), group):
+        r = rewards[i:i + group]
+        mean, std = statistics.fmean(r), statistics.pstdev(r)
+        out += [(x - mean) / (std + 1e-6) for x in r]
+    return out
+
+
+def all_sum(values: list[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def digest(model, heads: bool) -> str | None:
+    """sha256 of the backbone's parameters (heads=False) or the MTP block's, in name order; None if none."""
+    found, hasher = False, hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        if name.startswith("mtp.") == heads:
+            found = True
+            hasher.update(name.encode())
+            hasher.update(param.detach().float().contiguous().numpy().tobytes())
+    return hasher.hexdigest() if found else None
+
+
+def console_line(step: int, steps: int, values: dict) -> str:
+    text = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}] iteration {step:8d}/{steps:8d} |"
+    return text + "".join(f" {name}: {value:.6g} |" for name, value in values.items())
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    torch.set_num_threads(1)
+    task = Reversal(args.length, args.alphabet)
+    chunks, optimizer, depths = build(args, task)
+    from megatron.core import parallel_state
+    from megatron_mtp.serving import speculative
+    from megatron_mtp.serving.model import Runner
+
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    if args.prompts_per_step % dp:
+        raise SystemExit(f"{PROG}: error: --prompts-per-step {args.prompts_per_step} must split into {dp} ranks")
+    model = chunks[0].module
+    runner = Runner(model, task.vocab_size)
+    mine = slice(dp_rank * (args.prompts_per_step // dp), (dp_rank + 1) * (args.prompts_per_step // dp))
+    out = Path(args.out) if args.out else None
+    log = None
+    if out is not None and dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        log = open(out / "console.log", "w")
+        # upstream's argument dump format: tools/plot_runs.py counts tokens with it
+        log.write(f"  seq_length ........ {task.sequence_length - 1}\n")
+
+    def emit(line: str) -> None:
+        if dist.get_rank() == 0:
+            print(line, flush=True)
+            if log:
+                log.write(line + "\n")
+                log.flush()
+
+    # Warm start: supervised steps on correct answers (advantage 1: the policy-gradient loss is the CE).
+    for step in range(args.sft_steps):
+        prompts = task.prompts(args.prompts_per_step * args.group_size, args.seed + 1, step)
+        share = len(prompts) // dp
+        batch = [p + task.answer(p) for p in prompts[dp_rank * share:(dp_rank + 1) * share]]
+        metrics = train_step(chunks, optimizer, batch, [1.0] * len(batch), task, args)
+        if (step + 1) % 10 == 0 or step + 1 == args.sft_steps:
+            progress(f"warm-start step {step + 1}/{args.sft_steps}: lm loss {metrics['lm loss']:.4f}")
+    frozen = {name: param.detach().clone() for name, param in model.named_parameters() if name.startswith("mtp.")}
+    heads_after_warm_start = digest(model, heads=True)
+
+    rewards_per_step, started = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        prompts = task.prompts(args.prompts_per_step, args.seed, step)[mine]
+        stats = speculative.Stats(depths=depths)
+        rollout_start = time.perf_counter()
+        responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
+        rollout_seconds = time.perf_counter() - rollout_start
+        expanded = [p for p in prompts for _ in range(args.group_size)]
+        if len(expanded) != len(responses):
+            raise RuntimeError(f"{len(responses)} responses for {len(expanded)} prompt samples")
+        rewards = [task.reward(p, r) for p, r in zip(expanded, responses)]
+        metrics = train_step(chunks, optimizer, [p + r for p, r in zip(expanded, responses)],
+                             advantages_of(rewards, args.group_size), task, args)
+        if args.heads == "frozen":
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name in frozen:
+                        param.copy_(frozen[name])
+        totals = all_sum([sum(rewards), len(rewards), sum(r == 1.0 for r in rewards), stats.drafts,
+                          *stats.accepted_per_position, rollout_seconds])
+        reward, solved, drafts = totals[0] / totals[1], totals[2] / totals[1], totals[3]
+        rewards_per_step.append(reward)
+        values = {"consumed samples": step * args.prompts_per_step * args.group_size, "reward": reward,
+                  "solved": solved}
+        for k in range(1, depths + 1):
+            values[f"mtp_{k} rollout acceptance"] = totals[3 + k] / max(drafts, 1)
+        if depths:
+            values["rollout mean acceptance length (incl. bonus)"] = 1 + sum(totals[4:4 + depths]) / max(drafts, 1)
+        values["policy-gradient loss"] = metrics["lm loss"]  # the step's main loss
+        for k in range(1, depths + 1):
+            values[f"mtp_{k} loss"] = metrics[f"mtp_{k} loss"]
+            values[f"mtp_{k} acceptance"] = metrics[f"mtp_{k} acceptance"]
+        values["grad norm"] = metrics["grad norm"]
+        if "mtp grad norm" in metrics:  # the MTP group's own norm (detached heads)
+            values["mtp grad norm"] = metrics["mtp grad norm"]
+        values["rollout seconds per rank"] = totals[-1] / dp
+        emit(console_line(step, args.steps, values))
+        elapsed = time.perf_counter() - started
+        progress(f"RL step {step}/{args.steps}: reward {reward:.4f}, ETA "
+                 f"{time.strftime('%H:%M:%S', time.gmtime(elapsed / step * (args.steps - step)))}")
+
+    summary = {"heads": args.heads, "depths": depths, "rewards": rewards_per_step,
+               "backbone sha256": digest(model, heads=False), "heads sha256 after warm start": heads_after_warm_start,
+               "heads sha256": digest(model, heads=True), "arguments": vars(args)}
+    if dist.get_rank() == 0 and out is not None:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

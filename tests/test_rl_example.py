@@ -1,0 +1,64 @@
+"""examples/rl/grpo.py, shortened: GRPO with speculative rollouts on 2 CPU ranks (issue 29, C).
+
+Three runs from one seed, as examples/rl/compare.sh runs them: MTP heads trained online, heads
+frozen after the warm start, no heads. The policy's trajectory is the same in all three (every
+step's reward, and the backbone's weights by sha256), so the heads cannot have touched it; the
+online heads change and the frozen ones do not; the drafts were accepted (the rollouts were
+speculative) and every step logged reward and acceptance in the console format that
+tools/plot_runs.py reads. The task's reward is checked by hand.
+"""
+
+import json
+import sys
+
+import pytest
+
+from megatron_mtp.runs import read
+from tests.harness.launcher import REPO_ROOT
+from tests.harness.trainer import train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+SHORT = ("--steps", str(STEPS), "--sft-steps", "20", "--prompts-per-step", "4", "--group-size", "4",
+         "--micro-batch-size", "8", "--length", "3")
+
+
+def test_the_reversal_task_rewards_exactly():
+    sys.path.insert(0, str(REPO_ROOT / "examples" / "rl"))
+    from task import BOS, EOS, EQUALS, Reversal
+
+    task = Reversal(length=3, alphabet=4)
+    prompts = task.prompts(5, seed=1, step=2)
+    assert prompts == task.prompts(5, seed=1, step=2) != task.prompts(5, seed=1, step=3)
+    assert all(p[0] == BOS and p[-1] == EQUALS and len(p) == 5 for p in prompts)
+    assert task.answer([BOS, 3, 4, 6, EQUALS]) == [6, 4, 3, EOS]
+    assert task.reward([BOS, 3, 4, 6, EQUALS], [6, 4, 3, EOS]) == 1.0
+    assert task.reward([BOS, 3, 4, 6, EQUALS], [6, 3, 3, 0]) == 0.5
+    with pytest.raises(ValueError):
+        task.reward([BOS, 3, 4, 6, EQUALS], [6, 4, 3])
+
+
+def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_policy(tmp_path):
+    summaries, runs = {}, {}
+    for heads in ("online", "frozen", "none"):
+        out = tmp_path / heads
+        train(2, "--heads", heads, "--out", str(out), *SHORT, script="examples/rl/grpo.py")
+        summaries[heads] = json.loads((out / "summary.json").read_text())
+        runs[heads] = read(out / "console.log")
+    online, frozen, none = summaries["online"], summaries["frozen"], summaries["none"]
+    assert len(online["rewards"]) == STEPS and 0 < sum(online["rewards"])
+    for other in (frozen, none):
+        assert other["rewards"] == online["rewards"] and other["backbone sha256"] == online["backbone sha256"]
+    assert online["heads sha256"] != online["heads sha256 after warm start"]
+    assert frozen["heads sha256"] == frozen["heads sha256 after warm start"]
+    assert none["heads sha256"] is None
+
+    series = runs["online"].series
+    assert sorted(series["reward"]) == list(range(1, STEPS + 1))
+    assert [series["reward"][step] for step in range(1, STEPS + 1)] == pytest.approx(online["rewards"], abs=1e-5)
+    assert sum(series["mtp_1 rollout acceptance"].values()) > 0  # drafts were accepted
+    assert {"mtp_2 rollout acceptance", "rollout mean acceptance length (incl. bonus)", "mtp_2 acceptance",
+            "mtp_2 loss", "mtp grad norm"} <= set(series)
+    assert "mtp_1 rollout acceptance" not in runs["none"].series
+    assert runs["none"].tokens[STEPS] == STEPS * 4 * 4 * 8  # consumed responses x (prompt + answer - 1)
