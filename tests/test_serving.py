@@ -172,6 +172,7 @@ def test_eval_speculative_on_a_trained_checkpoint_is_lossless(pipeline):
     assert run["status"] == 0, run["stderr"]
     summary = run["results"]
     assert summary["lossless"] and summary["prompts"] == 4
+    assert "prompt 4/4 done (" in run["stderr"] and ", ETA 00:00:00)" in run["stderr"]  # progress on stderr
     per_depth = summary["acceptance per depth (vLLM per-position rate)"]
     assert len(per_depth) == 2 and all(0.0 <= rate <= 1.0 for rate in per_depth)
     assert per_depth[1] <= per_depth[0]  # position 2 is accepted only after position 1

@@ -139,8 +139,9 @@ def main(argv=None) -> int:
             mismatches.append(f"prompt {i}: token {first} is {output[first] if first < len(output) else None} "
                               f"with drafts, {plain[first] if first < len(plain) else None} in plain greedy decoding")
         speculative.teacher_forced(runner, reference if reference is not None else prompt + plain, stats)
-        print(f"{PROG}: prompt {i + 1}/{len(pairs)} done ({time.monotonic() - started:.0f} s)",
-              file=sys.stderr, flush=True)
+        elapsed = time.monotonic() - started
+        eta = time.strftime("%H:%M:%S", time.gmtime(elapsed / (i + 1) * (len(pairs) - i - 1)))
+        print(f"{PROG}: prompt {i + 1}/{len(pairs)} done ({elapsed:.0f} s, ETA {eta})", file=sys.stderr, flush=True)
     summary = stats.summary()
     summary.update({"lossless": not mismatches, "prompts": len(pairs), "new tokens per prompt": args.new_tokens,
                     "depths": use, "checkpoint": str(directory),
