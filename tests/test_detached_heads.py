@@ -12,7 +12,7 @@ first iteration (dropout masks drawn after an MTP forward, and the output layer'
 weights).
 
 Layouts: one rank (default tier); TP = 2, PP = 2 (the MTP depths and an embedding copy on the
-last stage) and DP = 2 (matrix tier).
+last stage), DP = 2 and MoE with EP = 2 (matrix tier).
 """
 
 import pytest
@@ -33,6 +33,12 @@ LAYOUTS = {
     "tp2": (2, ("--tensor-model-parallel-size", "2")),
     "pp2": (2, ("--pipeline-model-parallel-size", "2")),
     "dp2": (2, ()),
+    # MoE layers (the MTP depth's too) with experts split over 2 ranks: the expert-parallel
+    # RNG stream and the expert bias's token counts are the backbone's own as well.
+    "ep2_moe": (2, ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                    "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff",
+                    "1e-2", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                    "--expert-model-parallel-size", "2")),
 }
 
 

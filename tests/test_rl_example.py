@@ -1,6 +1,6 @@
 """examples/rl/grpo.py, shortened: GRPO with speculative rollouts on 2 CPU ranks (issue 29, C).
 
-Three runs from one seed, as examples/rl/compare.sh runs them: MTP heads trained online, heads
+Three runs from one seed, as examples/rl/compare.sh runs them (and a fourth at token level): MTP heads trained online, heads
 frozen after the warm start, no heads. The policy's trajectory is the same in all three (every
 step's reward, and the backbone's weights by sha256), so the heads cannot have touched it; the
 online heads change and the frozen ones do not; the drafts were accepted (the rollouts were
@@ -35,8 +35,10 @@ def test_the_reversal_task_rewards_exactly():
     assert task.answer([BOS, 3, 4, 6, EQUALS]) == [6, 4, 3, EOS]
     assert task.reward([BOS, 3, 4, 6, EQUALS], [6, 4, 3, EOS]) == 1.0
     assert task.reward([BOS, 3, 4, 6, EQUALS], [6, 3, 3, 0]) == 0.5
-    with pytest.raises(ValueError):
-        task.reward([BOS, 3, 4, 6, EQUALS], [6, 4, 3])
+    assert task.reward([BOS, 3, 4, 6, EQUALS], [6, 4, EOS]) == 0.5  # ended early: fewer tokens in place
+    for wrong in ([], [6, 4, 3, EOS, EOS]):
+        with pytest.raises(ValueError):
+            task.reward([BOS, 3, 4, 6, EQUALS], wrong)
 
 
 def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_policy(tmp_path):
@@ -62,3 +64,10 @@ def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_poli
             "mtp_2 loss", "mtp grad norm"} <= set(series)
     assert "mtp_1 rollout acceptance" not in runs["none"].series
     assert runs["none"].tokens[STEPS] == STEPS * 4 * 4 * 8  # consumed responses x (prompt + answer - 1)
+
+    # The policy gradient at token level (GRPO's default here is sequence level): the first
+    # rollouts are the same (same policy), the updates are not.
+    train(2, "--heads", "none", "--main-loss-level", "token", "--out", str(tmp_path / "token"), *SHORT,
+          script="examples/rl/grpo.py")
+    token = json.loads((tmp_path / "token" / "summary.json").read_text())
+    assert token["rewards"][0] == none["rewards"][0] and token["backbone sha256"] != none["backbone sha256"]

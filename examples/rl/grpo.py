@@ -54,7 +54,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from task import Reversal  # noqa: E402
+from task import EOS, Reversal  # noqa: E402
 
 PROG = "grpo.py"
 
@@ -129,14 +129,19 @@ def forward_step(data_iterator, model):
 
 
 def train_step(chunks, optimizer, sequences, advantages, task, args) -> dict:
-    """One exact step over this rank's sequences (prompt + response) and per-sequence advantages."""
+    """One exact step over this rank's sequences (prompt + response, responses of any length up to
+    the answer's, padded) and per-sequence advantages."""
     from megatron.core import parallel_state
     from megatron.core.fork.split_step import SplitStep
     from megatron.core.fork.step_loss import step_counts
 
-    tokens = torch.tensor(sequences)
-    loss_mask = torch.zeros(tokens.size(0), tokens.size(1) - 1)
-    loss_mask[:, task.prompt_length - 1:] = 1.0  # the positions that predict response tokens
+    if len(sequences) != len(advantages):
+        raise ValueError(f"{len(sequences)} sequences, {len(advantages)} advantages")
+    tokens = torch.zeros(len(sequences), task.sequence_length, dtype=torch.long)
+    loss_mask = torch.zeros(len(sequences), task.sequence_length - 1)
+    for row, sequence in enumerate(sequences):
+        tokens[row, :len(sequence)] = torch.tensor(sequence)
+        loss_mask[row, task.prompt_length - 1:len(sequence) - 1] = 1.0  # the positions predicting the response
     per_token = torch.tensor(advantages, dtype=torch.float32).unsqueeze(1) * loss_mask
     size = args.micro_batch_size
     microbatches = [(tokens[i:i + size], loss_mask[i:i + size], per_token[i:i + size])
@@ -158,7 +163,8 @@ def rollouts(runner, prompts, task, args, step: int, first_index: int, stats):
         for g in range(args.group_size):
             key = (step * args.prompts_per_step + first_index + p) * args.group_size + g  # unique per response
             choose = speculative.GumbelSampler(args.seed, key, args.temperature)
-            responses.append(speculative.speculative(runner, prompt, task.answer_length, stats, choose=choose))
+            responses.append(speculative.speculative(runner, prompt, task.answer_length, stats, choose=choose,
+                                                     stop=EOS))
     return responses
 
 

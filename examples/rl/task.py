@@ -1,9 +1,10 @@
 """A verifiable task for the RL example: reverse a string, rewarded exactly.
 
 A prompt is BOS, L letters of an alphabet of A, then "="; the answer is the letters reversed,
-then EOS (L + 1 tokens). The reward of a response is the fraction of its L + 1 tokens that
-equal the answer's at the same place: a rational number computed exactly from the tokens, so
-two runs that sample the same tokens receive the same rewards.
+then EOS (L + 1 tokens). A response ends at its first EOS (or after L + 1 tokens), so
+responses differ in length. Its reward is the fraction of the answer's L + 1 tokens that the
+response has at the same place: a rational number computed exactly from the tokens, so two
+runs that sample the same tokens receive the same rewards.
 """
 
 import torch
@@ -33,7 +34,7 @@ class Reversal:
 
     def reward(self, prompt: list[int], response: list[int]) -> float:
         answer = self.answer(prompt)
-        if len(response) != len(answer):
+        if not 1 <= len(response) <= len(answer):
             raise ValueError(f"a response of {len(response)} tokens; the answer has {len(answer)}")
         return sum(r == a for r, a in zip(response, answer)) / len(answer)
 

@@ -95,11 +95,12 @@ class GumbelSampler:
         return [int((row + self.noise(first_position + i, row.numel())).argmax()) for i, row in enumerate(rows)]
 
 
-def greedy(runner, prompt: list[int], new_tokens: int, choose=greedy_choice) -> list[int]:
-    """Plain decoding: one forward of one new token per token (the lossless reference)."""
+def greedy(runner, prompt: list[int], new_tokens: int, choose=greedy_choice, stop: int | None = None) -> list[int]:
+    """Plain decoding: one forward of one new token per token (the lossless reference); it ends
+    after `new_tokens` tokens, or with the first `stop` token."""
     _, logits = runner.main(torch.tensor([prompt]))
     seq = list(prompt) + choose(logits[0, -1:], len(prompt))
-    while len(seq) - len(prompt) < new_tokens:
+    while len(seq) - len(prompt) < new_tokens and seq[-1] != stop:
         _, logits = runner.main(torch.tensor([seq[-1:]]), start=len(seq) - 1)
         seq += choose(logits[0, -1:], len(seq))
     return seq[len(prompt):]
@@ -142,8 +143,10 @@ class Drafter:
 
 
 def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None,
-                choose=greedy_choice) -> list[int]:
-    """Decoding with MTP drafts; returns exactly `new_tokens` tokens, those of `greedy(..., choose)`."""
+                choose=greedy_choice, stop: int | None = None) -> list[int]:
+    """Decoding with MTP drafts; returns the tokens of `greedy(..., choose, stop)`: `new_tokens`
+    of them, or fewer ending with the first `stop` token (what a verify step accepted after it
+    is dropped, and not counted)."""
     depths = runner.depths if depths is None else depths
     drafter = Drafter(runner, depths, choose)
     # prefill: the first token is the main head's, then the first drafts
@@ -151,6 +154,8 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
     stats.forwards += 1
     seq = list(prompt) + choose(logits[0, -1:], len(prompt))
     stats.generated += 1
+    if seq[-1] == stop:
+        return seq[len(prompt):]
     drafter.accept(hidden)
     drafts = drafter.draft(seq) if depths else []
     while len(seq) - len(prompt) < new_tokens:
@@ -160,13 +165,18 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
         stats.drafts += 1 if drafts else 0
         chosen = choose(logits[0], base + 1)  # the main head's token at each position after base
         accepted = 0
-        for j, token in enumerate(drafts):
-            if token != chosen[j]:
-                break
+        while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
             accepted += 1
+        emitted = drafts[:accepted] + [chosen[accepted]]
+        if stop in emitted:  # the sequence ends there
+            emitted = emitted[: emitted.index(stop) + 1]
+            accepted = min(accepted, len(emitted))
+        for j in range(accepted):
             stats.accepted_per_position[j] += 1
-        seq += drafts[:accepted] + [chosen[accepted]]
-        stats.generated += accepted + 1
+        seq += emitted
+        stats.generated += len(emitted)
+        if seq[-1] == stop:
+            break
         drafter.accept(hidden[: accepted + 1])  # h^0 of the accepted prefix (positions before the bonus)
         if depths:
             drafts = drafter.draft(seq)
