@@ -14,11 +14,16 @@ TP=${TP:-1}
 PP=${PP:-1}
 source "$CONFIG"
 read -r -a DATA_PATH <<< "$DATA"
+# Grouped-query attention, unless the config's attention is multi-latent (they exclude each other).
+ATTENTION_ARGS=(--group-query-attention --num-query-groups 4)
+if [[ " ${MTP_ARGS[*]} " == *" --multi-latent-attention "* ]]; then
+    ATTENTION_ARGS=()
+fi
 
 TRAIN_ARGS=(
     --transformer-impl transformer_engine --bf16
     --num-layers 24 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
-    --group-query-attention --num-query-groups 4 --swiglu --normalization RMSNorm --disable-bias-linear
+    "${ATTENTION_ARGS[@]}" --swiglu --normalization RMSNorm --disable-bias-linear
     --untie-embeddings-and-output-weights --position-embedding-type rope
     --seq-length 4096 --max-position-embeddings 4096
     --micro-batch-size 1 --global-batch-size "${GLOBAL_BATCH_SIZE:-256}"

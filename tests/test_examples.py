@@ -76,6 +76,16 @@ def test_cpu_quickstart_then_draft_heads_on_its_backbone(tmp_path):
     assert "mtp_2 loss" in frozen[4]
 
 
+# the default tier: Qwen3-Next's (DeepSeek-V3's MLA + MoE: test_architectures' reference and build checks)
+@pytest.mark.parametrize("config", [pytest.param("deepseek_v3_tiny", marks=pytest.mark.matrix), "qwen3_next_tiny"])
+def test_cpu_quickstart_with_the_architectures_of_mtp_models(config, tmp_path):
+    """DeepSeek-V3 (MLA + MoE behind a dense layer + MTP) and Qwen3-Next (Gated DeltaNet, gated
+    attention, MoE + MTP, as a HybridModel) train on CPU from their example configs."""
+    iterations = quickstart(config, tmp_path / config, "--num-layers", "4")  # DeepSeek's dense first of four
+    assert "mtp_1 loss" in iterations[4], iterations[4]
+    assert any(name.endswith("load_balancing_loss") and value > 0 for name, value in iterations[4].items())
+
+
 @pytest.mark.matrix
 def test_cpu_quickstart_with_a_repeated_layer(tmp_path):
     repeated = quickstart("repeated_d3", tmp_path / "repeated")
@@ -95,13 +105,17 @@ def dataset(tmp_path_factory):
                  {"NNODES": "1", "MASTER_ADDR": "127.0.0.1"}, marks=pytest.mark.matrix),
     pytest.param("examples/gpu_single_node.sh", "deepseek_v3_d1", {}, marks=pytest.mark.matrix),
     pytest.param("examples/gpu_single_node.sh", "repeated_d3", {"TP": "2"}, marks=pytest.mark.matrix),
+    # the architectures' configs (issue 27): MLA without the script's GQA; the hybrid pattern's own layers
+    pytest.param("examples/gpu_single_node.sh", "deepseek_v3_tiny", {}, marks=pytest.mark.matrix),
+    pytest.param("examples/gpu_single_node.sh", "qwen3_next_tiny", {}, marks=pytest.mark.matrix),
 ])
 def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, tmp_path):
     output = bash(script, "--dry-run", env={"DATA": str(dataset), "SAVE": str(tmp_path / "run"), "GPUS_PER_NODE": "2",
                                             "CONFIG": f"examples/configs/{config}.sh",
                                             "MASTER_PORT": str(free_port()), **extra})
     (summary,) = [line.split("]:", 1)[-1] for line in output.splitlines() if "arguments OK" in line]
-    assert "transformer_engine layers, bf16" in summary and "24 layers, hidden 2048" in summary, summary
+    layers = "HybridModel 'GEGEGE*E/*E', 8 layers" if config == "qwen3_next_tiny" else "24 layers"
+    assert "transformer_engine layers, bf16" in summary and f"{layers}, hidden 2048" in summary, summary
     assert f"TP {extra.get('TP', '1')}" in summary
     if "EP" in extra:
         assert f"64 experts (top-6, grouped GEMM), EP {extra['EP']}" in summary, summary
