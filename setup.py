@@ -29,7 +29,7 @@ setup(
         # --tensorboard-dir and --wandb-project of pretrain_gpt_mtp.py
         "logging": ["tensorboard>=2.16", "wandb>=0.17"],
         # tools/plot_runs.py (figures of runs) and the experiments that draw them
-        "plot": ["matplotlib>=3.8"],
+        "plot": ["matplotlib>=3.8", "tensorboard>=2.16"],
         # tools/convert_checkpoint.py and tools/eval_speculative.py (Hugging Face checkpoints); the trainer
         # does not need them
         "serve": ["transformers>=5", "safetensors>=0.4"],

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ITERATION = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|(.*)$")
-VALIDATION = re.compile(r"validation.* loss at iteration (\d+) \|(.*)$")
+# The end-of-run evaluation prints "... at iteration N on validation set |"; read last, it wins
+# at N, as its TensorBoard values (written after the in-loop ones at the same step) do.
+VALIDATION = re.compile(r"validation.* loss at iteration (\d+)(?: on \w+ set)? \|(.*)$")
 SEQ_LENGTH = re.compile(r"^(?:\[default\d+\]:)?\s+seq_length \.+ (\d+)\s*$", re.MULTILINE)
 # The trainer's console and TensorBoard name (megatron.core.fork.trainer.metrics.EXPECTED_LENGTH,
 # not imported: reading a run needs neither torch nor megatron).
@@ -82,16 +84,23 @@ def parse_console(output: str) -> tuple[dict, dict]:
 
 
 def tensorboard_scalars(logdir: Path) -> dict:
-    """{tag: {step: value}} of every scalar in a TensorBoard log directory (its subdirectories too)."""
-    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
-
+    """{tag: {step: value}} of every scalar of the one run in a TensorBoard log directory (its event
+    files there, or in one subdirectory); a directory of several runs is refused."""
+    try:
+        from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    except ImportError:
+        raise RunError("reading TensorBoard events needs the tensorboard package (the plot extra)") from None
     multiplexer = EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     multiplexer.AddRunsFromDirectory(str(logdir))
     multiplexer.Reload()
+    runs = {run: tags for run, tags in multiplexer.Runs().items() if tags["scalars"]}
+    if len(runs) > 1:
+        raise RunError(f"{logdir}: holds the events of {len(runs)} runs ({', '.join(sorted(runs))}): give each "
+                       f"run's own directory")
     scalars = {}
-    for run, tags in multiplexer.Runs().items():
+    for run, tags in runs.items():
         for tag in tags["scalars"]:
-            scalars.setdefault(tag, {}).update({event.step: event.value for event in multiplexer.Scalars(run, tag)})
+            scalars[tag] = {event.step: event.value for event in multiplexer.Scalars(run, tag)}
     return scalars
 
 
@@ -111,7 +120,10 @@ def _tensorboard_text(logdir: Path, tag: str) -> str | None:
 
 
 def _from_console(path: Path, name: str) -> Run:
-    text = path.read_text(errors="replace")
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as error:
+        raise RunError(f"{path}: {error.strerror or error}") from None
     iterations, validations = parse_console(text)
     if not iterations:
         raise RunError(f"{path}: no iteration lines of pretrain_gpt_mtp.py in this log")
@@ -144,15 +156,36 @@ def _from_tensorboard(path: Path, name: str) -> Run:
     # samples in the same call: the two step lists pair up in order.
     steps, samples = sorted(scalars.get("batch-size", {})), sorted(scalars.get("batch-size vs samples", {}))
     seq_length = _tensorboard_text(path, "seq_length")
-    if seq_length and len(steps) == len(samples):
-        run.tokens = {step: sample * int(seq_length) for step, sample in zip(steps, samples)}
+    if seq_length is not None and not seq_length.isdigit():
+        raise RunError(f"{path}: its seq_length text summary is {seq_length!r}, not a number")
+    if seq_length and len(steps) == len(samples) and steps:
+        known = {step: sample * int(seq_length) for step, sample in zip(steps, samples)}
+        run.tokens = _between(known, run.iterations())
     return run
+
+
+def _between(known: dict, steps: list) -> dict:
+    """Tokens at every logged step inside the known ones (TensorBoard writes them every
+    --tensorboard-log-interval, the MTP metrics every --log-interval): linear between the two
+    known neighbours, exact while the batch size is constant between them."""
+    points = sorted(known)
+    tokens = {}
+    for step in steps:
+        if step in known:
+            tokens[step] = known[step]
+        elif points[0] < step < points[-1]:
+            after = next(p for p in points if p > step)
+            before = max(p for p in points if p < step)
+            tokens[step] = known[before] + (known[after] - known[before]) * (step - before) / (after - before)
+    return tokens
 
 
 def read(path: str | Path, name: str | None = None) -> Run:
     """A run from its console log file or its TensorBoard directory; refused in one line otherwise."""
     path = Path(path)
-    name = name or (path.stem if path.is_file() else path.name)
+    # a trainer's --tensorboard-dir is often RUN/tensorboard: the run's name is RUN
+    name = name or (path.stem if path.is_file() else path.resolve().parent.name if path.name == "tensorboard"
+                    else path.name)
     if path.is_file():
         return _from_console(path, name)
     if path.is_dir():

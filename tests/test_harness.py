@@ -14,7 +14,7 @@ import pytest
 
 from tests.harness import DistributedTestFailure, launch
 from tests.harness.launcher import REPO_ROOT
-from tests.harness.trainer import finish, kill_group, start, torchrun_workers, train
+from tests.harness.trainer import finish, kill_group, launch_processes, start, torchrun_workers, train
 
 
 def alive(pid: int) -> bool:
@@ -103,9 +103,7 @@ def test_killing_torchrun_s_process_group_leaves_no_worker(tmp_path):
         assert len(workers) == 2 and all(alive(pid) for pid in workers)
         # forked by the zygote: not torchrun's descendants
         assert not set(workers) & {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        assert set(workers) <= {process.pid for process in launch_processes(proc)}  # found by the launch's tag
     finally:
-        kill_group(proc)  # what the harness does on a timeout: the zygote's children go too
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        kill_group(proc)  # what the harness does on a timeout: it returns when the zygote's children are gone
     assert not any(alive(pid) for pid in workers)

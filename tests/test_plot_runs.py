@@ -34,6 +34,8 @@ lm loss: 3.000000E+00 | mtp_1 loss: 3.500000E+00 | mtp_1 acceptance: 0.3000 | mt
 {EXPECTED_LENGTH_NAME}: 1.4000 | mtp grad norm: 0.250 | grad norm: 1.000 | number of skipped iterations:   0 |
 [default1]: validation loss at iteration 4 | lm loss value: 3.100000E+00 | lm loss PPL: 2.219795E+01 | \
 mtp_1 loss: 3.700000E+00 | mtp_1 acceptance: 0.2500 |
+[default1]: validation loss at iteration 4 on validation set | lm loss value: 3.050000E+00 | lm loss PPL: \
+2.111700E+01 | mtp_1 loss: 3.650000E+00 | mtp_1 acceptance: 0.2600 |
 """
 
 
@@ -79,12 +81,15 @@ def test_a_console_log_reads_back_under_its_own_names(console):
     assert run.series[EXPECTED_LENGTH_NAME] == {1: 1.12, 4: 1.4}
     assert run.series["mtp grad norm"] == {1: 0.5, 4: 0.25}
     assert run.series["learning rate"] == {1: 1e-3, 4: 5e-4}
-    assert run.series["lm loss validation"] == {4: 3.1} and run.series["mtp_1 acceptance validation"] == {4: 0.25}
+    # the end-of-run evaluation at iteration 4 wins, as its TensorBoard values (written last) do
+    assert run.series["lm loss validation"] == {4: 3.05} and run.series["mtp_1 acceptance validation"] == {4: 0.26}
     assert run.tokens == {1: 4 * SEQ, 4: 28 * SEQ}
 
 
 def test_tensorboard_events_read_back_under_the_console_names(tensorboard):
-    run = read(tensorboard, "no MTP")
+    named = tensorboard.rename(tensorboard.parent / "tensorboard")
+    assert read(named).name == tensorboard.parent.name  # RUN/tensorboard is named RUN
+    run = read(named, "no MTP")
     assert run.name == "no MTP" and run.depths() == 0
     assert run.series["lm loss"] == {1: 4.25, 4: 3.25}
     assert run.series["grad norm"] == {1: 2.0, 4: 2.0} and "grad-norm" not in run.series
@@ -103,7 +108,7 @@ def test_the_tool_overlays_both_kinds_of_run_and_tables_their_last_values(consol
     table = result.stdout.strip().splitlines()
     assert table[0].startswith("| run | iteration | lm loss | lm loss validation | mtp_1 loss | mtp_2 loss |")
     assert table[2] == "| no MTP | 4 | 3.2500 | 3.5000 | - | - | - | - | - | 2.0000 | 500.0 |"
-    assert table[3] == "| attached | 4 | 3.0000 | 3.1000 | 3.5000 | 3.6000 | 0.3000 | 0.2000 | 1.4000 | 1.0000 | 500.0 |"
+    assert table[3] == "| attached | 4 | 3.0000 | 3.0500 | 3.5000 | 3.6000 | 0.3000 | 0.2000 | 1.4000 | 1.0000 | 500.0 |"
     text = svg.read_text()
     assert text.startswith("<?xml") and "attached mtp_2" in text and "no MTP" in text
     again = tmp_path / "again.svg"
@@ -113,8 +118,9 @@ def test_the_tool_overlays_both_kinds_of_run_and_tables_their_last_values(consol
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("case", ["missing", "no events", "no iterations", "extension", "tokens unknown"])
-def test_bad_runs_are_refused_in_one_line(case, console, tmp_path):
+@pytest.mark.parametrize("case", ["missing", "no events", "no iterations", "extension", "tokens unknown",
+                                  "two runs in one directory", "one name twice", "no output directory"])
+def test_bad_runs_are_refused_in_one_line(case, console, tensorboard, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     other = tmp_path / "other.log"
@@ -128,12 +134,21 @@ def test_bad_runs_are_refused_in_one_line(case, console, tmp_path):
         "extension": ((str(console), "-o", str(tmp_path / "a.txt")), "give a .png, .svg or .pdf file"),
         "tokens unknown": ((str(no_arguments), "-o", str(tmp_path / "a.png"), "--x", "tokens"),
                            "no consumed samples or sequence length in no_arguments"),
+        "two runs in one directory": ((str(tmp_path), "-o", str(tmp_path / "a.png")), "holds the events of 2 runs"),
+        "one name twice": ((f"x={console}", f"x={tensorboard}", "-o", str(tmp_path / "a.png")),
+                           "two runs are named 'x'"),
+        "no output directory": ((str(console), "-o", str(tmp_path / "nowhere" / "a.png")), "no directory"),
     }[case]
+    if case == "two runs in one directory":  # a second run beside the fixture's no_mtp/
+        import shutil
+
+        shutil.copytree(tensorboard, tmp_path / "another")
     result = plot(*args)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("plot_runs.py: error: ") and expected in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if ": read run " not in line]  # progress before it
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("plot_runs.py: error: ") and expected in lines[0], result.stderr
     assert not list(tmp_path.glob("a.*"))
-    if case in ("missing", "no events", "no iterations"):
+    if case in ("missing", "no events", "no iterations", "two runs in one directory"):
         with pytest.raises(RunError, match=expected):
             read(args[0])
 

@@ -50,8 +50,10 @@ def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_poli
         runs[heads] = read(out / "console.log")
     online, frozen, none = summaries["online"], summaries["frozen"], summaries["none"]
     assert len(online["rewards"]) == STEPS and 0 < sum(online["rewards"])
-    for other in (frozen, none):
+    for heads, other in (("frozen", frozen), ("none", none)):
         assert other["rewards"] == online["rewards"] and other["backbone sha256"] == online["backbone sha256"]
+        for series in ("policy-gradient loss", "grad norm"):  # as logged (6 significant digits)
+            assert runs[heads].series[series] == runs["online"].series[series], (heads, series)
     assert online["heads sha256"] != online["heads sha256 after warm start"]
     assert frozen["heads sha256"] == frozen["heads sha256 after warm start"]
     assert none["heads sha256"] is None

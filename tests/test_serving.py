@@ -152,18 +152,19 @@ class ScriptedRunner:
 def test_the_acceptance_counters_on_a_hand_computed_case():
     """D = 2, depth 1 always right (x + 1), depth 2 always wrong (x + 2 where x + 1 is due), 10 new
     tokens after the prompt [0]: the prefill emits 1; every verify step accepts d_1, rejects d_2 and
-    adds the bonus (2 tokens), so 5 verify steps emit 1 + 10 = 11 tokens in 6 target forwards:
+    adds the bonus (2 tokens), so 4 verify steps bring 9 tokens and the fifth the 10th (its d_1; the
+    bonus beyond the 10 asked for is neither emitted nor counted): 10 tokens in 6 target forwards,
     acceptance per position [5/5, 0/5], draft acceptance 5 / 10, mean acceptance length 1 + 5/5 = 2,
-    6/11 target forwards per generated token."""
+    6/10 target forwards per generated token."""
     stats = speculative.Stats(depths=2)
     output = speculative.speculative(ScriptedRunner([lambda x: x + 1, lambda x: x + 2]), [0], 10, stats)
     assert output == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
-    assert (stats.drafts, stats.accepted_per_position, stats.forwards, stats.generated) == (5, [5, 0], 6, 11)
+    assert (stats.drafts, stats.accepted_per_position, stats.forwards, stats.generated) == (5, [5, 0], 6, 10)
     summary = stats.summary()
     assert summary["acceptance per depth (vLLM per-position rate)"] == [1.0, 0.0]
     assert summary["draft acceptance rate"] == 0.5
     assert summary["mean acceptance length incl. bonus"] == 2.0
-    assert summary["target forwards per generated token"] == 6 / 11
+    assert summary["target forwards per generated token"] == 6 / 10
 
 
 def test_eval_speculative_on_a_trained_checkpoint_is_lossless(pipeline):

@@ -152,6 +152,8 @@ def main(argv=None) -> int:
     args = parse(argv if argv is not None else sys.argv[1:])
     if not re.search(r"\.(png|svg|pdf)$", args.output):
         return fail(f"--output {args.output}: give a .png, .svg or .pdf file")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        return fail(f"--output {args.output}: no directory {os.path.dirname(os.path.abspath(args.output))}")
 
     runs = []
     try:
@@ -163,6 +165,8 @@ def main(argv=None) -> int:
             if args.x == "tokens" and not run.tokens:
                 raise RunError(f"--x tokens: no consumed samples or sequence length in {run.name} (a console log "
                                f"needs upstream's argument dump; TensorBoard events the arguments' text summaries)")
+            if any(other.name == run.name for other in runs):
+                raise RunError(f"two runs are named {run.name!r}: name them, NAME=PATH")
             runs.append(run)
             print(f"{PROG}: read run {index}/{len(args.runs)}: {run.name} "
                   f"({len(run.iterations())} logged iterations)", file=sys.stderr, flush=True)

@@ -70,7 +70,6 @@ def parse(argv=None):
     parser.add_argument("--group-size", type=int, default=8, help="responses sampled per prompt")
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--main-loss-level", choices=("token", "sequence"), default="sequence")
-    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--length", type=int, default=5, help="letters to reverse")
     parser.add_argument("--alphabet", type=int, default=8)
@@ -108,7 +107,7 @@ def build(args, task):
     # Cached SDPA: the same modules train (no cache attached to a step) and decode over a KV cache.
     chunks = build_model(config, task.vocab_size, task.sequence_length, core_attention=CachedSDPACoreAttention)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
-                                                       clip_grad=1.0), chunks)
+                                                       clip_grad=1.0), chunks)  # fp32, not distributed: see --heads frozen
     return chunks, optimizer, depths
 
 
@@ -162,7 +161,8 @@ def rollouts(runner, prompts, task, args, step: int, first_index: int, stats):
     for p, prompt in enumerate(prompts):
         for g in range(args.group_size):
             key = (step * args.prompts_per_step + first_index + p) * args.group_size + g  # unique per response
-            choose = speculative.GumbelSampler(args.seed, key, args.temperature)
+            # temperature 1: the policy gradient's log pi is the model's own softmax (ratio 1)
+            choose = speculative.GumbelSampler(args.seed, key)
             responses.append(speculative.speculative(runner, prompt, task.answer_length, stats, choose=choose,
                                                      stop=EOS))
     return responses
@@ -255,6 +255,8 @@ def main(argv=None) -> int:
         metrics = train_step(chunks, optimizer, [p + r for p, r in zip(expanded, responses)],
                              advantages_of(rewards, args.group_size), task, args)
         if args.heads == "frozen":
+            # The optimizer steps these fp32 parameters themselves (no distributed optimizer, no
+            # bf16 main copies), so restoring them here is what the next step starts from.
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     if name in frozen:

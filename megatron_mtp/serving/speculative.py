@@ -92,12 +92,15 @@ class GumbelSampler:
 
     def __call__(self, logits: torch.Tensor, first_position: int) -> list[int]:
         rows = logits.double() / self.temperature
-        return [int((row + self.noise(first_position + i, row.numel())).argmax()) for i, row in enumerate(rows)]
+        return [int((row + self.noise(first_position + i, row.numel()).to(row.device)).argmax())
+                for i, row in enumerate(rows)]
 
 
 def greedy(runner, prompt: list[int], new_tokens: int, choose=greedy_choice, stop: int | None = None) -> list[int]:
     """Plain decoding: one forward of one new token per token (the lossless reference); it ends
     after `new_tokens` tokens, or with the first `stop` token."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens {new_tokens} must be >= 1")
     _, logits = runner.main(torch.tensor([prompt]))
     seq = list(prompt) + choose(logits[0, -1:], len(prompt))
     while len(seq) - len(prompt) < new_tokens and seq[-1] != stop:
@@ -145,8 +148,11 @@ class Drafter:
 def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None,
                 choose=greedy_choice, stop: int | None = None) -> list[int]:
     """Decoding with MTP drafts; returns the tokens of `greedy(..., choose, stop)`: `new_tokens`
-    of them, or fewer ending with the first `stop` token (what a verify step accepted after it
-    is dropped, and not counted)."""
+    of them, or fewer ending with the first `stop` token. A verify step's tokens after a stop
+    token or beyond `new_tokens` are dropped: `generated` counts what is returned, the acceptance
+    counters the verifier's verdict on every draft it checked (vLLM's counting)."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens {new_tokens} must be >= 1")
     depths = runner.depths if depths is None else depths
     drafter = Drafter(runner, depths, choose)
     # prefill: the first token is the main head's, then the first drafts
@@ -154,7 +160,7 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
     stats.forwards += 1
     seq = list(prompt) + choose(logits[0, -1:], len(prompt))
     stats.generated += 1
-    if seq[-1] == stop:
+    if seq[-1] == stop or new_tokens == 1:
         return seq[len(prompt):]
     drafter.accept(hidden)
     drafts = drafter.draft(seq) if depths else []
@@ -167,20 +173,20 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
             accepted += 1
+        for j in range(accepted):  # the verifier's verdict on each draft, as vLLM counts it
+            stats.accepted_per_position[j] += 1
         emitted = drafts[:accepted] + [chosen[accepted]]
+        emitted = emitted[: new_tokens - (len(seq) - len(prompt))]  # the last step: what is asked for
         if stop in emitted:  # the sequence ends there
             emitted = emitted[: emitted.index(stop) + 1]
-            accepted = min(accepted, len(emitted))
-        for j in range(accepted):
-            stats.accepted_per_position[j] += 1
         seq += emitted
         stats.generated += len(emitted)
-        if seq[-1] == stop:
+        if seq[-1] == stop or len(seq) - len(prompt) == new_tokens:  # done: nothing more to draft
             break
         drafter.accept(hidden[: accepted + 1])  # h^0 of the accepted prefix (positions before the bonus)
         if depths:
             drafts = drafter.draft(seq)
-    return seq[len(prompt): len(prompt) + new_tokens]
+    return seq[len(prompt):]
 
 
 def teacher_forced(runner, text: list[int], stats: Stats) -> None:

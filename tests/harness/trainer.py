@@ -32,7 +32,7 @@ from tests.harness.launcher import REPO_ROOT, free_port
 TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0")
-LAUNCH_TAG = "MEGATRON_MTP_TEST_LAUNCH"  # in every process of one launch: what kill_group kills
+LAUNCH_TAG = zygotes.LAUNCH_TAG
 _LAUNCHES = itertools.count()
 ERROR = re.compile(r"^(?:\[default\d+\]:)?(pretrain_gpt_mtp\.py: error: .*)$", re.MULTILINE)
 
@@ -119,18 +119,26 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float) -> Run:
 
 
 def launch_processes(proc: subprocess.Popen) -> list:
-    """Every live process of a launch (torchrun, its workers, and what a zygote forked for them):
-    those whose environment carries the launch's tag."""
+    """Every live process of a launch: those started with the launch's tag in their environment
+    (torchrun or its client, the workers or their clients), the children a zygote forked for the
+    launch (torchrun, the workers: the zygote knows their tags), and their descendants."""
     import psutil
 
-    found = []
+    found = {}
     for process in psutil.process_iter():
         try:
             if process.environ().get(LAUNCH_TAG) == proc.launch_tag:
-                found.append(process)
+                found[process.pid] = process
         except (psutil.Error, OSError):
             pass
-    return found
+    for pid in zygotes.launch_children(proc.launch_tag):
+        try:
+            process = psutil.Process(pid)
+            found[pid] = process
+            found.update((child.pid, child) for child in process.children(recursive=True))
+        except psutil.Error:
+            pass
+    return list(found.values())
 
 
 def torchrun_workers(proc: subprocess.Popen, script: str = "pretrain_gpt_mtp.py") -> list:
@@ -150,9 +158,10 @@ def torchrun_workers(proc: subprocess.Popen, script: str = "pretrain_gpt_mtp.py"
 
 
 def kill_group(proc: subprocess.Popen, timeout: float = 30) -> None:
-    """Kill every process group of a launch: torchrun's and each worker's (torchrun starts each
-    worker in a session of its own, and a zygote forks its children in sessions of their own,
-    which a signal to torchrun's group does not reach); return when none is left."""
+    """Kill every process group of a launch (launch_processes): torchrun's and each worker's
+    (torchrun starts each worker in a session of its own, and a zygote forks its children in
+    sessions of their own, which a signal to torchrun's group does not reach); return when no
+    process of the launch is left."""
     import time
 
     deadline = time.monotonic() + timeout

@@ -42,6 +42,9 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.paralle
            "megatron_mtp.library.model", "megatron_mtp.library.step", "megatron_mtp.library.checkpointing",
            "megatron_mtp.library.initialize", "tests.harness.worker")
 
+# In every process of one trainer launch (tests.harness.trainer): what kill_group kills.
+LAUNCH_TAG = "MEGATRON_MTP_TEST_LAUNCH"
+
 # What a scheduler or torchrun sends a worker; the client passes each on to its child.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                      signal.SIGUSR2, signal.SIGCONT)
@@ -150,6 +153,27 @@ class Zygote:
         except ProcessLookupError:
             pass
         self.process.wait()
+
+
+def launch_children(tag: str) -> list[int]:
+    """The live children every started zygote forked for a launch (LAUNCH_TAG in their request's
+    environment): a forked process's /proc environment is the zygote's, so it shows no tag."""
+    pids = []
+    for zygote in _zygotes.values():
+        if zygote is None:
+            continue
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(zygote.socket_path)
+            payload = json.dumps({"kind": "launch", "argv": [tag], "env": {}, "cwd": "/"}).encode()
+            socket.send_fds(sock, [struct.pack("!Q", len(payload))], [])
+            sock.sendall(payload)
+            pids += _read_reply(sock)["pids"]
+        except (OSError, ConnectionError, ValueError, KeyError):
+            pass  # a zygote that has gone has killed its children
+        finally:
+            sock.close()
+    return pids
 
 
 _zygotes: dict = {}
@@ -310,6 +334,7 @@ def serve(socket_path: str) -> None:
     selector.register(wake_read, selectors.EVENT_READ, "child exited")
     selector.register(sys.stdin, selectors.EVENT_READ, "test process")
     children = {}  # pid -> the connection that asked for it
+    tags = {}  # pid -> the launch tag in its environment (none for a launcher rank)
     print(json.dumps({"ready": True}), flush=True)
 
     def kill(pid):
@@ -336,6 +361,11 @@ def serve(socket_path: str) -> None:
                 except (ConnectionError, ValueError, OSError):
                     conn.close()
                     continue
+                if request["kind"] == "launch":  # which children a launch (its tag) has now
+                    pids = [pid for pid, tag in tags.items() if tag == request["argv"][0]]
+                    conn.sendall(json.dumps({"pids": pids}).encode() + b"\n")
+                    conn.close()
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
@@ -351,6 +381,7 @@ def serve(socket_path: str) -> None:
                 for fd in fds:
                     os.close(fd)
                 children[pid] = conn
+                tags[pid] = request["env"].get(LAUNCH_TAG)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 selector.register(conn, selectors.EVENT_READ, pid)
             elif key.data == "child exited":
@@ -363,6 +394,7 @@ def serve(socket_path: str) -> None:
                     if pid == 0:
                         break
                     conn = children.pop(pid, None)
+                    tags.pop(pid, None)
                     if conn is not None:
                         if conn.fileno() in selector.get_map():
                             selector.unregister(conn)

@@ -24,7 +24,7 @@ def speculative(runner, prompt: list[int], new_tokens: int, depths: int) -> tupl
     """(the output, the drafts proposed at every step)."""
     hidden, logits = runner.main(torch.tensor([prompt]), start=0)
     seq = list(prompt) + [int(logits[0, -1].argmax())]
-    proposed = [draft(runner, hidden, seq, depths)]
+    proposed = [draft(runner, hidden, seq, depths)] if new_tokens > 1 else []
     while len(seq) - len(prompt) < new_tokens:
         drafts = proposed[-1]
         hidden, logits = runner.main(torch.tensor([seq + drafts]), start=0)
@@ -33,7 +33,8 @@ def speculative(runner, prompt: list[int], new_tokens: int, depths: int) -> tupl
         while accepted < len(drafts) and drafts[accepted] == greedy[base + accepted]:
             accepted += 1
         seq += drafts[:accepted] + [greedy[base + accepted]]
-        proposed.append(draft(runner, hidden[: len(seq) - 1], seq, depths))
+        if len(seq) - len(prompt) < new_tokens:  # drafts only for a step that will verify them
+            proposed.append(draft(runner, hidden[: len(seq) - 1], seq, depths))
     return seq[len(prompt): len(prompt) + new_tokens], proposed
 
 
