@@ -127,6 +127,11 @@ def _reference_architectures() -> dict:
         "qk_layernorm": (Architecture(qk_norm=True), dict(qk_layernorm=True)),
         "qk_rmsnorm": (Architecture("RMSNorm", qk_norm=True), dict(qk_layernorm=True, normalization="RMSNorm")),
         "mla_rope": (Architecture("RMSNorm", latent=Latent(*sizes)), dict(latent, rope_type="rope", normalization="RMSNorm")),
+        # Qwen3-Next's full-attention layer: q/k RMSNorm, an output gate, RoPE on half of each head
+        "gated_partial_rotary": (
+            Architecture("RMSNorm", qk_norm=True, output_gate=True, rotary_percent=0.5),
+            dict(qk_layernorm=True, normalization="RMSNorm", attention_output_gate=True,
+                 model_options=dict(rotary_percent=0.5))),
         "mla_yarn_qk_rmsnorm": (
             Architecture("RMSNorm", qk_norm=True, latent=Latent(*sizes, yarn=(4.0, 4096, 32, 1, 1.0, 0.5))),
             dict(latent, **yarn, qk_layernorm=True, normalization="RMSNorm")),

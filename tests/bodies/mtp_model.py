@@ -138,11 +138,12 @@ def max_rel(a, b) -> float:
     return error if error == error else float("inf")
 
 
-def against_reference(config, seed, tied, layout, arch=Architecture()):
+def against_reference(config, seed, tied, layout, arch=Architecture(), model_options=None):
     """One step of the patched model and of the reference on its weights and a batch:
-    (the model's run_megatron results, the reference's losses, its gradients, the mask)."""
+    (the model's run_megatron results, the reference's losses, its gradients, the mask).
+    `model_options`: GPTModel's own arguments (rotary_percent)."""
     torch.manual_seed(seed)
-    model = build_gpt(config, VOCAB, SEQ, share_embeddings_and_output_weights=tied)
+    model = build_gpt(config, VOCAB, SEQ, share_embeddings_and_output_weights=tied, **(model_options or {}))
     input_ids, labels, mask, segments = (padded_batch if layout == "padded" else packed_batch)()
     got = run_megatron(model, input_ids, labels, mask, segments)
     ref = reference_for(model, config.mtp_num_layers or 0, tied, config.mtp_use_repeated_layer,
@@ -153,11 +154,14 @@ def against_reference(config, seed, tied, layout, arch=Architecture()):
     return got, losses, ref_grads, mask
 
 
-def compare_case(depths, repeated, tied, detach, recompute, layout, sparse, arch=Architecture(), **fields):
-    """`arch` is the reference's architecture and `fields` the config's that build the same one."""
+def compare_case(depths, repeated, tied, detach, recompute, layout, sparse, arch=Architecture(), model_options=None,
+                 **fields):
+    """`arch` is the reference's architecture, and `fields` the config's (with `model_options`
+    GPTModel's) that build the same one."""
     config = make_config(depths, repeated, detach, recompute, mtp_sparse_loss=sparse,
                          sparse_loss_chunk_size=SPARSE_CHUNK, **fields)
-    got, (logits, main_ce, per_depth), ref_grads, _ = against_reference(config, 1000 + depths, tied, layout, arch)
+    got, (logits, main_ce, per_depth), ref_grads, _ = against_reference(config, 1000 + depths, tied, layout, arch,
+                                                                        model_options)
     errors = {
         "main_logits": max_rel(got["logits"][-1], logits.detach()),
         "main_ce": max_rel(got["main_ce"], main_ce.detach()),

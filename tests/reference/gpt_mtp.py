@@ -42,10 +42,16 @@ def causal_within_segments(scores, segments):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, hidden, heads, groups, qk_norm=None):
+    """Grouped-query attention; `output_gate`: each head's output times sigmoid of a gate projected
+    beside its query (Qwen3-Next's gated attention); `rotary_percent`: RoPE on that leading
+    fraction of each head's dimensions, the rest passed through."""
+
+    def __init__(self, hidden, heads, groups, qk_norm=None, output_gate=False, rotary_percent=1.0):
         super().__init__()
         self.heads, self.groups, self.head_dim = heads, groups, hidden // heads
-        self.linear_qkv = nn.Linear(hidden, (heads + 2 * groups) * self.head_dim)
+        self.output_gate, self.rotary_dim = output_gate, int(self.head_dim * rotary_percent)
+        query_rows = (2 if output_gate else 1) * heads  # per group: queries, then their gates, then k, v
+        self.linear_qkv = nn.Linear(hidden, (query_rows + 2 * groups) * self.head_dim)
         self.linear_proj = nn.Linear(hidden, hidden)
         if qk_norm:
             self.q_layernorm, self.k_layernorm = norm(qk_norm, self.head_dim), norm(qk_norm, self.head_dim)
@@ -54,18 +60,24 @@ class SelfAttention(nn.Module):
     def forward(self, x, positions, segments):
         b, s, _ = x.shape
         per_group = self.heads // self.groups
-        qkv = self.linear_qkv(x).view(b, s, self.groups, (per_group + 2) * self.head_dim)
-        q, k, v = qkv.split([per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        queries = (2 if self.output_gate else 1) * per_group
+        qkv = self.linear_qkv(x).view(b, s, self.groups, (queries + 2) * self.head_dim)
+        sizes = [per_group * self.head_dim] * (queries // per_group) + [self.head_dim, self.head_dim]
+        q, *gate, k, v = qkv.split(sizes, dim=-1)
         q = q.reshape(b, s, self.heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
-        angles = rope_table(positions, self.head_dim)
-        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        angles = rope_table(positions, self.rotary_dim)
+        r = self.rotary_dim
+        q = torch.cat([apply_rope(q[..., :r], angles), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rope(k[..., :r], angles), k[..., r:]], dim=-1)
         scores = causal_within_segments(torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.head_dim), segments)
-        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
-        return self.linear_proj(out.reshape(b, s, -1))
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v).reshape(b, s, -1)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate[0].reshape(b, s, -1))
+        return self.linear_proj(out)
 
 
 @dataclass(frozen=True)
@@ -152,8 +164,10 @@ class MLASelfAttention(nn.Module):
         return self.linear_proj(out.reshape(b, s, -1))
 
 
-def attention(hidden, heads, groups, qk_norm, latent):
-    return MLASelfAttention(hidden, heads, latent, qk_norm) if latent else SelfAttention(hidden, heads, groups, qk_norm)
+def attention(hidden, heads, groups, qk_norm, latent, output_gate=False, rotary_percent=1.0):
+    if latent:
+        return MLASelfAttention(hidden, heads, latent, qk_norm)
+    return SelfAttention(hidden, heads, groups, qk_norm, output_gate, rotary_percent)
 
 
 @dataclass(frozen=True)
@@ -247,12 +261,15 @@ class MLP(nn.Module):
 @dataclass(frozen=True)
 class Architecture:
     """What a layer is made of: the norm of every layer and head (LayerNorm or RMSNorm), q/k
-    norms of that kind, multi-latent attention (`latent`) instead of grouped-query, a SwiGLU
-    MLP, and Gated DeltaNet mixers (`delta_net`) in the decoder layers `linear_layers` (the
-    others, and the MTP depths' layers, attend)."""
+    norms of that kind, multi-latent attention (`latent`) instead of grouped-query (which may
+    gate its output, `output_gate`, and rotate a leading fraction of each head, `rotary_percent`),
+    a SwiGLU MLP, and Gated DeltaNet mixers (`delta_net`) in the decoder layers `linear_layers`
+    (the others, and the MTP depths' layers, attend)."""
     normalization: str = "LayerNorm"
     qk_norm: bool = False
     latent: Latent | None = None
+    output_gate: bool = False
+    rotary_percent: float = 1.0
     swiglu: bool = False
     delta_net: DeltaNet | None = None
     linear_layers: frozenset = frozenset()
@@ -263,7 +280,8 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.input_layernorm = norm(arch.normalization, hidden)
         self.self_attention = GatedDeltaNet(hidden, arch.delta_net, arch.normalization) if linear else \
-            attention(hidden, heads, groups, arch.normalization if arch.qk_norm else None, arch.latent)
+            attention(hidden, heads, groups, arch.normalization if arch.qk_norm else None, arch.latent,
+                      arch.output_gate, arch.rotary_percent)
         self.pre_mlp_layernorm = norm(arch.normalization, hidden)
         self.mlp = MLP(hidden, ffn, arch.swiglu)
 
