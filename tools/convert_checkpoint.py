@@ -33,18 +33,17 @@ is one line, `convert_checkpoint.py: error: ...`, exit status 2, and nothing wri
 """
 
 import argparse
+import functools
 import os
 import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_mtp import cli  # noqa: E402 (after the path above)
+
 PROG = "convert_checkpoint.py"
-
-
-def fail(message: str) -> int:
-    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    return 2
+fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)
 
 
 def parse(argv):

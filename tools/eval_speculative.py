@@ -41,6 +41,7 @@ Progress goes to stderr.
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -49,12 +50,10 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_mtp import cli  # noqa: E402 (after the path above)
+
 PROG = "eval_speculative.py"
-
-
-def fail(message: str, status: int = 2) -> int:
-    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    return status
+fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)
 
 
 def parse(argv):

@@ -19,6 +19,7 @@ first) to the narrowest, so a run equal to an earlier one shows inside the earli
 """
 
 import argparse
+import functools
 import os
 import re
 import statistics
@@ -26,17 +27,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_mtp.runs import EXPECTED_LENGTH_NAME, RunError, read  # noqa: E402 (after the path above)
+from megatron_mtp import cli  # noqa: E402 (after the path above)
+from megatron_mtp.runs import EXPECTED_LENGTH_NAME, RunError, read  # noqa: E402
 
 PROG = "plot_runs.py"
+fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)
 ROLLOUT_LENGTH = "rollout mean acceptance length (incl. bonus)"  # examples/rl/grpo.py's decoding
 ITERATION_TIME = "elapsed time per iteration (ms)"
 LINE_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1)))  # a panel's second, third... series (depths)
 
 
-def fail(message: str, status: int = 2) -> int:
-    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    return status
 
 
 def parse(argv):
