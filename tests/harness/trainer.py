@@ -15,7 +15,6 @@ process, for bit-exact comparisons.
 import itertools
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -166,17 +165,7 @@ def kill_group(proc: subprocess.Popen, timeout: float = 30) -> None:
 
     deadline = time.monotonic() + timeout
     while True:
-        groups = {proc.pid}
-        for process in launch_processes(proc):
-            try:
-                groups.add(os.getpgid(process.pid))
-            except ProcessLookupError:
-                pass
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        zygotes.kill_groups({proc.pid} | zygotes.process_groups(p.pid for p in launch_processes(proc)))
         proc.wait()
         if not launch_processes(proc) or time.monotonic() > deadline:
             return

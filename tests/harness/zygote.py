@@ -59,11 +59,12 @@ def enabled() -> bool:
 # stdout and stderr passed with the length (SCM_RIGHTS). Replies: JSON lines {"pid": ...},
 # then {"status": <wait status>} when the child has exited.
 
-def request(sock: socket.socket, kind: str, argv: list, env: dict, cwd: str, fds: tuple) -> int:
+def request(sock: socket.socket, kind: str, argv: list, env: dict, cwd: str, fds: tuple) -> dict:
+    """Send a request; the zygote's first reply ({"pid": ...} for a fork)."""
     payload = json.dumps({"kind": kind, "argv": argv, "env": env, "cwd": cwd}).encode()
     socket.send_fds(sock, [struct.pack("!Q", len(payload))], list(fds))
     sock.sendall(payload)
-    return _read_reply(sock)["pid"]
+    return _read_reply(sock)
 
 
 def _read_reply(sock: socket.socket) -> dict:
@@ -91,6 +92,26 @@ def _receive(conn: socket.socket) -> tuple[dict, list]:
 def _exit_code(status: int) -> int:
     """Popen's returncode: the exit status, or -N for a child killed by signal N."""
     return os.waitstatus_to_exitcode(status)
+
+
+def process_groups(pids) -> set:
+    """The process group of each pid that still exists."""
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    return groups
+
+
+def kill_groups(groups) -> None:
+    """SIGKILL every process of each group (a group that has gone is skipped)."""
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 # ---------------------------------------------------------------- test-process side
@@ -135,7 +156,8 @@ class Zygote:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(self.socket_path)
         with open(log, "w") as out, open(os.devnull) as devnull:
-            pid = request(sock, "worker", argv, environment, cwd, (devnull.fileno(), out.fileno(), out.fileno()))
+            streams = (devnull.fileno(), out.fileno(), out.fileno())
+            pid = request(sock, "worker", argv, environment, cwd, streams)["pid"]
         return Forked(sock, pid)
 
     def close(self):
@@ -165,10 +187,7 @@ def launch_children(tag: str) -> list[int]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(zygote.socket_path)
-            payload = json.dumps({"kind": "launch", "argv": [tag], "env": {}, "cwd": "/"}).encode()
-            socket.send_fds(sock, [struct.pack("!Q", len(payload))], [])
-            sock.sendall(payload)
-            pids += _read_reply(sock)["pids"]
+            pids += request(sock, "launch", [tag], {}, "/", ())["pids"]
         except (OSError, ConnectionError, ValueError, KeyError):
             pass  # a zygote that has gone has killed its children
         finally:
@@ -228,7 +247,7 @@ def client(socket_path: str, script: str, *args: str) -> None:
         signal.signal(signum, forward)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(socket_path)
-    child.append(request(sock, "script", [script, *args], dict(os.environ), os.getcwd(), (0, 1, 2)))
+    child.append(request(sock, "script", [script, *args], dict(os.environ), os.getcwd(), (0, 1, 2))["pid"])
     for signum in pending:
         os.kill(child[0], signum)
     code = _exit_code(_read_reply(sock)["status"])
@@ -341,16 +360,11 @@ def serve(socket_path: str) -> None:
         """The child's group and those of its descendants (torchrun's workers have sessions of their own)."""
         import psutil
 
-        groups = {pid}
         try:
-            groups.update(os.getpgid(p.pid) for p in psutil.Process(pid).children(recursive=True))
-        except (psutil.Error, ProcessLookupError):
-            pass
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            descendants = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            descendants = []
+        kill_groups({pid} | process_groups(descendants))
 
     while True:
         for key, _ in selector.select():
