@@ -16,6 +16,7 @@ averaged over its iterations); TensorBoard every ``--tensorboard-log-interval`` 
 losses of that iteration; the MTP metrics of the console's interval).
 """
 
+import bisect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,9 +84,9 @@ def parse_console(output: str) -> tuple[dict, dict]:
     return iterations, validations
 
 
-def tensorboard_scalars(logdir: Path) -> dict:
-    """{tag: {step: value}} of every scalar of the one run in a TensorBoard log directory (its event
-    files there, or in one subdirectory); a directory of several runs is refused."""
+def _events(logdir: Path):
+    """The TensorBoard events of the one run in `logdir` (its event files there, or in one
+    subdirectory), loaded once: (multiplexer, that run's name or None); several runs are refused."""
     try:
         from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     except ImportError:
@@ -93,30 +94,34 @@ def tensorboard_scalars(logdir: Path) -> dict:
     multiplexer = EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     multiplexer.AddRunsFromDirectory(str(logdir))
     multiplexer.Reload()
-    runs = {run: tags for run, tags in multiplexer.Runs().items() if tags["scalars"]}
+    runs = sorted(run for run, tags in multiplexer.Runs().items() if tags["scalars"])
     if len(runs) > 1:
-        raise RunError(f"{logdir}: holds the events of {len(runs)} runs ({', '.join(sorted(runs))}): give each "
+        raise RunError(f"{logdir}: holds the events of {len(runs)} runs ({', '.join(runs)}): give each "
                        f"run's own directory")
-    scalars = {}
-    for run, tags in runs.items():
-        for tag in tags["scalars"]:
-            scalars[tag] = {event.step: event.value for event in multiplexer.Scalars(run, tag)}
-    return scalars
+    return multiplexer, (runs[0] if runs else None)
 
 
-def _tensorboard_text(logdir: Path, tag: str) -> str | None:
-    """The last value of a text summary (upstream writes every argument as one)."""
-    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+def _scalars(multiplexer, run) -> dict:
+    if run is None:
+        return {}
+    return {tag: {event.step: event.value for event in multiplexer.Scalars(run, tag)}
+            for tag in multiplexer.Runs()[run]["scalars"]}
+
+
+def _text(multiplexer, run, tag: str) -> str | None:
+    """The last value of a text summary of the run (upstream writes every argument as one)."""
     from tensorboard.util import tensor_util
 
-    multiplexer = EventMultiplexer(size_guidance={"tensors": 0})
-    multiplexer.AddRunsFromDirectory(str(logdir))
-    multiplexer.Reload()
-    for run, tags in multiplexer.Runs().items():
-        if f"{tag}/text_summary" in tags["tensors"]:
-            event = multiplexer.Tensors(run, f"{tag}/text_summary")[-1]
-            return tensor_util.make_ndarray(event.tensor_proto).item().decode()
-    return None
+    if run is None or f"{tag}/text_summary" not in multiplexer.Runs()[run]["tensors"]:
+        return None
+    event = multiplexer.Tensors(run, f"{tag}/text_summary")[-1]
+    return tensor_util.make_ndarray(event.tensor_proto).item().decode()
+
+
+def tensorboard_scalars(logdir: Path) -> dict:
+    """{tag: {step: value}} of every scalar of the one run in a TensorBoard log directory (its event
+    files there, or in one subdirectory); a directory of several runs is refused."""
+    return _scalars(*_events(logdir))
 
 
 def _from_console(path: Path, name: str) -> Run:
@@ -141,7 +146,8 @@ def _from_console(path: Path, name: str) -> Run:
 
 
 def _from_tensorboard(path: Path, name: str) -> Run:
-    scalars = tensorboard_scalars(path)
+    multiplexer, events_run = _events(path)
+    scalars = _scalars(multiplexer, events_run)
     if "lm loss" not in scalars:
         raise RunError(f"{path}: no 'lm loss' scalars in these TensorBoard events")
     run = Run(name)
@@ -155,7 +161,7 @@ def _from_tensorboard(path: Path, name: str) -> Run:
     # Upstream writes 'batch-size' at the iteration and 'batch-size vs samples' at the consumed
     # samples in the same call: the two step lists pair up in order.
     steps, samples = sorted(scalars.get("batch-size", {})), sorted(scalars.get("batch-size vs samples", {}))
-    seq_length = _tensorboard_text(path, "seq_length")
+    seq_length = _text(multiplexer, events_run, "seq_length")
     if seq_length is not None and not seq_length.isdigit():
         raise RunError(f"{path}: its seq_length text summary is {seq_length!r}, not a number")
     if seq_length and len(steps) == len(samples) and steps:
@@ -174,8 +180,8 @@ def _between(known: dict, steps: list) -> dict:
         if step in known:
             tokens[step] = known[step]
         elif points[0] < step < points[-1]:
-            after = next(p for p in points if p > step)
-            before = max(p for p in points if p < step)
+            index = bisect.bisect(points, step)
+            before, after = points[index - 1], points[index]
             tokens[step] = known[before] + (known[after] - known[before]) * (step - before) / (after - before)
     return tokens
 
