@@ -120,19 +120,17 @@ def policy_gradient_loss(per_token_ce, advantages, loss_mask):
 
 def forward_step(data_iterator, model):
     """Micro-batch = (tokens [b, s+1], loss_mask [b, s], advantages [b, s])."""
+    from megatron_mtp.library.step import gpt_per_token_loss
+
     tokens, loss_mask, advantages = next(data_iterator)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(inputs.size(1)).unsqueeze(0).expand_as(inputs)
-    output = model(inputs, positions, None, labels=labels, loss_mask=loss_mask)
-    return output, partial(policy_gradient_loss, advantages=advantages, loss_mask=loss_mask)
+    output, loss_mask = gpt_per_token_loss(model, tokens, loss_mask)
+    return output, partial(policy_gradient_loss, advantages=advantages.to(loss_mask.device), loss_mask=loss_mask)
 
 
 def train_step(chunks, optimizer, sequences, advantages, task, args) -> dict:
     """One exact step over this rank's sequences (prompt + response, responses of any length up to
     the answer's, padded) and per-sequence advantages."""
-    from megatron.core import parallel_state
-    from megatron.core.fork.split_step import SplitStep
-    from megatron.core.fork.step_loss import step_counts
+    from megatron_mtp.library import step
 
     if len(sequences) != len(advantages):
         raise ValueError(f"{len(sequences)} sequences, {len(advantages)} advantages")
@@ -145,12 +143,8 @@ def train_step(chunks, optimizer, sequences, advantages, task, args) -> dict:
     size = args.micro_batch_size
     microbatches = [(tokens[i:i + size], loss_mask[i:i + size], per_token[i:i + size])
                     for i in range(0, tokens.size(0), size)]
-    step = SplitStep(chunks, optimizer, forward_step, seq_length=tokens.size(1) - 1, micro_batch_size=size,
-                     main_loss=args.main_loss_level)
-    counts, routed = step_counts([mask for _, mask, _ in microbatches], group=parallel_state.get_data_parallel_group())
-    step.begin(counts, routed_tokens=routed)
-    step.accumulate(microbatches)
-    return step.finish()
+    return step.train_step(chunks, optimizer, microbatches, tokens.size(1) - 1, args.main_loss_level,
+                           forward_step=forward_step)
 
 
 def rollouts(runner, prompts, task, args, step: int, first_index: int, stats):

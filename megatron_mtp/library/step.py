@@ -15,29 +15,38 @@ from megatron.core.fork.step_loss import StepCounts, main_loss, step_counts
 from megatron.core.fork.split_step import SplitStep
 
 
-def gpt_forward_step(data_iterator, model):
-    """Micro-batch = (tokens [b, s+1], loss_mask [b, s]); targets are tokens shifted by one.
-    The main loss's level is the running step's (step_loss.main_loss reads it)."""
-    tokens, loss_mask = next(data_iterator)
+def gpt_per_token_loss(model, tokens, loss_mask):
+    """The model's per-token cross-entropy [b, s] on tokens [b, s+1] (targets: the tokens shifted
+    by one) and loss_mask [b, s], both moved to the compute device: (loss, loss_mask there)."""
     device = compute_device.current_device()
     tokens, loss_mask = tokens.to(device), loss_mask.to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1), device=device).unsqueeze(0).expand_as(inputs)
-    output = model(inputs, positions, None, labels=labels, loss_mask=loss_mask)
+    return model(inputs, positions, None, labels=labels, loss_mask=loss_mask), loss_mask
+
+
+def gpt_forward_step(data_iterator, model):
+    """Micro-batch = (tokens [b, s+1], loss_mask [b, s]); targets are tokens shifted by one.
+    The main loss's level is the running step's (step_loss.main_loss reads it)."""
+    tokens, loss_mask = next(data_iterator)
+    output, loss_mask = gpt_per_token_loss(model, tokens, loss_mask)
     return output, partial(main_loss, loss_mask=loss_mask)
 
 
 def global_counts(microbatches: list) -> tuple[StepCounts, int]:
     """The step's counts over all data-parallel ranks, and its routed tokens (every input
-    position: the MoE router losses' T): one small all-reduce."""
-    return step_counts([loss_mask for _, loss_mask in microbatches], group=parallel_state.get_data_parallel_group())
+    position: the MoE router losses' T): one small all-reduce. A micro-batch is (tokens,
+    loss_mask, ...)."""
+    return step_counts([batch[1] for batch in microbatches], group=parallel_state.get_data_parallel_group())
 
 
 def train_step(chunks, optimizer, microbatches: list, seq_length: int, main_loss_level: str = "token",
-               counts_up_front: bool = True) -> dict:
+               counts_up_front: bool = True, forward_step=gpt_forward_step) -> dict:
     """Forward/backward over this rank's micro-batches, then one optimizer step; the step's
-    exact metrics (see SplitStep.finish), the same on every rank."""
-    step = SplitStep(chunks, optimizer, gpt_forward_step, seq_length=seq_length,
+    exact metrics (see SplitStep.finish), the same on every rank. `forward_step` reads the
+    micro-batches (tokens, loss_mask, ...): gpt_forward_step, or a controller's own loss on the
+    same forward (examples/rl/grpo.py's policy gradient)."""
+    step = SplitStep(chunks, optimizer, forward_step, seq_length=seq_length,
                      micro_batch_size=microbatches[0][0].size(0), main_loss=main_loss_level)
     counts, routed_tokens = global_counts(microbatches)
     step.begin(counts if counts_up_front else None, routed_tokens=routed_tokens)
