@@ -50,17 +50,24 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
+def per_depth(name: str, depths: int) -> list[str]:
+    """The series `name` of each MTP depth: mtp_1 <name>, ..., mtp_D <name>."""
+    return [f"mtp_{k} {name}" for k in range(1, depths + 1)]
+
+
 def panels(depths: int) -> list[tuple[str, list[tuple[str, str]]]]:
     """(title, [(series, label suffix)]) of every panel, for a run with `depths` MTP depths."""
-    per_depth = lambda name: [(f"mtp_{k} {name}", f"mtp_{k}") for k in range(1, depths + 1)]  # noqa: E731
+    def depth_lines(name):  # each labelled by its depth (mtp_k)
+        return [(series, series.split()[0]) for series in per_depth(name, depths)]
+
     return [
         ("reward (RL)", [("reward", ""), ("solved", "solved")]),
         ("lm loss", [("lm loss", "")]),
         ("policy-gradient loss (RL)", [("policy-gradient loss", "")]),
-        ("MTP loss", per_depth("loss")),
-        ("acceptance", per_depth("acceptance")),
-        ("chain acceptance", per_depth("chain acceptance")),
-        ("rollout acceptance (RL)", per_depth("rollout acceptance")),
+        ("MTP loss", depth_lines("loss")),
+        ("acceptance", depth_lines("acceptance")),
+        ("chain acceptance", depth_lines("chain acceptance")),
+        ("rollout acceptance (RL)", depth_lines("rollout acceptance")),
         ("accepted length (incl. bonus token)", [(EXPECTED_LENGTH_NAME, "teacher-forced"),
                                                  (ROLLOUT_LENGTH, "rollouts")]),
         ("grad norm", [("grad norm", ""), ("mtp grad norm", "mtp")]),
@@ -129,9 +136,9 @@ def draw(runs, x: str, output: str, title: str | None) -> None:
 def table(runs) -> str:
     """Each run's last logged value of every series some run has, and its median time per iteration."""
     depths = max(run.depths() for run in runs)
-    per_depth = lambda name: [f"mtp_{k} {name}" for k in range(1, depths + 1)]  # noqa: E731
-    candidates = ["reward", "solved", "lm loss", "lm loss validation", *per_depth("loss"), *per_depth("acceptance"),
-                  *per_depth("rollout acceptance"), EXPECTED_LENGTH_NAME, ROLLOUT_LENGTH, "grad norm"]
+    candidates = ["reward", "solved", "lm loss", "lm loss validation", *per_depth("loss", depths),
+                  *per_depth("acceptance", depths), *per_depth("rollout acceptance", depths), EXPECTED_LENGTH_NAME,
+                  ROLLOUT_LENGTH, "grad norm"]
     series = [name for name in candidates if any(name in run.series for run in runs)]
     columns = ["run", "iteration", *series, "ms per iteration"]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
