@@ -121,13 +121,14 @@ def get_embedding_ranks(pp_ranks):
 
 
 def get_batch(data_iterator, vp_stage=None):
-    """This rank's micro-batch: read on tensor-parallel rank 0, broadcast to the others;
-    nothing on pipeline stages that neither embed nor compute a loss."""
+    """This rank's micro-batch: read on tensor-parallel rank 0, broadcast to the others, then
+    cut for this context-parallel rank (upstream's load-balanced split); nothing on pipeline
+    stages that neither embed nor compute a loss."""
     import torch
 
     from megatron.core import parallel_state
     from megatron.core.fork import device as compute_device
-    from megatron.core.utils import get_batch_on_this_tp_rank
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
 
     args = get_args()
@@ -145,11 +146,15 @@ def get_batch(data_iterator, vp_stage=None):
         batch, has_cu_seqlens=False, is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
-        broadcast_group=parallel_state.get_tensor_model_parallel_group(), cp_size=1, tp_rank=tp_rank,
+        broadcast_group=parallel_state.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
         micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, mtp_on_this_rank=mtp_here,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=first, is_pipeline_last_stage=last,
     )
+    if args.context_parallel_size > 1:
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                          cp_group=parallel_state.get_context_parallel_group())
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"]
 
 

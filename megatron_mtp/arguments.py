@@ -166,6 +166,9 @@ def _check(args) -> None:
         raise ArgumentError("give --train-iters (or --train-samples)")
     if args.eval_iters is not None and args.eval_iters < 0:
         raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if cp > 1 and args.seq_length % (2 * cp):
+        raise ArgumentError(f"--seq-length {args.seq_length} does not split into 2 x --context-parallel-size = "
+                            f"{2 * cp} equal chunks (upstream's load-balanced layout): use a multiple of {2 * cp}")
     dp, uneven = divmod(world, tp * pp * cp)  # uneven: Megatron-LM's validate_args refuses the world size
     if args.global_batch_size is not None and not uneven and args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple of "

@@ -40,9 +40,11 @@ def embedding_ranks(pp_ranks: list[int], tied: bool, mtp_config) -> list[int]:
 
 
 def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: int = 1, *,
-                              pipeline_layout: str | None = None, tied_embeddings: bool | None = None) -> None:
-    """TP x PP (x VPP) groups, data parallel over the rest of the world (expert parallel EP
-    over it for MoE layers), and seeded RNG trackers. `pipeline_layout` is upstream's
+                              pipeline_layout: str | None = None, tied_embeddings: bool | None = None,
+                              cp: int = 1) -> None:
+    """TP x CP x PP (x VPP) groups, data parallel over the rest of the world (expert parallel EP
+    over it for MoE layers), and seeded RNG trackers. Context parallelism (CP) cuts every
+    sequence over `cp` ranks. `pipeline_layout` is upstream's
     (e.g. "Et*2|m|L"; its virtual stages are the ones used when `vpp` is None). The
     word-embedding group is the model's (`embedding_ranks`): a layout with MTP layers before
     the loss stage needs `tied_embeddings` (tied, the loss stage's output weight is one more
@@ -68,13 +70,14 @@ def initialize_model_parallel(tp: int, pp: int, vpp: int | None, seed: int, ep: 
                              "say whether embeddings and output weights are tied (tied_embeddings=)")
     tied = True if tied_embeddings is None else tied_embeddings
     world = dist.get_world_size()
-    if world % (tp * pp) != 0:
+    if world % (tp * pp * cp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel size"
+            f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel size"
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
         get_embedding_ranks=lambda pp_ranks, *_: embedding_ranks(pp_ranks, tied, mtp_config),

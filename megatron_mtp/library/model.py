@@ -6,7 +6,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.fork.specs import SpecError, get_hybrid_stack_spec, gpt_specs, refuse_dropped
+from megatron.core.fork.specs import (
+    SpecError, get_hybrid_stack_spec, gpt_specs, refuse_dropped, refuse_gated_delta_net_head_split,
+)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -74,6 +76,8 @@ def build_hybrid(config: TransformerConfig, vocab_size: int, max_sequence_length
     else:
         hybrid_stack_spec = get_hybrid_stack_spec(config)
     refuse_dropped(config, hybrid_stack_spec.submodules.attention_layer, multi_latent=False)
+    if "G" in hybrid_layer_pattern:
+        refuse_gated_delta_net_head_split(config)
     pre_process, post_process = _stage(vp_stage, pre_process, post_process)
     options = {"position_embedding_type": "rope", "parallel_output": True, **options}
     if options.pop("rope_scaling", False):  # a GPTModel option HybridModel does not take

@@ -10,6 +10,7 @@ from functools import partial
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.fork import context_parallel
 from megatron.core.fork import device as compute_device
 from megatron.core.fork.step_loss import StepCounts, main_loss, step_counts
 from megatron.core.fork.split_step import SplitStep
@@ -17,11 +18,17 @@ from megatron.core.fork.split_step import SplitStep
 
 def gpt_per_token_loss(model, tokens, loss_mask):
     """The model's per-token cross-entropy [b, s] on tokens [b, s+1] (targets: the tokens shifted
-    by one) and loss_mask [b, s], both moved to the compute device: (loss, loss_mask there)."""
+    by one) and loss_mask [b, s], both moved to the compute device: (loss, loss_mask there).
+    With context parallelism both are this CP rank's pieces of the sequences (upstream's
+    load-balanced split, megatron.core.fork.context_parallel)."""
     device = compute_device.current_device()
     tokens, loss_mask = tokens.to(device), loss_mask.to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1), device=device).unsqueeze(0).expand_as(inputs)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        cp_group = parallel_state.get_context_parallel_group()
+        inputs, labels, loss_mask, positions = (context_parallel.shard(t, 1, cp_group)
+                                                for t in (inputs, labels, loss_mask, positions))
     return model(inputs, positions, None, labels=labels, loss_mask=loss_mask), loss_mask
 
 
@@ -36,7 +43,8 @@ def gpt_forward_step(data_iterator, model):
 def global_counts(microbatches: list) -> tuple[StepCounts, int]:
     """The step's counts over all data-parallel ranks, and its routed tokens (every input
     position: the MoE router losses' T): one small all-reduce. A micro-batch is (tokens,
-    loss_mask, ...)."""
+    loss_mask, ...) of whole sequences, the same on every context-parallel rank of a
+    data-parallel replica, so the reduce is over data-parallel ranks only."""
     return step_counts([batch[1] for batch in microbatches], group=parallel_state.get_data_parallel_group())
 
 

@@ -47,3 +47,13 @@ def drop_moe_metrics_tracker() -> None:
         get_moe_layer_wise_logging_tracker().clear()
     else:
         destroy_moe_metrics_tracker()
+
+
+def mtp_rolls_across_context_parallel_ranks() -> bool:
+    """Whether this megatron-core's MTP roll is the fork's exact one across context-parallel
+    ranks (the 0.19.2 series routes roll_tensor to megatron.core.fork.context_parallel; the
+    0.16.1 series does not carry it, so MTP with context parallelism stays refused there)."""
+    from megatron.core.package_info import __version__
+
+    major, minor = (int(part) for part in __version__.split(".")[:2])
+    return (major, minor) >= (0, 19)

@@ -60,6 +60,13 @@ def check_exact_step(config) -> None:
     """Refuse what an exact step cannot normalize (before any state changes)."""
     if not getattr(config, "num_moe_experts", None):
         return
+    if active(config) and config.context_parallel_size > 1:
+        raise ValueError(
+            f"MoE router losses with context parallelism (context_parallel_size={config.context_parallel_size}) "
+            "are not normalized exactly: each context-parallel rank routes a piece of every sequence, and the "
+            "step's router statistics across those pieces are not implemented. Set --moe-aux-loss-coeff 0 "
+            "and drop --moe-z-loss-coeff, or use --context-parallel-size 1"
+        )
     for kind, coeff in zip(load_balancing_types(config), coefficients(config), strict=True):
         if kind == _GLOBAL and coeff and coeff > 0:
             raise ValueError(

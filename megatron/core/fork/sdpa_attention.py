@@ -6,6 +6,11 @@ a GPU. This module is a drop-in ``core_attention`` for layer specs that runs on
 any device, handles causal and padding masks, grouped-query attention and packed
 rows (a block-diagonal causal mask built from ``cu_seqlens``), and keeps
 attention dropout under the tensor-parallel RNG tracker as upstream does.
+
+With context parallelism each rank attends with its own queries to every rank's keys and
+values, all-gathered over the CP group (megatron.core.fork.context_parallel: upstream's
+load-balanced layout; the causal and packed masks by global position). Transformer
+Engine's CP attention (p2p, a2a, all-gather) stays the GPU path; this one needs no kernel.
 """
 
 import math
@@ -16,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core import tensor_parallel
+from megatron.core.fork import context_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -24,14 +30,16 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 
-def packed_causal_mask(cu_seqlens: Tensor, total: int, device: torch.device) -> Tensor:
-    """[total, total] bool mask, True where attention is allowed: causal inside each segment."""
-    positions = torch.arange(total, device=device)
-    boundaries = cu_seqlens.to(device=device, dtype=torch.long)
-    segment = torch.bucketize(positions, boundaries[1:], right=True)
-    same_segment = segment[:, None] == segment[None, :]
-    causal = positions[:, None] >= positions[None, :]
-    return same_segment & causal
+def causal_mask(q_positions: Tensor, k_positions: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """[queries, keys] bool mask, True where attention is allowed: a key at or before the
+    query's global position, and with ``cu_seqlens`` (packed rows) in the same sequence."""
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    if cu_seqlens is not None:
+        boundaries = cu_seqlens.to(device=q_positions.device, dtype=torch.long)[1:]
+        same = (torch.bucketize(q_positions, boundaries, right=True)[:, None]
+                == torch.bucketize(k_positions, boundaries, right=True)[None, :])
+        allowed = allowed & same
+    return allowed
 
 
 class SDPACoreAttention(MegatronModule):
@@ -51,15 +59,15 @@ class SDPACoreAttention(MegatronModule):
         v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPACoreAttention does not support context parallelism")
         if config.softmax_type != "vanilla":
             raise ValueError(f"SDPACoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
         if config.window_size is not None:
             raise ValueError("SDPACoreAttention does not support sliding-window attention")
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=['tp'])
+            required = ['tp', 'cp'] if config.context_parallel_size > 1 else ['tp']
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=required)
         tp_size = pg_collection.tp.size()
+        self.cp_group = getattr(pg_collection, 'cp', None) if config.context_parallel_size > 1 else None
         self.attn_mask_type = attn_mask_type
         # Multi-latent attention gives its query/key and value head dimensions (k_channels,
         # v_channels), as to Transformer Engine's attention; the others have kv_channels. The
@@ -87,6 +95,22 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention does not support attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == 'thd'
+        cu_seqlens = None
+        if packed:
+            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+            if cu_seqlens is None:
+                cu_seqlens = packed_seq_params.cu_seqlens_q
+        # Global positions of the queries and keys (CP: this rank's chunks, every rank's keys).
+        local_rows = query.size(0)
+        if self.cp_group is not None:
+            key = context_parallel.gather_sequence(key, self.cp_group)
+            value = context_parallel.gather_sequence(value, self.cp_group)
+            total = key.size(0)
+            q_positions = context_parallel.local_positions(
+                total, self.cp_group.size(), self.cp_group.rank(), cu_seqlens, query.device)
+            k_positions = context_parallel.gathered_positions(local_rows, self.cp_group, cu_seqlens, query.device)
+        else:
+            q_positions = k_positions = None
         if packed:
             # THD: [t, np, hn] -> one row of length t.
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
@@ -100,16 +124,16 @@ class SDPACoreAttention(MegatronModule):
 
         # bool, True where a query may attend to a key. As in upstream's softmax, an explicit
         # mask (True marks positions to exclude) wins over the causal default.
+        if q_positions is None and (packed or mask_type == AttnMaskType.causal):
+            q_positions = torch.arange(query.size(2), device=query.device)
+            k_positions = torch.arange(key.size(2), device=query.device) - (key.size(2) - query.size(2))
         if packed:
-            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
-            if cu_seqlens is None:
-                cu_seqlens = packed_seq_params.cu_seqlens_q
-            allowed = packed_causal_mask(cu_seqlens, query.size(2), query.device)
+            allowed = causal_mask(q_positions, k_positions, cu_seqlens)
         elif attention_mask is not None:
-            allowed = ~attention_mask.bool()
+            # CP: the data split cut the mask's query rows; its keys are in global order.
+            allowed = ~(attention_mask.bool() if self.cp_group is None else attention_mask.bool()[..., k_positions])
         elif mask_type == AttnMaskType.causal:
-            sq, sk = query.size(2), key.size(2)
-            allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
+            allowed = causal_mask(q_positions, k_positions)
         else:
             allowed = None
 

@@ -122,6 +122,21 @@ def refuse_dropped(config, *specs, multi_latent: bool = True) -> None:
                         f"{sorted({s.module.__name__ for s in attentions})}); drop it")
 
 
+def refuse_gated_delta_net_head_split(config) -> None:
+    """Raise SpecError when context parallelism cannot split Gated DeltaNet layers: upstream's
+    all-to-all gives each context-parallel rank whole key and value heads of its tensor-parallel
+    rank's (it fails deep in the forward pass otherwise)."""
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    if cp == 1:
+        return
+    for flag, heads in (("--linear-num-key-heads", config.linear_num_key_heads),
+                        ("--linear-num-value-heads", config.linear_num_value_heads)):
+        if heads % (tp * cp):
+            raise SpecError(f"{flag} {heads}: Gated DeltaNet layers with context parallelism give each of the {cp} "
+                            f"context-parallel ranks whole heads of each tensor-parallel rank's (upstream's "
+                            f"all-to-all): use a multiple of TP x CP = {tp * cp}")
+
+
 def _upstream_gpt_specs(config, vp_stage, layer_spec):
     use_te = config.transformer_impl == "transformer_engine"
     variant = getattr(config, "experimental_attention_variant", None)  # (0.19.2's field)

@@ -47,12 +47,6 @@ class SplitStep:
         self.config = self.chunks[0].config
         if main_loss not in step_loss.MAIN_LOSS_LEVELS:
             raise ValueError(f"main loss level must be one of {step_loss.MAIN_LOSS_LEVELS}, got {main_loss!r}")
-        if self.config.context_parallel_size != 1:
-            raise ValueError(
-                f"split steps do not support context parallelism (context_parallel_size="
-                f"{self.config.context_parallel_size}): step counts and MTP targets cross context-parallel "
-                "shards, and exact normalization across them is not implemented. Use context_parallel_size=1."
-            )
         self.optimizer = optimizer
         self.forward_step_func = forward_step_func
         self.seq_length = seq_length

@@ -112,6 +112,17 @@ class StepNormalization:
                     grad.mul_(correction)
 
 
+def _context_parallel_group():
+    """The CP group when context parallelism is on, else None."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
 _ACTIVE: StepNormalization | None = None
 _DEFAULT_LEVEL = TOKEN  # of main_loss when no step is active (evaluation)
 
@@ -157,7 +168,16 @@ def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
     mask = loss_mask.reshape(loss_mask.size(0), -1).float()
     losses = per_token_loss.float().reshape(mask.shape) * mask
     per_sequence_tokens = mask.sum(dim=1)
-    tokens, sequences = _counts(per_sequence_tokens)
+    tokens = per_sequence_tokens.sum()
+    cp_group = _context_parallel_group()
+    if cp_group is not None:
+        # Each context-parallel rank holds a piece of every sequence: a sequence's mean divides
+        # by all its valid targets, and it is counted once (by CP rank 0) in the step's sums.
+        per_sequence_tokens = per_sequence_tokens.detach().clone()
+        dist.all_reduce(per_sequence_tokens, group=cp_group)
+    sequences = (per_sequence_tokens > 0).sum().to(tokens.dtype)
+    if cp_group is not None and dist.get_rank(cp_group) != 0:
+        sequences = torch.zeros_like(sequences)
     if level == TOKEN:
         raw, count = losses.sum(), tokens
     else:

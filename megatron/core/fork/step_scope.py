@@ -27,10 +27,11 @@ MOE_SCALE_HOOK = "moe_grad_scale_func"
 
 
 def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
-    """Sum over data-parallel ranks of what the last pipeline stage holds, on every rank."""
+    """Sum over data-parallel (and context-parallel: each holds a piece of every sequence) ranks
+    of what the last pipeline stage holds, on every rank."""
     total = local.clone()
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     else:
         total.zero_()
     dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
@@ -39,7 +40,7 @@ def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
 
 def reduced_sums(config, extra: torch.Tensor | None = None) -> tuple:
     """(extra summed, MTP sums [D, FIELDS] or None without MTP) over the last stage's
-    data-parallel ranks, known to every rank: one collective, which every rank calls. The MTP
+    data-parallel and context-parallel ranks, known to every rank: one collective, which every rank calls. The MTP
     sums recorded since the last reset are consumed."""
     depths = config.mtp_num_layers or 0
     parts = [] if extra is None else [extra.double().flatten()]

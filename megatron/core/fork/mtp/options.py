@@ -9,6 +9,7 @@ config is built, before any module or state exists.
 
 from dataclasses import dataclass
 
+from megatron.core.fork import compat
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 
@@ -77,12 +78,12 @@ def validate_mtp_options(config) -> None:
             "mtp_use_repeated_layer (--mtp-use-repeated-layer) applies one MTP layer at every depth, "
             "but mtp_num_layers is not set; set --mtp-num-layers D >= 1 or drop --mtp-use-repeated-layer"
         )
-    if depths and config.context_parallel_size > 1:
+    if depths and config.context_parallel_size > 1 and not compat.mtp_rolls_across_context_parallel_ranks():
         raise ValueError(
             f"MTP (mtp_num_layers={depths}) with context parallelism (context_parallel_size="
-            f"{config.context_parallel_size}) is not supported: depth-k targets and the step's token counts "
-            "cross context-parallel shards and their exact normalization is not implemented. "
-            "Use --context-parallel-size 1, or train without MTP."
+            f"{config.context_parallel_size}) needs megatron-core 0.19.2's series (its exact roll of depth-k "
+            "targets across context-parallel ranks); this megatron-core's is not exact. "
+            "Use --context-parallel-size 1, or megatron-core 0.19.2."
         )
     if ((depths and config.mtp_sparse_loss) or config.sparse_lm_loss) and config.sparse_loss_chunk_size < 1:
         raise ValueError(

@@ -118,9 +118,11 @@ def _replayable(batches, virtual: bool):
 
 def _counted_masks(batches, virtual: bool) -> list:
     """The loss masks this rank counts: its micro-batches' if it is the rank that counts
-    (tensor-parallel rank 0 of the last stage; with virtual stages, the last one's: it
-    computes the loss), else none. Each sample is counted by exactly one rank."""
+    (tensor-parallel and context-parallel rank 0 of the last stage; with virtual stages, the
+    last one's: it computes the loss), else none. Each sample is counted by exactly one rank
+    (the data iterator yields whole sequences; get_batch cuts them for context parallelism)."""
     counting = (parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_context_parallel_rank() == 0
                 and parallel_state.is_pipeline_last_stage(ignore_virtual=True))
     mine = batches[-1] if virtual and batches else batches
     return [loss_mask_of(batch) for batch in mine] if counting and mine else []
