@@ -1,5 +1,6 @@
 """MTP gradients, group norms and metrics are the same on TP=2, PP=2 (MTP on the last
-stage) and DP=2 layouts as in one process (spec section 4's invariance, model side):
+stage), DP=2 and context-parallel layouts (CP=2 with DP, TP or PP, CP=4; 0.19.2's series,
+issue 28) as in one process (spec section 4's invariance, model side):
 every copy of every parameter's full gradient, the group norms, loss and per-depth sums.
 GPTModel, and HybridModel with the same network as a pattern (issue 18; "|" between the
 pipeline stages), whose one-process run tests/test_hybrid_model.py holds to the reference.
@@ -61,7 +62,10 @@ LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), d
                 setups=["attached_D2_L5", "attached_D2_L5_tied"]),
            # a virtual stage with nothing on it (upstream accepts the empty "||")
            dict(name="pp4_vpp2_empty_stage", tp=1, pp=4, pipeline_layout="E|t|t|t|t||{m}|L", micro_batch=1,
-                setups=["attached_D2"])]
+                setups=["attached_D2"]),
+           # context parallelism (issue 28; 0.19.2's series): every sequence cut over CP ranks
+           dict(name="cp2_dp2", tp=1, pp=1, cp=2), dict(name="tp2_cp2", tp=2, pp=1, cp=2),
+           dict(name="pp2_cp2", tp=1, pp=2, cp=2), dict(name="cp4", tp=1, pp=1, cp=4)]
 # MTP on the first pipeline rank's last virtual stage ("Et|t|t*2mm|L"), which upstream's check
 # means to forbid but lets through, gave that rank two word-embedding copies of which one was
 # reduced (relative gradient error 0.048 and 1.05; tied, the build hung): refused when the
@@ -78,12 +82,16 @@ DEFAULT_CASES = {
     ("pp4_mtp_stage", "attached_D2"), ("pp4_mtp_stage", "attached_D2_tied"),
     ("pp2_vpp2_dp2_mtp_with_loss", "attached_D2"), ("pp4_vpp2_mtp_stage", "attached_D2_L5"),
     ("pp4_vpp2_mtp_stage", "attached_D2_L5_tied"), ("pp4_vpp2_empty_stage", "attached_D2"),
+    ("cp2_dp2", "attached_D2"), ("cp2_dp2", "hybrid_isolated_D2_tied"), ("tp2_cp2", "isolated_D3"),
+    ("pp2_cp2", "attached_D2_tied"), ("cp4", "isolated_D2_repeated"),
 }
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def runs_on(build: str, setup: str) -> bool:
-    return build == "0.19.2" or not ALL_SETUPS[setup].get("hybrid")
+def runs_on(build: str, setup: str, layout: dict | None = None) -> bool:
+    """HybridModel's MTP depths and MTP with context parallelism are 0.19.2's."""
+    cp = (layout or {}).get("cp", 1)
+    return build == "0.19.2" or not (ALL_SETUPS[setup].get("hybrid") or cp > 1)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +102,7 @@ def runs(build, matrix, tmp_path_factory):
     setups = {name: kwargs for name, kwargs in ALL_SETUPS.items() if runs_on(build, name)}
     (reference,) = launch("tests.bodies.mtp_layouts:reference", 1, {"ckpt_root": root, "setups": setups},
                           timeout=600, build=build)
-    layouts = [dict(layout, setups=[name for name in setups_of(layout) if name in setups
+    layouts = [dict(layout, setups=[name for name in setups_of(layout) if name in setups and runs_on(build, name, layout)
                                     and (matrix or (layout["name"], name) in DEFAULT_CASES)]) for layout in LAYOUTS]
     layouts = [layout for layout in layouts if layout["setups"]]
     ranks = launch("tests.bodies.mtp_layouts:layouts", 4,
@@ -139,11 +147,11 @@ def embedding_copies(placement: str, tied: bool) -> int:
 
 @pytest.mark.parametrize("layout,setup", cases())
 def test_layout_matches_one_process(build, runs, layout, setup):
-    if not runs_on(build, setup):
-        pytest.skip("HybridModel's MTP depths exist from megatron-core 0.19")
+    spec = next(entry for entry in LAYOUTS if entry["name"] == layout)
+    if not runs_on(build, setup, spec):
+        pytest.skip("HybridModel's MTP depths and MTP with context parallelism exist from megatron-core 0.19")
     reference, ranks = runs
     want = reference[setup]
-    spec = next(entry for entry in LAYOUTS if entry["name"] == layout)
     kwargs = ALL_SETUPS[setup]
     for got in (rank[f"{layout}/{setup}"] for rank in ranks):
         if "pipeline_layout" in spec:  # the stages hold what the layout says

@@ -22,17 +22,27 @@ from tests.harness import launch
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
-# (name, TP, PP, VPP, sequence parallel, chunks per step). Interleaved layouts take each
+# (name, TP, PP, VPP, sequence parallel, chunks per step, CP). Interleaved layouts take each
 # rank's micro-batches (of 1) in one chunk: several micro-batch groups of PP=2 per call.
 # The default tier: DP=4 (uneven tokens, a rank with none), TP with sequence parallelism over DP,
-# interleaved PP with TP (several micro-batch groups, both word-embedding copies).
-FOUR_RANK_LAYOUTS = [("dp4", 1, 1, None, False, 2), ("tp2_dp2_sp", 2, 1, None, True, 2),
-                     ("tp2_pp2_vpp2", 2, 2, 2, False, 1)]
+# interleaved PP with TP (several micro-batch groups, both word-embedding copies), context
+# parallelism over DP (each sequence's mean over its pieces on two ranks; 0.19.2's series).
+FOUR_RANK_LAYOUTS = [("dp4", 1, 1, None, False, 2, 1), ("tp2_dp2_sp", 2, 1, None, True, 2, 1),
+                     ("tp2_pp2_vpp2", 2, 2, 2, False, 1, 1), ("cp2_dp2", 1, 1, None, False, 2, 2)]
 TWO_RANK_LAYOUTS = []  # the two-rank launch checks the refusals only
-# The matrix tier's: TP and PP over DP without SP, interleaved PP over DP and alone, TP=2 with SP.
-MATRIX_FOUR_RANK_LAYOUTS = [("tp2_dp2", 2, 1, None, False, 2), ("pp2_dp2", 1, 2, None, False, 2),
-                            ("dp2_pp2_vpp2", 1, 2, 2, False, 1)]
-MATRIX_TWO_RANK_LAYOUTS = [("pp2_vpp2", 1, 2, 2, False, 1), ("tp2_sp", 2, 1, None, True, 2)]
+# The matrix tier's: TP and PP over DP without SP, interleaved PP over DP and alone, TP=2 with SP,
+# CP with TP and sequence parallelism, CP with PP.
+MATRIX_FOUR_RANK_LAYOUTS = [("tp2_dp2", 2, 1, None, False, 2, 1), ("pp2_dp2", 1, 2, None, False, 2, 1),
+                            ("dp2_pp2_vpp2", 1, 2, 2, False, 1, 1), ("tp2_cp2_sp", 2, 1, None, True, 2, 2),
+                            ("pp2_cp2", 1, 2, None, False, 1, 2)]
+MATRIX_TWO_RANK_LAYOUTS = [("pp2_vpp2", 1, 2, 2, False, 1, 1), ("tp2_sp", 2, 1, None, True, 2, 1)]
+
+
+def on_build(build: str, layouts: list) -> list:
+    """The layouts a build runs: MTP with context parallelism is 0.19.2's series only."""
+    return [layout for layout in layouts if layout[6] == 1 or build == "0.19.2"]
+
+
 CASES_PER_LAYOUT = 7  # isolation x main-loss level x counts, and uneven data (DP=4: 11)
 
 
@@ -53,7 +63,7 @@ def layouts(build, single, ckpt_root):
     """Every rank's results of the four-rank layouts and of the two-rank ones, and the
     learned-absolute refusals of both worlds."""
     four = launch("tests.bodies.normalization:parallel_layouts_and_refusals", 4,
-                  {"ckpt_root": ckpt_root, "layouts": FOUR_RANK_LAYOUTS,
+                  {"ckpt_root": ckpt_root, "layouts": on_build(build, FOUR_RANK_LAYOUTS),
                    "refusal_layouts": [("pp2_dp2", 1, 2), ("tp2_pp2", 2, 2), ("dp4", 1, 1)]},
                   timeout=900, build=build)
     two = launch("tests.bodies.normalization:parallel_layouts_and_refusals", 2,
@@ -130,7 +140,7 @@ def test_abort_restores_everything(single):
 @pytest.fixture(scope="module")
 def matrix_layouts(build, single, ckpt_root):
     four = launch("tests.bodies.normalization:parallel_layouts_and_refusals", 4,
-                  {"ckpt_root": ckpt_root, "layouts": MATRIX_FOUR_RANK_LAYOUTS, "refusal_layouts": []},
+                  {"ckpt_root": ckpt_root, "layouts": on_build(build, MATRIX_FOUR_RANK_LAYOUTS), "refusal_layouts": []},
                   timeout=900, build=build)
     two = launch("tests.bodies.normalization:parallel_layouts_and_refusals", 2,
                  {"ckpt_root": ckpt_root, "layouts": MATRIX_TWO_RANK_LAYOUTS, "refusal_layouts": []},
@@ -146,12 +156,12 @@ def assert_layouts_match(four, two, expected_four: int, expected_two: int) -> No
             assert value["full_rel"] < TOL, (key, value["full_rel"])
 
 
-def test_parallel_layouts_match_the_reference(layouts):
+def test_parallel_layouts_match_the_reference(build, layouts):
     """Full gradients of every parameter copy: DP=4 (uneven tokens, a rank with none), TP=2 x
     DP=2 with sequence parallelism, interleaved PP=2 x VPP=2 with TP=2 over several micro-batch
-    groups."""
+    groups, CP=2 x DP=2 (token- and sequence-level main loss)."""
     four, two = layouts
-    assert_layouts_match(four, two, 11 + (len(FOUR_RANK_LAYOUTS) - 1) * CASES_PER_LAYOUT,
+    assert_layouts_match(four, two, 11 + (len(on_build(build, FOUR_RANK_LAYOUTS)) - 1) * CASES_PER_LAYOUT,
                          len(TWO_RANK_LAYOUTS) * CASES_PER_LAYOUT)
     tokens = [rank["layouts"]["dp4/detach0/token/upfront/uneven"]["local_tokens"] for rank in four]
     assert max(tokens) >= 3 * min(tokens)  # really uneven
@@ -159,11 +169,11 @@ def test_parallel_layouts_match_the_reference(layouts):
 
 
 @pytest.mark.matrix
-def test_more_parallel_layouts_match_the_reference(matrix_layouts):
+def test_more_parallel_layouts_match_the_reference(build, matrix_layouts):
     """The matrix tier's layouts: TP=2 x DP=2 and PP=2 x DP=2 without sequence parallelism, TP=2 with it,
-    interleaved PP=2 x VPP=2 with DP=2 and alone."""
+    interleaved PP=2 x VPP=2 with DP=2 and alone, CP=2 with TP=2 and sequence parallelism, CP=2 x PP=2."""
     four, two = matrix_layouts
-    assert_layouts_match(four, two, len(MATRIX_FOUR_RANK_LAYOUTS) * CASES_PER_LAYOUT,
+    assert_layouts_match(four, two, len(on_build(build, MATRIX_FOUR_RANK_LAYOUTS)) * CASES_PER_LAYOUT,
                          len(MATRIX_TWO_RANK_LAYOUTS) * CASES_PER_LAYOUT)
 
 

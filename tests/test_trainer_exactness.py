@@ -68,6 +68,12 @@ LAYOUTS = {
     "tp2-sequence-parallel-sparse-lm-loss": (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                  "--sparse-lm-loss", "--micro-batch-size", "2",
                                                  "--make-vocab-size-divisible-by", "128")),
+    # Context parallelism: every sequence cut over 2 ranks (upstream's load-balanced chunks), the
+    # MTP targets rolled across them (issue 28).
+    "cp2": (2, ("--context-parallel-size", "2", "--micro-batch-size", "2", "--make-vocab-size-divisible-by", "256")),
+    "cp2-dp2": (4, ("--context-parallel-size", "2", "--micro-batch-size", "2",
+                    "--make-vocab-size-divisible-by", "256")),
+    "two-micro-batches": (1, ("--micro-batch-size", "4", "--make-vocab-size-divisible-by", "256")),
 }
 COMPARED = ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm", "mtp grad norm")
 
@@ -82,8 +88,13 @@ def initial_weights(dataset, tmp_path_factory):
 
 
 @pytest.mark.parametrize("level,isolation,layouts", [
-    pytest.param("token", ("--mtp-detach-heads",), ("tp2-sequence-parallel", "pp2-vpp2"), id="token-isolated"),
-    pytest.param("sequence", (), ("pp2-vpp2",), id="sequence-attached"),
+    pytest.param("token", ("--mtp-detach-heads",), ("tp2-sequence-parallel", "pp2-vpp2", "cp2"), id="token-isolated"),
+    pytest.param("sequence", (), ("pp2-vpp2", "cp2-dp2"), id="sequence-attached"),
+    # Context parallelism with isolation off at token level and on at sequence level.
+    pytest.param("token", (), ("two-micro-batches", "cp2", "cp2-dp2"), id="token-attached-cp",
+                 marks=pytest.mark.matrix),
+    pytest.param("sequence", ("--mtp-detach-heads",), ("cp2-dp2",), id="sequence-isolated-cp",
+                 marks=pytest.mark.matrix),
     # DP with the distributed optimizer (its model-level case in the default tier: test_mtp_layouts'
     # dp4_distributed_optimizer); the sparse main loss on TP x SP (its rows against the dense loss
     # also in test_mtp_sparse_loss).
@@ -127,6 +138,7 @@ RESUME_CASES = {
     "pp2-vpp2-distinct-isolated": (2, ("--pipeline-model-parallel-size", "2", "--num-layers", "4",
                                        "--num-virtual-stages-per-pipeline-rank", "2", "--mtp-num-layers", "1",
                                        "--mtp-detach-heads", "--micro-batch-size", "1")),
+    "cp2-distinct-attached": (2, ("--context-parallel-size", "2", "--mtp-num-layers", "2")),
 }
 
 
@@ -156,3 +168,19 @@ def test_a_resumed_run_repeats_the_uninterrupted_run_bit_for_bit(case, dataset, 
     different = [key for key in final if not final[key].equal(again[key])]
     assert not different, different[:5]
     assert any(key.startswith("optimizer") for key in final), list(final)[:5]
+
+
+def test_a_checkpoint_saved_with_context_parallelism_trains_on_without_it(dataset, tmp_path):
+    """Saved at CP = 2 (iteration 3 of 6), loaded on one rank without CP: iterations 4-6 give the
+    losses and gradient norms of the CP = 2 run that went on (rel 2e-5: the sums run in another
+    order; dropout off, as the random streams of two ranks cannot be one rank's)."""
+    common = (*RESUME, "--data-path", str(dataset), "--mtp-num-layers", "2", "--hidden-dropout", "0",
+              "--attention-dropout", "0")
+    whole, whole_scalars = trained(2, *common, "--context-parallel-size", "2", "--save", str(tmp_path / "cp2"),
+                                   tmp_path=tmp_path, name="cp2")
+    resumed, resumed_scalars = trained(1, *common, "--load", str(tmp_path / "cp2"), "--ckpt-step", "3",
+                                       "--save", str(tmp_path / "cp1"), tmp_path=tmp_path, name="cp1")
+    assert sorted(resumed.iterations) == [4, 5, 6], resumed.tail()
+    for tag in ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm"):
+        for step in (4, 5, 6):
+            assert close(resumed_scalars[tag][step], whole_scalars[tag][step]), (tag, step)

@@ -135,6 +135,19 @@ def slow_decay(model) -> None:
                 param.copy_(torch.empty(param.shape).uniform_(-2.0, 0.0, generator=g))
 
 
+def delta_net_reference(model, depths: int, detach: bool):
+    """The reference (a recurrent Gated DeltaNet first layer) on the "G-*-" model's weights, and
+    the map from the model's parameter names to the reference's."""
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    names = {name: reference_name(name) for name in state}
+    ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, 2, depths, groups=GROUPS, detach_heads=detach,
+                       mtp_loss_scaling_factor=LAMBDA, mtp_inner_name="mtp_model_layer",
+                       arch=Architecture(normalization="RMSNorm", swiglu=True, delta_net=DELTA_NET,
+                                         linear_layers=frozenset({0})))
+    ref.load_state_dict({names[k]: v for k, v in state.items()}, strict=True)
+    return ref, names
+
+
 def delta_net_case(depths: int, detach: bool, sparse: bool) -> dict:
     """Pattern "G-*-" + "/*-" per depth (Qwen3-Next's: linear-attention layers, full attention in
     the MTP depths) against the reference's recurrent Gated DeltaNet on the model's weights."""
@@ -143,13 +156,7 @@ def delta_net_case(depths: int, detach: bool, sparse: bool) -> dict:
     torch.manual_seed(3000 + depths)
     model = build_hybrid(config, VOCAB, DELTA_NET_SEQ, "G-*-" + "/*-" * depths)
     slow_decay(model)
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    names = {name: reference_name(name) for name in state}
-    ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, 2, depths, groups=GROUPS, detach_heads=detach,
-                       mtp_loss_scaling_factor=LAMBDA, mtp_inner_name="mtp_model_layer",
-                       arch=Architecture(normalization="RMSNorm", swiglu=True, delta_net=DELTA_NET,
-                                         linear_layers=frozenset({0})))
-    ref.load_state_dict({names[k]: v for k, v in state.items()}, strict=True)
+    ref, names = delta_net_reference(model, depths, detach)
     input_ids, labels, mask, _ = long_padded_batch(depths)
     got = run_megatron(model, input_ids, labels, mask, None)
     _, main_ce, per_depth = ref.losses(input_ids, labels, mask, None)

@@ -126,7 +126,7 @@ def layouts(ckpt_root: str, layouts: list[dict], setups: dict) -> dict:
     for layout in layouts:
         names = layout.get("setups", list(setups))
         if layout.get("pipeline_layout") is None:
-            with model_parallel(tp=layout["tp"], pp=layout["pp"], vpp=layout.get("vpp")):
+            with model_parallel(tp=layout["tp"], pp=layout["pp"], vpp=layout.get("vpp"), cp=layout.get("cp", 1)):
                 for name in names:
                     out[f"{layout['name']}/{name}"] = one_layout_step(ckpt_root, layout, name, setups[name])
         else:

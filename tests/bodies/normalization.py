@@ -73,6 +73,7 @@ def build(detach: bool, lam: float = 0.3, fp16: bool = False, clip_grad: float =
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         sequence_parallel=sequence_parallel,
     )
     chunks = build_model(config, VOCAB, SEQ, share_embeddings_and_output_weights=False,
@@ -282,12 +283,12 @@ def abort_restores(tokens, mask) -> dict:
 
 
 def parallel_layouts(ckpt_root: str, layouts: list) -> dict:
-    """Each layout (name, TP, PP, VPP, sequence parallel, chunks per step) against the
+    """Each layout (name, TP, PP, VPP, sequence parallel, chunks per step, CP) against the
     single-process reference: every copy of every parameter's full gradient (all TP shards,
     stages, virtual chunks, both word-embedding copies), micro-batches of 1."""
     out = {}
-    for name, tp, pp, vpp, sequence_parallel, n_chunks in layouts:
-        with model_parallel(tp=tp, pp=pp, vpp=vpp):
+    for name, tp, pp, vpp, sequence_parallel, n_chunks, cp in layouts:
+        with model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp):
             dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
             for detach in (False, True):
                 for level, up_front, kind in (("token", True, "uneven"), ("token", False, "uneven"),

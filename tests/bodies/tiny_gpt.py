@@ -116,6 +116,7 @@ def build(setup: Setup, vpp: int | None = None):
         pipeline_dtype=dtype,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         virtual_pipeline_model_parallel_size=vpp,
         calculate_per_token_loss=True,
         **moe_config_kwargs(setup),
