@@ -60,9 +60,10 @@ def check_exact_step(config) -> None:
     """Refuse what an exact step cannot normalize (before any state changes)."""
     if not getattr(config, "num_moe_experts", None):
         return
-    if active(config) and config.context_parallel_size > 1:
+    cp = getattr(config, "context_parallel_size", 1)
+    if active(config) and cp > 1:
         raise ValueError(
-            f"MoE router losses with context parallelism (context_parallel_size={config.context_parallel_size}) "
+            f"MoE router losses with context parallelism (context_parallel_size={cp}) "
             "are not normalized exactly: each context-parallel rank routes a piece of every sequence, and the "
             "step's router statistics across those pieces are not implemented. Set --moe-aux-loss-coeff 0 "
             "and drop --moe-z-loss-coeff, or use --context-parallel-size 1"
