@@ -64,6 +64,7 @@ def check(args, world: int, error) -> None:
     try:
         router_losses.check_exact_step(SimpleNamespace(
             num_moe_experts=experts, moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff))
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+            context_parallel_size=args.context_parallel_size))
     except ValueError as refusal:
         raise error(str(refusal)) from None

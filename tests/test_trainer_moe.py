@@ -186,6 +186,8 @@ REFUSALS = [
     (("--expert-model-parallel-size", "4"), "world size 2 is not a multiple of expert-tensor x expert x pipeline"),
     (("--moe-permute-fusion",), "--moe-permute-fusion needs a CUDA kernel"),
     (("--moe-router-load-balancing-type", "global_aux_loss"), "cannot be normalized exactly"),
+    (("--context-parallel-size", "2"), "MoE router losses with context parallelism (context_parallel_size=2) are not "
+                                       "normalized exactly"),
 ]
 
 
