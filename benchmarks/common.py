@@ -30,7 +30,8 @@ def setup_process() -> None:
     initialize_model_parallel(1, 1, None, 1234)
 
 
-def build(depths: int, detach: bool = False, repeated: bool = False, vocab: int = SHAPE["vocab"], **config_fields):
+def build(depths: int, detach: bool = False, repeated: bool = False, vocab: int = SHAPE["vocab"],
+          seq: int = SHAPE["seq"], batch: int = SHAPE["batch"], **config_fields):
     """GPT of SHAPE with `depths` MTP depths (SDPA layer spec, fixed seed) and a batch of tokens;
     `config_fields`: further TransformerConfig fields."""
     import torch
@@ -50,35 +51,80 @@ def build(depths: int, detach: bool = False, repeated: bool = False, vocab: int 
 
         destroy_moe_metrics_tracker()
     torch.manual_seed(0)
-    model = build_gpt(config, vocab, SHAPE["seq"])
-    tokens = torch.randint(0, vocab, (SHAPE["batch"], SHAPE["seq"] + 1),
+    model = build_gpt(config, vocab, seq)
+    tokens = torch.randint(0, vocab, (batch, seq + 1),
                            generator=torch.Generator().manual_seed(1))
     return model, tokens
 
 
-def step(model, tokens, valid_fraction: float = 1.0) -> None:
+def step(model, tokens, valid_fraction: float = 1.0, cp_group=None) -> None:
     """Forward and backward of one micro-batch; with valid_fraction < 1 the leading
-    1 - valid_fraction of every row is masked (an RL or SFT prompt)."""
+    1 - valid_fraction of every row is masked (an RL or SFT prompt); with `cp_group` (context
+    parallelism) the rank's pieces of the rows (upstream's load-balanced split)."""
     import torch
+
+    from megatron.core.fork import context_parallel
 
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1)).unsqueeze(0).expand_as(inputs)
     mask = torch.ones_like(labels, dtype=torch.float)
     mask[:, :round(labels.size(1) * (1 - valid_fraction))] = 0.0
+    if cp_group is not None:
+        inputs, labels, positions, mask = (context_parallel.shard(t, 1, cp_group)
+                                           for t in (inputs, labels, positions, mask))
     model.zero_grad(set_to_none=True)
     out = model(inputs, positions, None, labels=labels, loss_mask=mask)
     (out * mask).sum().backward()
 
 
-def peak_step_memory_mib(model, tokens, valid_fraction: float = 1.0) -> float:
+def peak_step_memory_mib(model, tokens, valid_fraction: float = 1.0, cp_group=None) -> float:
     """Peak of live CPU tensor memory during one step (after a warm-up step), from every
     allocation and free that torch.profiler records: deterministic, unlike resident memory."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
-    step(model, tokens, valid_fraction)
+    step(model, tokens, valid_fraction, cp_group)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
-        step(model, tokens, valid_fraction)
+        step(model, tokens, valid_fraction, cp_group)
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
     return max(sum(categories) for categories in sizes) / 2**20
+
+
+def peak_step_heap_mib(run_step) -> float:
+    """Peak growth of the process's malloc heap in use during `run_step()` (after a warm-up
+    call), sampled after every tensor operation, forward and backward: glibc's mallinfo2 counts
+    the bytes in use, and torch's CPU tensors are allocated by malloc. For steps with
+    collectives, which torch.profiler's memory timeline (peak_step_memory_mib) cannot follow
+    (its data-flow analysis rejects the in-place outputs of gloo's all-gather)."""
+    import ctypes
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+            "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+
+    def in_use() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    class Sampling(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.peak = in_use()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, in_use())
+            return out
+
+    run_step()
+    start = in_use()
+    with Sampling() as sampling:
+        run_step()
+    return (sampling.peak - start) / 2**20
