@@ -4,7 +4,8 @@
   series' roll_tensor hands CP pieces and packed rows to) equals the global roll of whole
   rows and of packed rows of odd-length sequences (padded to multiples of 2 x CP, one of a
   single token), at CP = 2 on a strict subgroup of the world (TP = 2) and at CP = 4, and
-  exchanges on the CP group only.
+  exchanges on the CP group only; upstream's packed-row data split (get_batch_on_this_cp_rank,
+  without Transformer Engine the runtime part's) gives the same pieces.
 - Pristine upstream's roll (with only the series' runtime part) on the same pieces: its
   exchange runs on the WORLD group (#6746, fixed on Megatron-LM main, not in 0.19) and its
   packed roll does not give the global roll (#4494/#4495: it maps the padded layout with the
@@ -73,7 +74,8 @@ def test_the_roll_is_the_global_roll_on_the_cp_group(rolls):
     for rank in rolls:
         assert len(rank) == len(ROLL_CASES)
         for case, checks in rank.items():
-            assert checks == {"row": True, "on_the_cp_group": True, "unshard": True, "packed": True}, case
+            assert checks == {"row": True, "on_the_cp_group": True, "unshard": True, "thd_split": True,
+                              "packed": True}, case
 
 
 def test_upstream_roll_exchanges_on_the_world_group_and_breaks_packed_rows(current, upstream_tree):

@@ -12,7 +12,8 @@ first iteration (dropout masks drawn after an MTP forward, and the output layer'
 weights).
 
 Layouts: one rank (default tier); TP = 2, PP = 2 (the MTP depths and an embedding copy on the
-last stage), DP = 2 and MoE with EP = 2 (matrix tier).
+last stage), DP = 2, MoE with EP = 2 and context parallelism CP = 2 (every sequence cut over
+both ranks; the MTP targets rolled across them) (matrix tier).
 """
 
 import pytest
@@ -39,6 +40,7 @@ LAYOUTS = {
                     "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff",
                     "1e-2", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                     "--expert-model-parallel-size", "2")),
+    "cp2": (2, ("--context-parallel-size", "2")),
 }
 
 

@@ -209,6 +209,17 @@ def roll_checks(cases: list) -> dict:
     return {f"cp{cp}-{tuple(lengths)}": _roll_check(cp, tuple(lengths)) for cp, lengths in cases}
 
 
+def upstream_thd_split_is_the_layout(row, padded, cp_group, mine) -> bool:
+    """Upstream's packed split (get_batch_on_this_cp_rank with cu_seqlens; without Transformer
+    Engine the runtime part's) gives every sequence-dimension tensor the layout's piece."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = {key: row.clone() for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    batch.update(cu_seqlens=padded.unsqueeze(0), cu_seqlens_padded=padded.unsqueeze(0))
+    split = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return all(torch.equal(split[key], mine) for key in ("tokens", "labels", "loss_mask", "position_ids"))
+
+
 def _roll_check(cp: int, lengths: tuple) -> dict:
     """The MTP roll of a CP rank's pieces (TP = world / CP, so that at CP < world the CP group is
     a strict subgroup): whether every exchange runs on the CP group (#6746); whether whole rows
@@ -236,6 +247,7 @@ def _roll_check(cp: int, lengths: tuple) -> dict:
                                  cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
         mine = context_parallel.shard(row, 1, cp_group, padded)
         out["unshard"] = bool(torch.equal(context_parallel.unshard(mine, 1, cp_group, padded), row))
+        out["thd_split"] = upstream_thd_split_is_the_layout(row, padded, cp_group, mine)
         try:
             got, _ = multi_token_prediction.roll_tensor(mine, -1, -1, cp_group, packed)
             out["packed"] = bool(torch.equal(got, context_parallel.shard(want, 1, cp_group, padded)))

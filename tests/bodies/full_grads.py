@@ -24,11 +24,18 @@ def global_name(model, name: str) -> str:
     return ".".join(parts)
 
 
+def _gated_halves(chunk, name: str) -> bool:
+    """A gated linear unit's first MLP projection (SwiGLU): each TP rank holds [gate; up] of its
+    shard, so the full tensor is every rank's gate half, then every rank's up half."""
+    return bool(chunk.module.config.gated_linear_unit) and ".mlp.linear_fc1." in f".{name}" and ".experts." not in name
+
+
 def _local_pieces(chunks) -> list:
     pieces = []
     for chunk in chunks:
         for name, param in chunk.module.named_parameters():
             split = bool(getattr(param, "tensor_model_parallel", False))
+            split = "gated" if split and _gated_halves(chunk, name) else split
             pieces.append((global_name(chunk.module, name), split, getattr(param, "partition_dim", 0),
                            param.main_grad.detach().float().cpu()))
     return pieces
@@ -50,7 +57,10 @@ def gathered_full_grads(chunks) -> dict:
         for i, (name, split, dim, _) in enumerate(by_tp[0]):
             shards = [pieces[i][3] for pieces in by_tp]
             assert all(pieces[i][0] == name for pieces in by_tp), "TP ranks disagree on the parameters"
-            if split:
+            if split == "gated":
+                halves = [shard.chunk(2, dim=dim) for shard in shards]
+                full.setdefault(name, []).append(torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim))
+            elif split:
                 full.setdefault(name, []).append(torch.cat(shards, dim=dim))
             else:
                 full.setdefault(name, []).extend(shards)

@@ -59,13 +59,49 @@ class Setup:
     # HybridModel instead of GPTModel: the same network, each layer an attention layer then an
     # MLP layer ("*-"), each MTP depth likewise ("/*-"); "|" between (virtual) pipeline stages.
     hybrid: bool = False
+    # An architecture of ARCHITECTURES (its TransformerConfig fields), "" for the default GPT.
+    arch: str = ""
+
+
+# The architectures MTP models use (issue 27), as TransformerConfig fields for Setup.arch:
+# Qwen3's attention (q/k RMSNorm) with Qwen3-Next's output gate; DeepSeek-V3's multi-latent
+# attention (q- and kv-LoRA, YaRN, q/k RMSNorm); Qwen3-Next's Gated DeltaNet (a hybrid setup's
+# first layer "G", needs SwiGLU, whose convolution and gate use SiLU).
+ARCHITECTURES = {
+    "": {},
+    "qk_rmsnorm_gate": dict(qk_layernorm=True, normalization="RMSNorm", attention_output_gate=True),
+    "mla_yarn": dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+                     qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="yarn", rotary_scaling_factor=4.0,
+                     original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.5, qk_layernorm=True,
+                     normalization="RMSNorm"),
+    "delta_net": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8, linear_conv_kernel_dim=4, normalization="RMSNorm",
+                      gated_linear_unit=True),
+}
+
+
+def architecture_config(setup: Setup):
+    """(the config class, its fields) of the setup's architecture: MLA's config class, or this
+    module's TransformerConfig (which tests.bodies.mtp_layouts may wrap for a call)."""
+    import torch.nn.functional as F
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    fields = dict(ARCHITECTURES[setup.arch])
+    if fields.get("gated_linear_unit"):
+        fields["activation_func"] = F.silu
+    return (MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig), fields
 
 
 def hybrid_layer_pattern(setup: Setup, stages: int) -> str:
-    """The setup's network as upstream's hybrid pattern, its layers split evenly over `stages`."""
+    """The setup's network as upstream's hybrid pattern, its layers split evenly over `stages`
+    (with Gated DeltaNet, the first layer's mixer is one, "G")."""
     per_stage, rest = divmod(setup.num_layers, stages)
     assert rest == 0, "a hybrid setup's layers split evenly over the pipeline stages"
-    return "|".join(["*-" * per_stage] * stages) + "/*-" * setup.mtp_num_layers
+    pattern = "|".join(["*-" * per_stage] * stages)
+    if setup.arch == "delta_net":
+        pattern = "G" + pattern[1:]
+    return pattern + "/*-" * setup.mtp_num_layers
 
 
 def moe_config_kwargs(setup: Setup) -> dict:
@@ -101,7 +137,8 @@ def build(setup: Setup, vpp: int | None = None):
     dtype = torch.bfloat16 if setup.bf16 else torch.float32
     stages = parallel_state.get_pipeline_model_parallel_world_size() * (vpp or 1)
     pattern = hybrid_layer_pattern(setup, stages) if setup.hybrid else None
-    config = TransformerConfig(
+    config_class, arch_fields = architecture_config(setup)
+    config = config_class(
         num_layers=setup.num_layers * (2 if setup.hybrid else 1),  # a hybrid layer is half a GPT layer
         hidden_size=setup.hidden_size,
         num_attention_heads=setup.num_heads,
@@ -120,6 +157,7 @@ def build(setup: Setup, vpp: int | None = None):
         virtual_pipeline_model_parallel_size=vpp,
         calculate_per_token_loss=True,
         **moe_config_kwargs(setup),
+        **arch_fields,
     )
     chunks = build_model(config, setup.vocab_size, setup.seq_length,
                          use_distributed_optimizer=setup.distributed_optimizer,
