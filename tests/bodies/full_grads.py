@@ -24,18 +24,32 @@ def global_name(model, name: str) -> str:
     return ".".join(parts)
 
 
-def _gated_halves(chunk, name: str) -> bool:
-    """A gated linear unit's first MLP projection (SwiGLU): each TP rank holds [gate; up] of its
-    shard, so the full tensor is every rank's gate half, then every rank's up half."""
-    return bool(chunk.module.config.gated_linear_unit) and ".mlp.linear_fc1." in f".{name}" and ".experts." not in name
+def _sections(chunk) -> dict:
+    """{local parameter name: the sizes of the sections each TP rank's shard is made of}, for the
+    parameters whose full tensor is every rank's first section, then every rank's second, and so
+    on, rather than rank after rank: a gated linear unit's first MLP projection ([gate; up], SwiGLU)
+    and a Gated DeltaNet's input projection (q, k, v, gate, beta, alpha) and convolution (q, k, v)."""
+    sections = {}
+    gated = bool(chunk.module.config.gated_linear_unit)
+    for module_name, module in chunk.module.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if gated and module_name.endswith("mlp") and ".experts" not in module_name and hasattr(module, "linear_fc1"):
+            for param_name, param in module.linear_fc1.named_parameters():
+                sections[f"{prefix}linear_fc1.{param_name}"] = [param.size(0) // 2] * 2
+        if hasattr(module, "in_proj_split_sections"):
+            parts = list(module.in_proj_split_sections)
+            sections[f"{prefix}in_proj.weight"] = parts
+            sections[f"{prefix}conv1d.weight"] = parts[:3]
+    return sections
 
 
 def _local_pieces(chunks) -> list:
     pieces = []
     for chunk in chunks:
+        sections = _sections(chunk)
         for name, param in chunk.module.named_parameters():
             split = bool(getattr(param, "tensor_model_parallel", False))
-            split = "gated" if split and _gated_halves(chunk, name) else split
+            split = sections.get(name, True) if split else False
             pieces.append((global_name(chunk.module, name), split, getattr(param, "partition_dim", 0),
                            param.main_grad.detach().float().cpu()))
     return pieces
@@ -57,9 +71,10 @@ def gathered_full_grads(chunks) -> dict:
         for i, (name, split, dim, _) in enumerate(by_tp[0]):
             shards = [pieces[i][3] for pieces in by_tp]
             assert all(pieces[i][0] == name for pieces in by_tp), "TP ranks disagree on the parameters"
-            if split == "gated":
-                halves = [shard.chunk(2, dim=dim) for shard in shards]
-                full.setdefault(name, []).append(torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim))
+            if isinstance(split, list):  # section by section (_sections)
+                parts = [shard.split(split, dim=dim) for shard in shards]
+                full.setdefault(name, []).append(
+                    torch.cat([part[k] for k in range(len(split)) for part in parts], dim=dim))
             elif split:
                 full.setdefault(name, []).append(torch.cat(shards, dim=dim))
             else:
