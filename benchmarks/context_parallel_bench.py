@@ -34,7 +34,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    import torch
     import torch.distributed as dist
 
     from megatron.core import parallel_state

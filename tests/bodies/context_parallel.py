@@ -205,8 +205,9 @@ def rolled_in_sequences(row: torch.Tensor, bounds: list) -> torch.Tensor:
 
 
 def roll_checks(cases: list) -> dict:
-    """`_roll_check` of each (CP, lengths) case, by "cp{CP}-{lengths}"."""
-    return {f"cp{cp}-{tuple(lengths)}": _roll_check(cp, tuple(lengths)) for cp, lengths in cases}
+    """`_roll_check` of each (CP, lengths or None for PACKED_LENGTHS) case, by "cp{CP}-{lengths}"."""
+    cases = [(cp, tuple(lengths or PACKED_LENGTHS)) for cp, lengths in cases]
+    return {f"cp{cp}-{lengths}": _roll_check(cp, lengths) for cp, lengths in cases}
 
 
 def upstream_thd_split_is_the_layout(row, padded, cp_group, mine) -> bool:

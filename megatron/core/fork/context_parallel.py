@@ -17,6 +17,7 @@ tokens with isend/irecv on the WORLD group (Megatron-LM #6746) and, for packed r
 boundaries with the unpadded ``cu_seqlens`` (#4494): both are replaced by this.
 """
 
+from itertools import pairwise
 from typing import Optional
 
 import torch
@@ -38,9 +39,9 @@ def _segment_bounds(total: int, cu_seqlens_padded: Optional[Tensor]) -> list[tup
     if cu_seqlens_padded is None:
         return [(0, total)]
     bounds = [int(x) for x in cu_seqlens_padded.flatten().tolist()]
-    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in pairwise(bounds)):
         raise ValueError(f"packed row of {total} positions does not match cu_seqlens_padded {bounds}")
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(pairwise(bounds))
 
 
 def local_positions(total: int, cp_size: int, cp_rank: int, cu_seqlens_padded: Optional[Tensor] = None,
@@ -71,7 +72,7 @@ def shard(tensor: Tensor, dim: int, cp_group, cu_seqlens_padded: Optional[Tensor
     return tensor.index_select(dim, index)
 
 
-def _gather_pieces(local: Tensor, dim: int, cp_group) -> list[Tensor]:
+def _gather_pieces(local: Tensor, cp_group) -> list[Tensor]:
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(cp_group))]
     dist.all_gather(pieces, local.contiguous(), group=cp_group)
     return pieces
@@ -83,7 +84,7 @@ def unshard(local: Tensor, dim: int, cp_group, cu_seqlens_padded: Optional[Tenso
     cp_size, _ = _size_rank(cp_group)
     if cp_size == 1:
         return local
-    pieces = _gather_pieces(local.detach(), dim, cp_group)
+    pieces = _gather_pieces(local.detach(), cp_group)
     total = local.size(dim) * cp_size
     full = local.new_empty(local.shape[:dim] + (total,) + local.shape[dim + 1:])
     for rank, piece in enumerate(pieces):
@@ -127,7 +128,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, local: Tensor, cp_group) -> Tensor:
         ctx.cp_group = cp_group
         ctx.rows = local.size(0)
-        return torch.cat(_gather_pieces(local, 0, cp_group), dim=0)
+        return torch.cat(_gather_pieces(local, cp_group), dim=0)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
