@@ -215,11 +215,10 @@ def _check(args) -> None:
 
 def _shape_of(args) -> dict:
     """The model_shape (megatron.core.fork.model_shape) the arguments build, without building it."""
-    from megatron.core.fork.model_shape import config_shape, hybrid_layers
+    from megatron.core.fork.model_shape import config_shape
     from megatron.training.arguments import core_transformer_config_from_args
 
-    shape = config_shape(core_transformer_config_from_args(args))
-    shape["hybrid_layer_pattern"] = hybrid_layers(args.hybrid_layer_pattern)
+    shape = config_shape(core_transformer_config_from_args(args), args.hybrid_layer_pattern)
     shape["vocab_size"] = args.padded_vocab_size
     shape["share_embeddings_and_output_weights"] = not args.untie_embeddings_and_output_weights
     return shape

@@ -16,7 +16,9 @@ Resume. A run saves at iteration 3 of 6; a second run loads that checkpoint and 
 to 6. Its console lines, TensorBoard scalars (cumulative acceptance included) and final
 checkpoint (every model and optimizer tensor) must equal the first run's, with dropout
 on, for distinct and repeated MTP layers, isolation on and off, the distributed
-optimizer, TP and PP with virtual stages.
+optimizer, TP and PP with virtual stages, context parallelism, and the architectures
+of DeepSeek-V3 (MLA, MoE with EP = 2) and Qwen3-Next (Gated DeltaNet, gated attention,
+TP = 2). A checkpoint saved with CP = 2 trains on at CP = 1.
 """
 
 import pytest
@@ -139,6 +141,19 @@ RESUME_CASES = {
                                        "--num-virtual-stages-per-pipeline-rank", "2", "--mtp-num-layers", "1",
                                        "--mtp-detach-heads", "--micro-batch-size", "1")),
     "cp2-distinct-attached": (2, ("--context-parallel-size", "2", "--mtp-num-layers", "2")),
+    # The architectures MTP models use (issue 27): DeepSeek-V3's (MLA with q-/kv-LoRA and YaRN, q/k
+    # RMSNorm, MoE behind a dense first layer, experts over 2 ranks) and Qwen3-Next's (Gated DeltaNet
+    # and gated attention with TP = 2, which splits both).
+    "deepseek-v3-mla-moe-ep2-isolated": (2, (
+        "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--normalization", "RMSNorm",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1]",
+        "--disable-bias-linear", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2",
+        "--expert-model-parallel-size", "2", "--mtp-num-layers", "2", "--mtp-detach-heads")),
+    "qwen3-next-gated-deltanet-tp2-attached": (2, (
+        "--hybrid-layer-pattern", "G-*-/*-", "--swiglu", "--normalization", "RMSNorm", "--attention-output-gate",
+        "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+        "--linear-value-head-dim", "16", "--linear-conv-kernel-dim", "4", "--tensor-model-parallel-size", "2")),
 }
 
 

@@ -234,12 +234,14 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(moment, dataset, tm
 
 def test_resuming_into_another_shape_is_refused_naming_each_difference(dataset, checkpoint):
     run = train(2, *RUN, "--data-path", str(dataset), "--train-iters", "6", "--load", str(checkpoint),
-                "--mtp-num-layers", "3", "--mtp-use-repeated-layer", "--qk-layernorm", check=False)
+                "--mtp-num-layers", "3", "--mtp-use-repeated-layer", "--qk-layernorm", "--attention-output-gate",
+                check=False)
     assert run.returncode != 0
     (error,) = run.errors()
     assert "mtp_num_layers: checkpoint 2, model 3" in error and "mtp_use_repeated_layer: checkpoint False, " \
         "model True" in error, error
     assert "qk_layernorm: checkpoint False, model True" in error, error  # the attention's fields too (issue 27)
+    assert "attention_output_gate: checkpoint False, model True" in error, error
     assert "[rank" not in run.output
 
 

@@ -1,0 +1,58 @@
+"""The model shape a checkpoint records names every parameter-bearing architecture field.
+
+A checkpoint of one architecture loaded into a model of another must be refused naming the
+fields, not load the tensors both share: the attention's output gate and Gated DeltaNet's
+heads, head sizes and convolution are compared (issue 27), for HybridModel's `G` layers and
+GPTModel's experimental gated_delta_net layers; a shape saved before those fields were
+recorded is compared without them.
+"""
+
+import pytest
+from megatron.core.transformer import TransformerConfig
+
+from megatron.core.fork.model_shape import check_same_shape, config_shape
+
+BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, mtp_num_layers=1)
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+           linear_conv_kernel_dim=4)
+
+
+def shape(pattern=None, **fields):
+    return config_shape(TransformerConfig(**BASE, **fields), pattern)
+
+
+def refusal(saved, current):
+    with pytest.raises(ValueError) as error:
+        check_same_shape(saved, current)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("field, other", [("linear_num_value_heads", 8), ("linear_key_head_dim", 8),
+                                          ("linear_conv_kernel_dim", 2)])
+def test_gated_delta_net_fields_are_a_shape_in_hybrid_patterns(field, other):
+    message = refusal(shape("G*G*/*", **GDN), shape("G*G*/*", **dict(GDN, **{field: other})))
+    assert f"{field}: checkpoint {GDN[field]}, model {other}" in message, message
+
+
+def test_gated_delta_net_fields_are_a_shape_in_gpt_models():
+    variant = dict(GDN, experimental_attention_variant="gated_delta_net", linear_attention_freq=2)
+    message = refusal(shape(**variant), shape(**dict(variant, linear_attention_freq=4, linear_num_key_heads=4)))
+    assert "linear_attention_freq: checkpoint 2, model 4" in message and \
+        "linear_num_key_heads: checkpoint 2, model 4" in message, message
+
+
+def test_a_model_without_linear_attention_does_not_record_its_unused_defaults():
+    assert "linear_num_key_heads" not in shape("*-*-/*-")
+    check_same_shape(shape("*-*-/*-", **GDN), shape("*-*-/*-"))
+
+
+def test_the_output_gate_is_a_shape():
+    assert "attention_output_gate: checkpoint False, model True" in refusal(shape(), shape(attention_output_gate=True))
+
+
+def test_a_shape_saved_before_the_gate_and_linear_attention_fields_loads():
+    current = shape("G*G*/*", **GDN)
+    saved = {field: value for field, value in current.items()
+             if not field.startswith("linear_") and field not in ("attention_output_gate",
+                                                                  "experimental_attention_variant")}
+    check_same_shape(saved, current)
