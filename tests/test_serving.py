@@ -344,7 +344,7 @@ def test_differing_depths_imported_as_one_repeated_layer_are_refused_in_one_line
     assert refusal["status"] == 2 and len(refusal["stderr"]) == 1, refusal
     line = refusal["stderr"][0]
     assert line.startswith("convert_checkpoint.py: error: --mtp-use-repeated-layer: MTP depth 1 differs from "
-                           "depth 0 (transformer_layer.mlp.linear_fc1.weight)"), line
+                           "depth 0 (mtp_model_layer.mlp.linear_fc1.weight)"), line
     assert line.endswith("import the depths as distinct layers"), line
     assert not refusal["written"], refusal
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 / MiMo backbones and their MTP heads.
+"""Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 / MiMo / Qwen3 / Qwen3-MoE / DeepSeek-V3
+backbones and their MTP heads.
 
     # a Hugging Face model into the trainer (draft heads for an existing model)
     tools/convert_checkpoint.py import HF_DIR OUT_DIR [--mtp-num-layers D] [--tensor-model-parallel-size T]
@@ -12,8 +13,10 @@
 
 import reads config.json and safetensors (model.safetensors, or shards with
 model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM, MiMoForCausalLM (Qwen2
-with model.mtp_layers) or Qwen3ForCausalLM (q/k norms: --qk-layernorm), and MTP depths when present (MiMo's model.mtp_layers.{i}.*, or
-DeepSeek-V3's model.layers.{L+k}.*); it writes a torch_dist release checkpoint that
+with model.mtp_layers), Qwen3ForCausalLM (q/k norms: --qk-layernorm), Qwen3MoeForCausalLM (and its
+experts) or DeepseekV3ForCausalLM (multi-latent attention with YaRN, sigmoid-routed experts with
+an expert bias, groups and a shared expert behind dense first layers), and MTP depths when
+present (MiMo's model.mtp_layers.{i}.*, or DeepSeek-V3's model.layers.{L+k}.*); it writes a torch_dist release checkpoint that
 pretrain_gpt_mtp.py --load DIR --finetune loads at any PP layout and at the tensor-parallel
 size given (the vocabulary is padded as the trainer pads it there), and the model flags that
 build it, dropout included (OUT_DIR/megatron_flags.txt, also printed).
@@ -22,9 +25,10 @@ megatron-core initializes them (seeded by --seed).
 
 export writes the backbone as Llama (Qwen2 when the model has QKV biases, Qwen3 when it has q/k
 norms; MiMo when it was imported
-from MiMo, or with --architecture mimo, so that vLLM and SGLang pick their MiMo MTP model): config.json,
+from MiMo, or with --architecture mimo, so that vLLM and SGLang pick their MiMo MTP model; Qwen3-MoE
+with experts and q/k norms, DeepSeek-V3 with multi-latent attention and experts): config.json,
 model.safetensors, the tokenizer's files when --tokenizer is given; the MTP depths in MiMo's
-layout (default) or DeepSeek-V3's (with the copies of the output weight and embedding that
+layout (default; DeepSeek-V3's for DeepSeek-V3) or DeepSeek-V3's (with the copies of the output weight and embedding that
 its loaders read), num_nextn_predict_layers in config.json. A checkpoint trained with
 --mtp-use-repeated-layer is written as D identical depths (one per depth it was trained at).
 
@@ -70,8 +74,8 @@ def parse(argv):
                                     "or an iter_NNNNNNN / release directory")
     exp.add_argument("output", help="new (or empty) directory for the Hugging Face checkpoint")
     exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "none"], default=None,
-                     help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths; "
-                          "none: the backbone only)")
+                     help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths, "
+                          "deepseek_v3 for a DeepSeek-V3-shaped model; none: the backbone only)")
     exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3"], default=None,
                      help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases, "
                           "Qwen3 with q/k norms, Llama without either); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
@@ -127,6 +131,7 @@ def run_import(args) -> int:
 def run_export(args) -> int:
     from megatron_mtp.serving import ServingError, files, mapping
     from megatron_mtp.serving.config import ModelConfig
+    from megatron_mtp.serving.model import local_names
 
     out = files.check_output(args.output)
     if args.tokenizer and not os.path.exists(args.tokenizer):
@@ -135,9 +140,14 @@ def run_export(args) -> int:
     if run_args is None:
         raise ServingError(f"{directory}: the checkpoint holds no arguments (not written by the trainer or import)")
     cfg = ModelConfig.from_megatron_args(run_args)
+    tensors = local_names(tensors, cfg.num_layers)  # the model's names, whatever layout saved them
     if args.architecture:
         cfg.as_architecture(args.architecture)
-    layout = None if args.mtp_layout == "none" else args.mtp_layout or ("mimo" if cfg.mtp_num_layers else None)
+    default = "deepseek_v3" if cfg.family == "deepseek_v3" else "mimo"
+    layout = None if args.mtp_layout == "none" else args.mtp_layout or (default if cfg.mtp_num_layers else None)
+    if cfg.moe and layout == "mimo":
+        raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "
+                           f"{cfg.family}-shaped; use --mtp-layout deepseek_v3")
     if cfg.family == "mimo" and layout == "deepseek_v3":
         raise ServingError("--mtp-layout deepseek_v3: MiMo's MTP depths are model.mtp_layers (--mtp-layout mimo); "
                            "give --architecture qwen2 for DeepSeek-V3's layout")

@@ -1,6 +1,9 @@
 """The model both sides describe: a Llama, Qwen2 or Qwen3 decoder (GQA, RMSNorm, SwiGLU, RoPE;
-Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm) with D MTP depths, read from a Hugging Face config.json or from a trainer checkpoint's arguments,
-and written back to either (config.json, the trainer's flags, the arguments a checkpoint holds).
+Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm), Qwen3-MoE (Qwen3's attention, softmax-routed
+experts) or DeepSeek-V3 (multi-latent attention with YaRN, sigmoid-routed experts with an
+expert bias, group-limited routing and a shared expert, dense first layers), with D MTP depths,
+read from a Hugging Face config.json or from a trainer checkpoint's arguments, and written back
+to either (config.json, the trainer's flags, the arguments a checkpoint holds).
 """
 
 import argparse
@@ -12,17 +15,21 @@ from megatron_mtp.serving import ServingError
 # MiMo (model_type "mimo") is Qwen2 with MTP depths in model.mtp_layers; its own name in config.json
 # is what makes vLLM and SGLang serve those depths (their MiMo MTP models).
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
-            "Qwen3ForCausalLM": "qwen3"}
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
 ARCHITECTURES = {family: architecture for architecture, family in FAMILIES.items()}
 QKV_BIAS_FAMILIES = ("qwen2", "mimo")
-QK_NORM_FAMILIES = ("qwen3",)  # an RMSNorm of each head's query and key (megatron-core's --qk-layernorm)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # an RMSNorm of each head's query and key (megatron-core's --qk-layernorm)
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+# megatron-core's MLA takes YaRN's original context and correction range from MLATransformerConfig's
+# defaults, which the trainer's flags do not set (DeepSeek-V3's own values).
+MLA_YARN_CONSTANTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 # megatron-core's Llama 3 RoPE scaling has these constants built in (rotary_pos_embedding._apply_scaling).
 LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3"
+    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3" | "qwen3_moe" | "deepseek_v3"
     vocab_size: int  # the tokenizer's vocabulary (Hugging Face's vocab_size)
     padded_vocab_size: int  # rows of megatron-core's embedding and output layer
     hidden_size: int
@@ -36,11 +43,18 @@ class ModelConfig:
     max_position_embeddings: int
     tied: bool
     qkv_bias: bool
-    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", "factor": F, ...}
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear" | "yarn", "factor": F, ...}
     qk_layernorm: bool = False
     mtp_num_layers: int = 0
     mtp_repeated: bool = False
     attention_dropout: float = 0.0  # Llama's and Qwen2's; neither has hidden dropout
+    # Mixture of experts: {"experts", "topk", "ffn" (per expert), "shared_ffn" (0: none), "layers" (1 for
+    # each MoE decoder layer, 0 for a dense one), "score" ("softmax" | "sigmoid"), "normalize" (the
+    # top-k probabilities sum to 1), "expert_bias", "groups", "group_topk", "scaling"}.
+    moe: dict | None = None
+    # Multi-latent attention: {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    # "v_head_dim"} (DeepSeek-V3's names).
+    mla: dict | None = None
     extra: dict = field(default_factory=dict)  # bos/eos ids etc., carried through
 
     # ------------------------------------------------------------------ Hugging Face
@@ -67,15 +81,25 @@ class ModelConfig:
                 tied=bool(config.get("tie_word_embeddings", False)),
                 qkv_bias=family in QKV_BIAS_FAMILIES, qk_layernorm=family in QK_NORM_FAMILIES,
             )
-        except KeyError as missing:
-            raise ServingError(f"config.json has no {missing.args[0]!r}") from None
+            if family in MOE_FAMILIES:
+                values["moe"] = _moe_from_hf(family, config, values["num_layers"])
+            if family == "deepseek_v3":
+                values["mla"] = {name: int(config[name]) for name in
+                                 ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+                values.update(num_query_groups=heads, head_dim=values["mla"]["qk_nope_head_dim"], qk_layernorm=True)
+        except (KeyError, TypeError) as missing:
+            name = missing.args[0] if isinstance(missing, KeyError) else "a number where it has null"
+            raise ServingError(f"config.json has no {name!r}") from None
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ServingError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
         if family == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
             raise ServingError("config.json: Llama attention_bias / mlp_bias are not supported")
-        if family == "qwen3" and (config.get("attention_bias") or config.get("mlp_bias")):
-            raise ServingError("config.json: Qwen3 attention_bias is not supported")
+        if family in ("qwen3", "qwen3_moe", "deepseek_v3") and (config.get("attention_bias") or config.get("mlp_bias")):
+            raise ServingError(f"config.json: {ARCHITECTURES[family]} attention_bias is not supported")
+        if family == "deepseek_v3" and config.get("rope_interleave", True) is not True:
+            raise ServingError("config.json: DeepSeek-V3 with rope_interleave false is not supported (its "
+                               "checkpoints rotate interleaved pairs, as vLLM and SGLang read them)")
         if family != "llama" and config.get("use_sliding_window"):
             raise ServingError(f"config.json: {ARCHITECTURES[family]} sliding-window attention is not supported")
         if heads % values["num_query_groups"]:
@@ -88,13 +112,15 @@ class ModelConfig:
         if parameters.get("rope_type", "default") != "default":
             scaling = parameters
         values["rope_theta"] = float(theta)
-        values["rope_scaling"] = _rope_scaling(scaling)
+        values["rope_scaling"] = _rope_scaling(scaling, yarn=family == "deepseek_v3")
         values["mtp_num_layers"] = int(config.get("num_nextn_predict_layers") or 0)
         values["extra"] = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
         values["attention_dropout"] = float(config.get("attention_dropout") or 0.0)
         return cls(**values)
 
     def to_hf(self, dtype: str, mtp_layout: str | None) -> dict:
+        if self.family == "deepseek_v3":
+            return self._deepseek_v3_hf(dtype, mtp_layout)
         config = {
             "architectures": [ARCHITECTURES[self.family]], "model_type": self.family,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -108,11 +134,41 @@ class ModelConfig:
         }
         if self.family == "llama":
             config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-        elif self.family == "qwen3":
+        elif self.family in ("qwen3", "qwen3_moe"):
             config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
                           max_window_layers=self.num_layers)
+            if self.moe:
+                moe = self.moe
+                config.update(num_experts=moe["experts"], num_experts_per_tok=moe["topk"],
+                              moe_intermediate_size=moe["ffn"], norm_topk_prob=moe["normalize"], decoder_sparse_step=1,
+                              mlp_only_layers=[i for i, sparse in enumerate(moe["layers"]) if not sparse],
+                              output_router_logits=False, router_aux_loss_coef=0.0)
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+        config.update(self.extra)
+        if mtp_layout and self.mtp_num_layers:
+            config["num_nextn_predict_layers"] = self.mtp_num_layers
+        return config
+
+    def _deepseek_v3_hf(self, dtype: str, mtp_layout: str | None) -> dict:
+        moe, mla = self.moe, self.mla
+        dense = moe["layers"].index(1) if 1 in moe["layers"] else self.num_layers
+        config = {
+            "architectures": [ARCHITECTURES[self.family]], "model_type": self.family,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_hidden_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_attention_heads,
+            **mla, "rope_interleave": True, "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.norm_epsilon, "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "moe_intermediate_size": moe["ffn"], "n_routed_experts": moe["experts"],
+            "num_experts_per_tok": moe["topk"], "n_shared_experts": moe["shared_ffn"] // moe["ffn"],
+            "n_group": moe["groups"] or 1, "topk_group": moe["group_topk"] or 1, "norm_topk_prob": moe["normalize"],
+            "routed_scaling_factor": moe["scaling"], "first_k_dense_replace": dense, "moe_layer_freq": 1,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "attention_bias": False,
+            "tie_word_embeddings": self.tied, "attention_dropout": self.attention_dropout, "initializer_range": 0.02,
+            "use_cache": True, "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+        }
         config.update(self.extra)
         if mtp_layout and self.mtp_num_layers:
             config["num_nextn_predict_layers"] = self.mtp_num_layers
@@ -122,8 +178,8 @@ class ModelConfig:
 
     @classmethod
     def from_megatron_args(cls, args) -> "ModelConfig":
-        """A trainer checkpoint's arguments; refused (one line) unless the model is Llama-, Qwen2- or
-        Qwen3-shaped (q/k norms without QKV biases)."""
+        """A trainer checkpoint's arguments; refused (one line) unless the model is Llama-, Qwen2-,
+        Qwen3- (q/k norms without QKV biases), Qwen3-MoE- or DeepSeek-V3-shaped."""
         def get(name, default=None):
             return getattr(args, name, default)
 
@@ -138,17 +194,22 @@ class ModelConfig:
             problems.append("positions other than full, non-interleaved RoPE")
         if get("qk_layernorm") and get("add_qkv_bias"):
             problems.append("--qk-layernorm with --add-qkv-bias (Qwen3 has q/k norms, Qwen2 QKV biases)")
-        for flag in ("qk_l2_norm", "layernorm_zero_centered_gamma", "apply_layernorm_1p", "num_experts",
-                     "multi_latent_attention", "squared_relu", "attention_output_gate"):
+        for flag in ("qk_l2_norm", "layernorm_zero_centered_gamma", "apply_layernorm_1p", "squared_relu",
+                     "attention_output_gate", "experimental_attention_variant"):
             if get(flag):
                 problems.append(f"--{flag.replace('_', '-')}")
+        mla = _mla_from_args(get, problems)
+        moe = _moe_from_args(get, problems, mla is not None)
         if problems:
-            raise ServingError("the checkpoint's model is not Llama-, Qwen2- or Qwen3-shaped, it has "
-                               + ", ".join(problems))
+            raise ServingError("the checkpoint's model is not Llama-, Qwen2-, Qwen3-, Qwen3-MoE- or DeepSeek-V3-"
+                               "shaped, it has " + ", ".join(problems))
         heads = get("num_attention_heads")
         groups = get("num_query_groups") if get("group_query_attention") else heads
         scaling = None
-        if get("use_rope_scaling"):
+        if mla is not None and get("rope_type", "yarn") == "yarn":
+            scaling = dict(rope_type="yarn", factor=float(get("rotary_scaling_factor")), mscale=float(get("mscale")),
+                           mscale_all_dim=float(get("mscale_all_dim")), **MLA_YARN_CONSTANTS)
+        elif get("use_rope_scaling"):
             scaling = dict(rope_type="llama3", factor=float(get("rope_scaling_factor")), **LLAMA3_CONSTANTS)
         elif get("rotary_seq_len_interpolation_factor"):
             scaling = dict(rope_type="linear", factor=float(get("rotary_seq_len_interpolation_factor")))
@@ -161,6 +222,8 @@ class ModelConfig:
             # eod = vocab_size): its row is the tokenizer's too
             vocab_size = max(vocab_size, min(eod + 1, int(get("padded_vocab_size"))))
         family = "qwen2" if get("add_qkv_bias") else "qwen3" if get("qk_layernorm") else "llama"
+        if moe is not None:
+            family = "deepseek_v3" if mla is not None else "qwen3_moe"
         if family == "qwen2" and get("serving_family") == "mimo":  # imported from MiMo: exported as MiMo
             family = "mimo"
         return cls(
@@ -168,18 +231,22 @@ class ModelConfig:
             padded_vocab_size=int(get("padded_vocab_size")), hidden_size=int(get("hidden_size")),
             ffn_hidden_size=int(get("ffn_hidden_size")), num_layers=int(get("num_layers")),
             num_attention_heads=int(heads), num_query_groups=int(groups),
-            head_dim=int(get("kv_channels") or get("hidden_size") // heads),
+            head_dim=int(mla["qk_nope_head_dim"] if mla else get("kv_channels") or get("hidden_size") // heads),
             norm_epsilon=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),
             rope_theta=float(get("rotary_base", 10000)), max_position_embeddings=int(get("max_position_embeddings")),
             tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")),
             qk_layernorm=bool(get("qk_layernorm")),
             rope_scaling=scaling, mtp_num_layers=int(get("mtp_num_layers") or 0),
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
-            attention_dropout=float(get("attention_dropout") or 0.0),
+            attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla,
         )
 
     def as_architecture(self, name: str) -> None:
         """Export as `name` (llama, qwen2, mimo, qwen3) instead of the family the model's shape names."""
+        if self.moe or name in MOE_FAMILIES:
+            if name != self.family:
+                raise ServingError(f"--architecture {name}: the model is {ARCHITECTURES[self.family]}-shaped")
+            return
         if (name in QK_NORM_FAMILIES) != self.qk_layernorm:
             raise ServingError(f"--architecture {name}: {ARCHITECTURES[name]} "
                                f"{'has' if name in QK_NORM_FAMILIES else 'has no'} q/k norms, the model "
@@ -209,8 +276,29 @@ class ModelConfig:
             mtp_use_repeated_layer=self.mtp_repeated, attention_dropout=self.attention_dropout, hidden_dropout=0.0,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1, world_size=1, data_parallel_size=1, serving_extra=dict(self.extra),
-            serving_family=self.family,
+            serving_family=self.family, **self._moe_mla_args(),
         )
+
+    def _moe_mla_args(self) -> dict:
+        """The experts' and multi-latent attention's arguments, as megatron.training names them."""
+        args = {"num_experts": None, "multi_latent_attention": bool(self.mla)}
+        if self.moe:
+            moe = self.moe
+            args.update(num_experts=moe["experts"], moe_router_topk=moe["topk"], moe_ffn_hidden_size=moe["ffn"],
+                        moe_shared_expert_intermediate_size=moe["shared_ffn"] or None,
+                        moe_layer_freq=list(moe["layers"]), moe_router_score_function=moe["score"],
+                        moe_router_pre_softmax=moe["score"] == "softmax" and not moe["normalize"],
+                        moe_router_enable_expert_bias=moe["expert_bias"], moe_router_num_groups=moe["groups"],
+                        moe_router_group_topk=moe["group_topk"], moe_router_topk_scaling_factor=moe["scaling"],
+                        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        if self.mla:
+            scaling = self.rope_scaling or {}
+            args.update(q_lora_rank=self.mla["q_lora_rank"], kv_lora_rank=self.mla["kv_lora_rank"],
+                        qk_head_dim=self.mla["qk_nope_head_dim"], qk_pos_emb_head_dim=self.mla["qk_rope_head_dim"],
+                        v_head_dim=self.mla["v_head_dim"], rope_type="yarn" if scaling else "rope",
+                        rotary_scaling_factor=float(scaling.get("factor", 1.0)), mscale=float(scaling.get("mscale", 1.0)),
+                        mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)))
+        return args
 
     def trainer_flags(self, pad_to: int) -> list[str]:
         """The pretrain_gpt_mtp.py model flags that build exactly this model (its dropout too: Megatron's
@@ -231,15 +319,45 @@ class ModelConfig:
             flags.append("--qk-layernorm")
         if not self.tied:
             flags.append("--untie-embeddings-and-output-weights")
-        if self.rope_scaling and self.rope_scaling["rope_type"] == "llama3":
+        if self.mla:
+            pass  # YaRN is MLA's (its flags below)
+        elif self.rope_scaling and self.rope_scaling["rope_type"] == "llama3":
             flags += ["--use-rope-scaling", "--rope-scaling-factor", _number(self.rope_scaling["factor"])]
         elif self.rope_scaling:
             flags += ["--rotary-seq-len-interpolation-factor", _number(self.rope_scaling["factor"])]
+        flags += self._moe_mla_flags()
         if self.mtp_num_layers:
             flags += ["--mtp-num-layers", self.mtp_num_layers]
             if self.mtp_repeated:
                 flags.append("--mtp-use-repeated-layer")
         return [str(f) for f in flags]
+
+    def _moe_mla_flags(self) -> list:
+        flags = []
+        if self.mla:
+            mla, scaling = self.mla, self.rope_scaling
+            flags += ["--multi-latent-attention", "--q-lora-rank", mla["q_lora_rank"], "--kv-lora-rank",
+                      mla["kv_lora_rank"], "--qk-head-dim", mla["qk_nope_head_dim"], "--qk-pos-emb-head-dim",
+                      mla["qk_rope_head_dim"], "--v-head-dim", mla["v_head_dim"]]
+            flags += (["--rope-type", "yarn", "--rotary-scaling-factor", _number(scaling["factor"]), "--mscale",
+                       _number(scaling["mscale"]), "--mscale-all-dim", _number(scaling["mscale_all_dim"])]
+                      if scaling else ["--rope-type", "rope"])
+        if self.moe:
+            moe = self.moe
+            flags += ["--num-experts", moe["experts"], "--moe-router-topk", moe["topk"], "--moe-ffn-hidden-size",
+                      moe["ffn"], "--moe-layer-freq", "[" + ",".join(str(x) for x in moe["layers"]) + "]",
+                      "--moe-router-score-function", moe["score"], "--moe-router-load-balancing-type", "none"]
+            if moe["score"] == "softmax" and not moe["normalize"]:
+                flags.append("--moe-router-pre-softmax")
+            if moe["shared_ffn"]:
+                flags += ["--moe-shared-expert-intermediate-size", moe["shared_ffn"]]
+            if moe["expert_bias"]:
+                flags.append("--moe-router-enable-expert-bias")
+            if moe["groups"]:
+                flags += ["--moe-router-num-groups", moe["groups"], "--moe-router-group-topk", moe["group_topk"]]
+            if moe["scaling"] not in (None, 1.0):
+                flags += ["--moe-router-topk-scaling-factor", _number(moe["scaling"])]
+        return flags
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -249,12 +367,14 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def _rope_scaling(scaling: dict | None) -> dict | None:
+def _rope_scaling(scaling: dict | None, yarn: bool = False) -> dict | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
+    if kind == "yarn" and yarn:
+        return _mla_yarn(scaling)
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(scaling["factor"])}
     if kind == "llama3":
@@ -263,4 +383,113 @@ def _rope_scaling(scaling: dict | None) -> dict | None:
             raise ServingError(f"config.json: llama3 rope_scaling with {differing} (megatron-core's Llama 3 "
                                f"scaling has {LLAMA3_CONSTANTS} built in)")
         return {"rope_type": "llama3", "factor": float(scaling["factor"]), **LLAMA3_CONSTANTS}
-    raise ServingError(f"config.json: rope_scaling type {kind!r} is not supported (default, linear or llama3)")
+    raise ServingError(f"config.json: rope_scaling type {kind!r} is not supported (default, linear or llama3"
+                       f"{', yarn' if yarn else ''})")
+
+
+def _mla_yarn(scaling: dict) -> dict:
+    """DeepSeek-V3's YaRN as megatron-core's MLA computes it (refused where the two differ)."""
+    values = {"original_max_position_embeddings": float(scaling.get("original_max_position_embeddings", 4096)),
+              "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1)}
+    differing = {k: v for k, v in values.items() if v != MLA_YARN_CONSTANTS[k]}
+    if differing:
+        raise ServingError(f"config.json: yarn rope_scaling with {differing} (megatron-core's MLA has "
+                           f"{MLA_YARN_CONSTANTS} built in)")
+    if scaling.get("truncate", True) is not True:
+        raise ServingError("config.json: yarn rope_scaling with truncate false (megatron-core rounds YaRN's "
+                           "correction range to integers)")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not mscale_all_dim and mscale not in (None, 1, 1.0):
+        # transformers then scales by YaRN's default attention factor and ignores mscale
+        raise ServingError(f"config.json: yarn rope_scaling with mscale {mscale} and no mscale_all_dim")
+    return {"rope_type": "yarn", "factor": float(scaling["factor"]), "mscale": float(mscale or 1.0),
+            "mscale_all_dim": float(mscale_all_dim or 0.0), **MLA_YARN_CONSTANTS}
+
+
+def _mla_from_args(get, problems: list) -> dict | None:
+    """Multi-latent attention of a trainer checkpoint's arguments (DeepSeek-V3's), or None."""
+    if not get("multi_latent_attention"):
+        return None
+    if not get("q_lora_rank"):
+        problems.append("multi-latent attention without --q-lora-rank (DeepSeek-V3 has q_a_proj)")
+    if not get("qk_layernorm"):
+        problems.append("multi-latent attention without --qk-layernorm (DeepSeek-V3 has q_a_layernorm, "
+                        "kv_a_layernorm)")
+    if get("rope_type", "yarn") not in ("rope", "yarn"):
+        problems.append(f"--rope-type {get('rope_type')}")
+    return {"q_lora_rank": get("q_lora_rank"), "kv_lora_rank": get("kv_lora_rank"),
+            "qk_nope_head_dim": get("qk_head_dim"), "qk_rope_head_dim": get("qk_pos_emb_head_dim"),
+            "v_head_dim": get("v_head_dim")}
+
+
+def _moe_from_args(get, problems: list, mla: bool) -> dict | None:
+    """The experts of a trainer checkpoint's arguments, or None; refused where no Hugging Face
+    family (Qwen3-MoE with q/k norms, DeepSeek-V3 with multi-latent attention) routes the same."""
+    experts = get("num_experts")
+    if not experts:
+        if mla:
+            problems.append("multi-latent attention without experts (DeepSeek-V3 is MoE)")
+        return None
+    layers, topk = get("moe_layer_freq", 1), int(get("moe_router_topk"))
+    layers = (list(layers) if isinstance(layers, (list, tuple))
+              else [int(i % layers == 0) for i in range(int(get("num_layers")))])
+    score, groups = get("moe_router_score_function", "softmax"), get("moe_router_num_groups")
+    moe = dict(experts=int(experts), topk=topk, ffn=int(get("moe_ffn_hidden_size") or get("ffn_hidden_size")),
+               shared_ffn=int(get("moe_shared_expert_intermediate_size") or 0), layers=layers, score=score,
+               normalize=score == "sigmoid" or not get("moe_router_pre_softmax"),
+               expert_bias=bool(get("moe_router_enable_expert_bias")), groups=groups,
+               group_topk=get("moe_router_group_topk"), scaling=get("moe_router_topk_scaling_factor"))
+    for flag in ("moe_expert_capacity_factor", "moe_shared_expert_gate", "moe_latent_size"):
+        if get(flag):
+            problems.append(f"--{flag.replace('_', '-')}")
+    if not mla:
+        if not get("qk_layernorm"):
+            problems.append("experts without --qk-layernorm (Qwen3-MoE has q/k norms)")
+        if score != "softmax" or moe["expert_bias"] or groups or moe["shared_ffn"] or moe["scaling"] not in (None, 1.0):
+            problems.append("experts routed otherwise than Qwen3-MoE's (softmax scores, no expert bias, groups, "
+                            "shared expert or scaling factor)")
+        return moe
+    dense = layers.index(1) if 1 in layers else len(layers)
+    if layers != [0] * dense + [1] * (len(layers) - dense):
+        problems.append(f"--moe-layer-freq {layers} (DeepSeek-V3's MoE layers follow its first dense ones)")
+    if score != "sigmoid" or not moe["expert_bias"]:
+        problems.append("experts routed otherwise than DeepSeek-V3's (sigmoid scores with an expert bias)")
+    if not moe["shared_ffn"] or moe["shared_ffn"] % moe["ffn"]:
+        problems.append("a shared expert size that is not a multiple of --moe-ffn-hidden-size (DeepSeek-V3's "
+                        "n_shared_experts)")
+    if groups and topk // moe["group_topk"] != 2:
+        problems.append("--moe-router-topk // --moe-router-group-topk != 2 (DeepSeek-V3 scores a group by its top 2 "
+                        "experts)")
+    return moe
+
+
+def _moe_from_hf(family: str, config: dict, num_layers: int) -> dict:
+    """The experts of a Qwen3-MoE or DeepSeek-V3 config.json, as megatron-core routes them."""
+    if family == "qwen3_moe":
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or [])
+        return dict(experts=experts, topk=int(config["num_experts_per_tok"]), ffn=int(config["moe_intermediate_size"]),
+                    shared_ffn=0, score="softmax", normalize=bool(config.get("norm_topk_prob", False)),
+                    expert_bias=False, groups=None, group_topk=None, scaling=None,
+                    layers=[int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(num_layers)])
+    experts, topk = int(config["n_routed_experts"]), int(config["num_experts_per_tok"])
+    groups, group_topk = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    problems = []
+    if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
+        problems.append(f"scoring_func {config.get('scoring_func')!r} / topk_method {config.get('topk_method')!r} "
+                        "(transformers' DeepSeek-V3 routes by sigmoid with e_score_correction_bias)")
+    if topk > 1 and not config.get("norm_topk_prob", True):
+        problems.append("norm_topk_prob false (megatron-core normalizes sigmoid top-k probabilities)")
+    if groups > 1 and topk // group_topk != 2:
+        problems.append(f"num_experts_per_tok {topk} // topk_group {group_topk} != 2 (transformers scores a group "
+                        "by its top 2 experts, megatron-core by its top num_experts_per_tok // topk_group)")
+    if int(config.get("n_shared_experts") or 0) < 1:
+        problems.append("no shared expert")
+    if problems:
+        raise ServingError("config.json: DeepSeek-V3 with " + "; ".join(problems))
+    first_dense, frequency = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
+    return dict(experts=experts, topk=topk, ffn=int(config["moe_intermediate_size"]),
+                shared_ffn=int(config["n_shared_experts"]) * int(config["moe_intermediate_size"]), score="sigmoid",
+                normalize=True, expert_bias=True, groups=groups if groups > 1 else None,
+                group_topk=group_topk if groups > 1 else None, scaling=float(config.get("routed_scaling_factor", 1.0)),
+                layers=[int(i >= first_dense and i % frequency == 0) for i in range(num_layers)])

@@ -205,8 +205,8 @@ def read_arguments(path: str) -> tuple[object, Path]:
 def write_megatron(staging: Path, args, tensors: dict, depths_in_tensors: int, seed: int = 1234) -> list[str]:
     """An imported model as a torch_dist release checkpoint: megatron-core's GPTModel is built
     (TP = PP = 1) with `args` (its MTP depths beyond those in `tensors` keep their fresh
-    initialization), given the tensors, and saved through dist checkpointing, so the trainer loads it
-    at any layout. Returns the names of the tensors that were initialized rather than imported."""
+    initialization), given the tensors (by the model's state-dict names: mapping.hf_to_megatron),
+    and saved through dist checkpointing, so the trainer loads it at any layout. Returns the names of the tensors that were initialized rather than imported."""
     from megatron.core import dist_checkpointing
     from megatron.core.fork.model_shape import model_shape
     from megatron.core.fork.trainer import checkpoint as trainer_checkpoint
@@ -215,17 +215,16 @@ def write_megatron(staging: Path, args, tensors: dict, depths_in_tensors: int, s
 
     serving_model.setup(seed)
     gpt = serving_model.build(args)
-    local = serving_model.local_names(tensors, args.num_layers)
     own = {k: v for k, v in gpt.state_dict().items() if "_extra_state" not in k}
-    unknown = sorted(set(local) - set(own))
+    unknown = sorted(set(tensors) - set(own))
     if unknown:
         raise ServingError(f"internal: no model parameter for {unknown[0]}")
-    for name, value in local.items():
+    for name, value in tensors.items():
         if tuple(own[name].shape) != tuple(value.shape):
             raise ServingError(f"tensor for {name} has shape {list(value.shape)}, the model {list(own[name].shape)}")
-    initialized = sorted(set(own) - set(local))
+    initialized = sorted(set(own) - set(tensors))
     with torch.no_grad():
-        for name, value in local.items():
+        for name, value in tensors.items():
             own[name].copy_(value)
     release = staging / "release"
     release.mkdir()
@@ -233,6 +232,6 @@ def write_megatron(staging: Path, args, tensors: dict, depths_in_tensors: int, s
              "checkpoint_version": 3.0, "iteration": 0,
              trainer_checkpoint.KEY: {"model_shape": model_shape(gpt), "metrics": None}}
     dist_checkpointing.save(state, str(release),
-                            content_metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
+                            content_metadata={"singleton_tensors_shards": False, "chained_optim_avoid_prefix": True})
     (staging / TRACKER).write_text("release")
     return initialized

@@ -1,24 +1,35 @@
-"""Tensor names and layouts between megatron-core's global checkpoint tensors and Hugging Face's.
+"""Tensor names and layouts between megatron-core's model and Hugging Face's.
 
-megatron-core (the trainer's local spec, as its checkpoints name them; layer norms are fused
-into the linear that follows them, as Transformer Engine names them; decoder layers stacked
-along a leading axis; the MTP depth's inner layer is `transformer_layer` in checkpoints):
+megatron-core: the state-dict names of GPTModel built with the trainer's local spec (one
+process; serving.model.local_names turns a checkpoint's global tensors, at any layout, into
+them), per layer:
 
     embedding.word_embeddings.weight                    [Vp, H]   (Vp: the padded vocabulary)
-    decoder.layers.self_attention.linear_qkv.weight     [L, G*(R+2)*d, H]: per query group g,
-                                                        its R query heads, then its key, then its value
-    decoder.layers.mlp.linear_fc1.weight                [L, 2F, H]: [gate; up]
+    decoder.layers.{i}.input_layernorm.weight, pre_mlp_layernorm.weight
+    decoder.layers.{i}.self_attention.linear_qkv.weight [G*(R+2)*d, H]: per query group g, its R
+                                                        query heads, then its key, then its value
+      multi-latent attention: linear_q_down_proj, q_layernorm, linear_q_up_proj [heads*(n+r), q_rank]
+      (per head its n no-position dims, then its r rotary dims), linear_kv_down_proj [kv_rank+r, H]
+      (the latent, then the shared rotary key), kv_layernorm, linear_kv_up_proj [heads*(n+v), kv_rank]
+    decoder.layers.{i}.mlp.linear_fc1.weight            [2F, H]: [gate; up]
+      experts: mlp.router.weight [E, H], mlp.router.expert_bias [E],
+      mlp.experts.local_experts.{e}.linear_fc1 / fc2, mlp.shared_experts.linear_fc1 / fc2
     decoder.final_layernorm.weight, output_layer.weight (untied)
-    mtp.layers.{k}.{enorm, hnorm, eh_proj, transformer_layer.*, final_layernorm}
+    mtp.layers.{k}.{enorm, hnorm, eh_proj, mtp_model_layer.*, final_layernorm}
                                                         eh_proj's input is [embedding, hidden]
 
 Hugging Face: Llama / Qwen2 / Qwen3 names (q/k/v/o_proj, Qwen3's q_norm / k_norm = megatron-core's
 q_layernorm / k_layernorm, gate/up/down_proj, input_layernorm,
-post_attention_layernorm, model.norm, lm_head), the MTP depths in MiMo's layout
+post_attention_layernorm, model.norm, lm_head); Qwen3-MoE's experts (mlp.gate = the router,
+mlp.experts.{e}.gate/up/down_proj); DeepSeek-V3's multi-latent attention (q_a_proj, q_a_layernorm,
+q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; both store the rotary dims
+with pairs interleaved: megatron-core's MLA rotates them so) and experts (mlp.gate with e_score_correction_bias = the expert
+bias, mlp.shared_experts); the MTP depths in MiMo's layout
 (model.mtp_layers.{k}: token_layernorm = enorm, hidden_layernorm = hnorm, input_proj over
 [hidden, embedding], i.e. eh_proj with its halves swapped, final_layernorm) or DeepSeek-V3's
 (model.layers.{L+k}: enorm, hnorm, eh_proj over [embedding, hidden], shared_head.norm =
 final_layernorm, and the copies shared_head.head = the output weight, embed_tokens = the embedding).
+An MTP depth's inner layer is built as the last decoder layer (MoE when that one is).
 """
 
 import re
@@ -52,56 +63,125 @@ def _qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return fused.reshape(groups * (per_group + 2) * d, *rest).contiguous()
 
 
-def layer_to_hf(layer: dict, cfg: ModelConfig) -> dict:
-    """One megatron-core layer's tensors (suffix -> tensor) as Hugging Face suffixes."""
-    out = {"input_layernorm.weight": layer["self_attention.linear_qkv.layer_norm_weight"]}
-    q, k, v = _qkv_split(layer["self_attention.linear_qkv.weight"], cfg)
-    out.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v})
-    if cfg.qkv_bias:
-        q, k, v = _qkv_split(layer["self_attention.linear_qkv.bias"], cfg)
-        out.update({"self_attn.q_proj.bias": q, "self_attn.k_proj.bias": k, "self_attn.v_proj.bias": v})
-    if cfg.qk_layernorm:
-        out.update({"self_attn.q_norm.weight": layer["self_attention.q_layernorm.weight"],
-                    "self_attn.k_norm.weight": layer["self_attention.k_layernorm.weight"]})
-    out["self_attn.o_proj.weight"] = layer["self_attention.linear_proj.weight"]
-    out["post_attention_layernorm.weight"] = layer["mlp.linear_fc1.layer_norm_weight"]
-    gate, up = torch.chunk(layer["mlp.linear_fc1.weight"], 2, dim=0)
-    out.update({"mlp.gate_proj.weight": gate.contiguous(), "mlp.up_proj.weight": up.contiguous(),
-                "mlp.down_proj.weight": layer["mlp.linear_fc2.weight"]})
+def _mla_names() -> list:
+    """(megatron-core suffix, Hugging Face suffix) of multi-latent attention's tensors."""
+    return [("input_layernorm.weight", "input_layernorm.weight"),
+            ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+            ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+            ("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+            ("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+            ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+            ("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+            ("self_attention.linear_proj.weight", "self_attn.o_proj.weight")]
+
+
+def _gated(prefix: str, fc1: torch.Tensor) -> dict:
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return {prefix + "gate_proj.weight": gate.contiguous(), prefix + "up_proj.weight": up.contiguous()}
+
+
+def _mlp_names(cfg: ModelConfig, sparse: bool) -> list:
+    """(megatron-core prefix, Hugging Face prefix) of each SwiGLU MLP of a layer."""
+    if not sparse:
+        return [("mlp.", "mlp.")]
+    experts = [(f"mlp.experts.local_experts.{e}.", f"mlp.experts.{e}.") for e in range(cfg.moe["experts"])]
+    return experts + ([("mlp.shared_experts.", "mlp.shared_experts.")] if cfg.moe["shared_ffn"] else [])
+
+
+def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False) -> dict:
+    """One megatron-core layer's tensors (suffix -> tensor) as Hugging Face suffixes; `sparse`: its
+    MLP is the experts'."""
+    if cfg.mla:
+        out = {hf: layer[ours] for ours, hf in _mla_names()}
+    else:
+        out = {"input_layernorm.weight": layer["input_layernorm.weight"]}
+        q, k, v = _qkv_split(layer["self_attention.linear_qkv.weight"], cfg)
+        out.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v})
+        if cfg.qkv_bias:
+            q, k, v = _qkv_split(layer["self_attention.linear_qkv.bias"], cfg)
+            out.update({"self_attn.q_proj.bias": q, "self_attn.k_proj.bias": k, "self_attn.v_proj.bias": v})
+        if cfg.qk_layernorm:
+            out.update({"self_attn.q_norm.weight": layer["self_attention.q_layernorm.weight"],
+                        "self_attn.k_norm.weight": layer["self_attention.k_layernorm.weight"]})
+        out["self_attn.o_proj.weight"] = layer["self_attention.linear_proj.weight"]
+    out["post_attention_layernorm.weight"] = layer["pre_mlp_layernorm.weight"]
+    if sparse:
+        out["mlp.gate.weight"] = layer["mlp.router.weight"]
+        if cfg.moe["expert_bias"]:
+            out["mlp.gate.e_score_correction_bias"] = layer["mlp.router.expert_bias"]
+    for ours, hf in _mlp_names(cfg, sparse):
+        out.update(_gated(hf, layer[ours + "linear_fc1.weight"]))
+        out[hf + "down_proj.weight"] = layer[ours + "linear_fc2.weight"]
     return out
 
 
-def layer_from_hf(layer: dict, cfg: ModelConfig) -> dict:
-    out = {"self_attention.linear_qkv.layer_norm_weight": layer["input_layernorm.weight"],
-           "self_attention.linear_qkv.weight": _qkv_fuse(layer["self_attn.q_proj.weight"],
-                                                         layer["self_attn.k_proj.weight"],
-                                                         layer["self_attn.v_proj.weight"], cfg)}
-    if cfg.qkv_bias:
-        out["self_attention.linear_qkv.bias"] = _qkv_fuse(layer["self_attn.q_proj.bias"],
-                                                          layer["self_attn.k_proj.bias"],
-                                                          layer["self_attn.v_proj.bias"], cfg)
-    if cfg.qk_layernorm:
-        out.update({"self_attention.q_layernorm.weight": layer["self_attn.q_norm.weight"],
-                    "self_attention.k_layernorm.weight": layer["self_attn.k_norm.weight"]})
-    out["self_attention.linear_proj.weight"] = layer["self_attn.o_proj.weight"]
-    out["mlp.linear_fc1.layer_norm_weight"] = layer["post_attention_layernorm.weight"]
-    out["mlp.linear_fc1.weight"] = torch.cat([layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]], 0)
-    out["mlp.linear_fc2.weight"] = layer["mlp.down_proj.weight"]
+def layer_from_hf(layer: dict, cfg: ModelConfig, sparse: bool = False) -> dict:
+    if cfg.mla:
+        out = {ours: layer[hf] for ours, hf in _mla_names()}
+    else:
+        out = {"input_layernorm.weight": layer["input_layernorm.weight"],
+               "self_attention.linear_qkv.weight": _qkv_fuse(layer["self_attn.q_proj.weight"],
+                                                             layer["self_attn.k_proj.weight"],
+                                                             layer["self_attn.v_proj.weight"], cfg)}
+        if cfg.qkv_bias:
+            out["self_attention.linear_qkv.bias"] = _qkv_fuse(layer["self_attn.q_proj.bias"],
+                                                              layer["self_attn.k_proj.bias"],
+                                                              layer["self_attn.v_proj.bias"], cfg)
+        if cfg.qk_layernorm:
+            out.update({"self_attention.q_layernorm.weight": layer["self_attn.q_norm.weight"],
+                        "self_attention.k_layernorm.weight": layer["self_attn.k_norm.weight"]})
+        out["self_attention.linear_proj.weight"] = layer["self_attn.o_proj.weight"]
+    out["pre_mlp_layernorm.weight"] = layer["post_attention_layernorm.weight"]
+    if sparse:
+        out["mlp.router.weight"] = layer["mlp.gate.weight"]
+        if cfg.moe["expert_bias"]:
+            out["mlp.router.expert_bias"] = layer["mlp.gate.e_score_correction_bias"]
+    for ours, hf in _mlp_names(cfg, sparse):
+        out[ours + "linear_fc1.weight"] = torch.cat([layer[hf + "gate_proj.weight"], layer[hf + "up_proj.weight"]], 0)
+        out[ours + "linear_fc2.weight"] = layer[hf + "down_proj.weight"]
     return out
 
 
-def hf_layer_shapes(cfg: ModelConfig) -> dict:
-    H, F, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
-    shapes = {"input_layernorm.weight": (H,), "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-              "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
-              "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (F, H),
-              "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F)}
-    if cfg.qkv_bias:
-        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-    if cfg.qk_layernorm:
-        shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False) -> dict:
+    H, d = cfg.hidden_size, cfg.head_dim
+    if cfg.mla:
+        m, heads = cfg.mla, cfg.num_attention_heads
+        rotary = m["qk_rope_head_dim"]
+        shapes = {"input_layernorm.weight": (H,), "self_attn.q_a_proj.weight": (m["q_lora_rank"], H),
+                  "self_attn.q_a_layernorm.weight": (m["q_lora_rank"],),
+                  "self_attn.q_b_proj.weight": (heads * (m["qk_nope_head_dim"] + rotary), m["q_lora_rank"]),
+                  "self_attn.kv_a_proj_with_mqa.weight": (m["kv_lora_rank"] + rotary, H),
+                  "self_attn.kv_a_layernorm.weight": (m["kv_lora_rank"],),
+                  "self_attn.kv_b_proj.weight": (heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]),
+                  "self_attn.o_proj.weight": (H, heads * m["v_head_dim"])}
+    else:
+        q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+        shapes = {"input_layernorm.weight": (H,), "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+                  "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q)}
+        if cfg.qkv_bias:
+            shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                           "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_layernorm:
+            shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    shapes["post_attention_layernorm.weight"] = (H,)
+    if sparse:
+        shapes["mlp.gate.weight"] = (cfg.moe["experts"], H)
+        if cfg.moe["expert_bias"]:
+            shapes["mlp.gate.e_score_correction_bias"] = (cfg.moe["experts"],)
+    for ours, hf in _mlp_names(cfg, sparse):
+        F = (cfg.ffn_hidden_size if not sparse else cfg.moe["shared_ffn"] if "shared" in ours else cfg.moe["ffn"])
+        shapes.update({hf + "gate_proj.weight": (F, H), hf + "up_proj.weight": (F, H), hf + "down_proj.weight": (H, F)})
     return shapes
+
+
+def sparse_layers(cfg: ModelConfig) -> list:
+    """Whether each decoder layer's MLP is the experts' (none without experts)."""
+    return [bool(x) for x in cfg.moe["layers"]] if cfg.moe else [False] * cfg.num_layers
+
+
+def mtp_sparse(cfg: ModelConfig) -> bool:
+    """An MTP depth's inner layer is built as the last decoder layer."""
+    return sparse_layers(cfg)[-1]
 
 
 def mtp_prefix(layout: str, cfg: ModelConfig, depth: int) -> str:
@@ -114,11 +194,11 @@ def hf_shapes(cfg: ModelConfig, mtp_layout: str | None, mtp_depths: int) -> dict
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not cfg.tied:
         shapes["lm_head.weight"] = (V, H)
-    for i in range(cfg.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_layer_shapes(cfg).items()})
+    for i, sparse in enumerate(sparse_layers(cfg)):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_layer_shapes(cfg, sparse).items()})
     for depth in range(mtp_depths if mtp_layout else 0):
         prefix = mtp_prefix(mtp_layout, cfg, depth)
-        shapes.update({prefix + k: s for k, s in hf_layer_shapes(cfg).items()})
+        shapes.update({prefix + k: s for k, s in hf_layer_shapes(cfg, mtp_sparse(cfg)).items()})
         if mtp_layout == "mimo":
             shapes.update({prefix + "token_layernorm.weight": (H,), prefix + "hidden_layernorm.weight": (H,),
                            prefix + "input_proj.weight": (H, 2 * H), prefix + "final_layernorm.weight": (H,)})
@@ -141,12 +221,16 @@ def _pad(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(cfg.padded_vocab_size - t.shape[0], *t.shape[1:])], 0)
 
 
+def _inner(tensors: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> dict:
-    """megatron-core global tensors -> Hugging Face tensors (MTP depths only with a layout)."""
+    """megatron-core model tensors (state-dict names) -> Hugging Face tensors (MTP depths only
+    with a layout)."""
     out = {"model.embed_tokens.weight": _unpad(tensors["embedding.word_embeddings.weight"], cfg)}
-    stacked = {k[len("decoder.layers."):]: v for k, v in tensors.items() if k.startswith("decoder.layers.")}
-    for i in range(cfg.num_layers):
-        layer = layer_to_hf({k: v[i] for k, v in stacked.items()}, cfg)
+    for i, sparse in enumerate(sparse_layers(cfg)):
+        layer = layer_to_hf(_inner(tensors, f"decoder.layers.{i}."), cfg, sparse)
         out.update({f"model.layers.{i}.{k}": v.contiguous() for k, v in layer.items()})
     out["model.norm.weight"] = tensors["decoder.final_layernorm.weight"]
     head = None if cfg.tied else _unpad(tensors["output_layer.weight"], cfg)
@@ -156,9 +240,8 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
     for depth in range(cfg.mtp_num_layers if mtp_layout else 0):
         source = f"mtp.layers.{0 if cfg.mtp_repeated else depth}."
         prefix = mtp_prefix(mtp_layout, cfg, depth)
-        inner = {k[len(source + "transformer_layer."):]: v for k, v in tensors.items()
-                 if k.startswith(source + "transformer_layer.")}
-        out.update({prefix + k: v for k, v in layer_to_hf(inner, cfg).items()})
+        inner = _inner(tensors, source + "mtp_model_layer.")
+        out.update({prefix + k: v for k, v in layer_to_hf(inner, cfg, mtp_sparse(cfg)).items()})
         eh = tensors[source + "eh_proj.weight"]
         if mtp_layout == "mimo":
             out[prefix + "token_layernorm.weight"] = tensors[source + "enorm.weight"]
@@ -189,7 +272,8 @@ def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
         raise ServingError(f"config.json: num_nextn_predict_layers {cfg.mtp_num_layers}, but the tensors hold "
                            f"{depths} MTP depths")
     if cfg.mtp_num_layers and not depths:
-        return "mimo", cfg.mtp_num_layers  # the tensors are missing: the name check says which
+        # the tensors are missing: the name check says which
+        return ("deepseek_v3" if cfg.family == "deepseek_v3" else "mimo"), cfg.mtp_num_layers
     return found[0], depths
 
 
@@ -213,14 +297,14 @@ def check_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: in
 
 
 def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: int) -> dict:
-    """Hugging Face tensors (checked) -> megatron-core global tensors, fp32 as the trainer holds them."""
+    """Hugging Face tensors (checked) -> megatron-core model tensors (state-dict names), fp32 as the
+    trainer holds them."""
     check_hf(tensors, cfg, mtp_layout, depths)
     t = {k: v.float() for k, v in tensors.items() if not IGNORED_HF.match(k)}
     out = {"embedding.word_embeddings.weight": _pad(t["model.embed_tokens.weight"], cfg)}
-    layers = [layer_from_hf({k: t[f"model.layers.{i}.{k}"] for k in hf_layer_shapes(cfg)}, cfg)
-              for i in range(cfg.num_layers)]
-    for key in layers[0]:
-        out["decoder.layers." + key] = torch.stack([layer[key] for layer in layers])
+    for i, sparse in enumerate(sparse_layers(cfg)):
+        layer = layer_from_hf({k: t[f"model.layers.{i}.{k}"] for k in hf_layer_shapes(cfg, sparse)}, cfg, sparse)
+        out.update({f"decoder.layers.{i}.{k}": v for k, v in layer.items()})
     out["decoder.final_layernorm.weight"] = t["model.norm.weight"]
     if not cfg.tied:
         out["output_layer.weight"] = _pad(t["lm_head.weight"], cfg)
@@ -228,8 +312,9 @@ def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, dept
     for depth in range(depths):
         prefix = mtp_prefix(mtp_layout, cfg, depth)
         target = f"mtp.layers.{depth}."
-        inner = layer_from_hf({k: t[prefix + k] for k in hf_layer_shapes(cfg)}, cfg)
-        out.update({target + "transformer_layer." + k: v for k, v in inner.items()})
+        sparse = mtp_sparse(cfg)
+        inner = layer_from_hf({k: t[prefix + k] for k in hf_layer_shapes(cfg, sparse)}, cfg, sparse)
+        out.update({target + "mtp_model_layer." + k: v for k, v in inner.items()})
         if mtp_layout == "mimo":
             proj = t[prefix + "input_proj.weight"]
             out[target + "enorm.weight"] = t[prefix + "token_layernorm.weight"]

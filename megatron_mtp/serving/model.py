@@ -14,8 +14,19 @@ import torch
 from megatron_mtp.serving import ServingError
 
 # Flags under which the forward differs from what this module runs.
-UNSUPPORTED = ("multi_latent_attention", "apply_layernorm_1p", "layernorm_zero_centered_gamma", "squared_relu",
+UNSUPPORTED = ("apply_layernorm_1p", "layernorm_zero_centered_gamma", "squared_relu",
                "experimental_attention_variant", "attention_output_gate")
+# How this module runs a model: one process, fp32, no CUDA kernels (the arguments a checkpoint holds
+# name the run that trained it).
+ONE_PROCESS = dict(
+    tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+    expert_tensor_parallel_size=1, context_parallel_size=1, sequence_parallel=False, params_dtype=torch.float32,
+    fp16=False, bf16=False, fp8=None, apply_rope_fusion=False, bias_swiglu_fusion=False, bias_gelu_fusion=False,
+    masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+    no_persist_layer_norm=True, recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+    transformer_impl="local", decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+    num_layers_per_virtual_pipeline_stage=None, virtual_pipeline_model_parallel_size=None,
+    hidden_dropout=0.0, attention_dropout=0.0)
 # MoE options that name CUDA kernels: the same routing and experts run without them.
 MOE_KERNELS = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion", "moe_use_legacy_grouped_gemm")
 
@@ -43,8 +54,13 @@ def setup(seed: int = 1234) -> None:
         initialize_model_parallel(1, 1, None, seed)
 
 
-def check_supported(args) -> None:
-    """A checkpoint whose forward differs from what this module runs is refused in one line."""
+def check_supported(args, decoding: bool = False) -> None:
+    """A checkpoint whose forward differs from what this module runs is refused in one line;
+    `decoding`: over the KV cache, at positions after the first forward's."""
+    if decoding and getattr(args, "multi_latent_attention", False):
+        raise ServingError("the checkpoint's model has --multi-latent-attention, which this tool does not decode "
+                           "over its KV cache (megatron-core's MLA numbers its rotary positions from 0 at every "
+                           "forward); convert_checkpoint.py exports it")
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:
         raise ServingError(f"the checkpoint's model is a HybridModel (--hybrid-layer-pattern {pattern}), which this "
@@ -55,18 +71,35 @@ def check_supported(args) -> None:
                                "which this tool does not run")
 
 
-def moe_fields(args) -> dict:
-    """A trainer checkpoint's MoE options as the trainer's TransformerConfig took them (Megatron-LM's
-    core_transformer_config_from_args), at one rank and without CUDA kernels; {} without experts."""
-    if not getattr(args, "num_experts", None):
+def trained_config(args):
+    """The TransformerConfig (MLATransformerConfig with multi-latent attention) the trainer builds
+    from a checkpoint's arguments (Megatron-LM's core_transformer_config_from_args); arguments
+    the checkpoint does not hold (an import's) take Megatron-LM's defaults."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments, core_transformer_config_from_args
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    complete = parser.parse_args([])
+    vars(complete).update(vars(args))
+    vars(complete).update(ONE_PROCESS)
+    return core_transformer_config_from_args(complete)
+
+
+def architecture_fields(args) -> dict:
+    """A trainer checkpoint's MoE and multi-latent attention options as the trainer's
+    TransformerConfig took them, at one rank and without CUDA kernels; {} without either."""
+    if not getattr(args, "num_experts", None) and not getattr(args, "multi_latent_attention", False):
         return {}
     import dataclasses
 
-    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    trained = core_transformer_config_from_args(args)
+    trained = trained_config(args)
+    mla = {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
     fields = {f.name: getattr(trained, f.name) for f in dataclasses.fields(trained)
-              if f.name.startswith("moe_") or f.name == "num_moe_experts"}
+              if f.name.startswith("moe_") or f.name in ("num_moe_experts", "multi_latent_attention") or f.name in mla}
     fields.update({name: False for name in MOE_KERNELS if name in fields})
     return fields
 
@@ -74,13 +107,14 @@ def moe_fields(args) -> dict:
 def transformer_config(args, mtp_num_layers=None):
     import torch.nn.functional as F
 
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_supported(args)
     heads = args.num_attention_heads
     swiglu = bool(getattr(args, "swiglu", False))
     depths = getattr(args, "mtp_num_layers", None) if mtp_num_layers is None else mtp_num_layers
-    return TransformerConfig(
+    config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
+    return config_class(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
         num_query_groups=(args.num_query_groups if getattr(args, "group_query_attention", False) else heads),
         kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
@@ -94,7 +128,7 @@ def transformer_config(args, mtp_num_layers=None):
         mtp_use_repeated_layer=bool(getattr(args, "mtp_use_repeated_layer", False)) if depths else False,
         rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)), qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)),
-        **moe_fields(args),
+        **architecture_fields(args),
     )
 
 
@@ -125,9 +159,13 @@ def load(model, directory: str) -> None:
 
 
 def local_names(global_tensors: dict, num_layers: int) -> dict:
-    """Global checkpoint tensors -> the model's state_dict names (stacked layers split)."""
+    """A checkpoint's global tensors -> the model's state-dict names: stacked layers (a leading
+    layer axis) and stacked experts (a leading expert axis) split, norms fused into the next
+    linear (as Transformer Engine names them in checkpoints) named as the local layers do."""
     renames = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-               ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
+               ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+               ("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight"),
+               ("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight"))
 
     def rename(name):
         for old, new in renames:
@@ -137,11 +175,17 @@ def local_names(global_tensors: dict, num_layers: int) -> dict:
 
     out = {}
     for key, value in global_tensors.items():
-        if key.startswith("decoder.layers."):
-            for i in range(num_layers):
-                out[rename(f"decoder.layers.{i}.{key[len('decoder.layers.'):]}")] = value[i]
+        if key.startswith("decoder.layers.") and not key[len("decoder.layers."):].split(".")[0].isdigit():
+            items = [(f"decoder.layers.{i}.{key[len('decoder.layers.'):]}", value[i]) for i in range(num_layers)]
         else:
-            out[rename(key)] = value
+            items = [(key, value)]
+        for name, tensor in items:
+            name = rename(name)
+            if ".mlp.experts.experts." in name:
+                for expert in range(tensor.shape[0]):
+                    out[name.replace(".experts.experts.", f".experts.local_experts.{expert}.")] = tensor[expert]
+            else:
+                out[name] = tensor
     return out
 
 

@@ -1,0 +1,91 @@
+"""Hugging Face bridges for the MoE and multi-latent attention families (issue 27):
+tools/convert_checkpoint.py on Qwen3-MoE and DeepSeek-V3 against the `transformers` classes
+installed here, on tiny random configs made locally (tests/bodies/bridges.py, one process).
+
+- The imported model's logits equal transformers' (fp32, relative 1e-5): Qwen3-MoE with a
+  dense first layer and normalized top-k probabilities, and with experts on every second layer
+  and softmax before top-k; DeepSeek-V3 with MLA (q- and kv-LoRA, YaRN with both mscales), a
+  dense first layer, sigmoid routing with an expert bias over 2 groups, a shared expert and a
+  routed scaling factor.
+- Its two MTP depths, in DeepSeek-V3's layout, equal a forward written from DeepSeek-V3's MTP
+  semantics on the Hugging Face tensors (relative 1e-5).
+- Import then export gives the original tensors bit for bit (the MTP depths and the copies its
+  loaders read included), the config the loaders read, and transformers loads the export with the
+  same logits.
+- What megatron-core would compute otherwise is refused in one line with nothing written:
+  unnormalized sigmoid top-k, group scores over other than 2 experts, DeepSeek-V3 weights without
+  interleaved rotary pairs, YaRN with another original context; eval_speculative.py refuses
+  decoding MLA over its KV cache.
+"""
+
+import pytest
+
+from tests.harness.launcher import launch
+
+PARITY = 1e-5  # relative, fp32 (measured <= 4e-7)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bridges")
+    return launch("tests.bodies.bridges:check", 1, {"root": str(root)}, timeout=600)[0]
+
+
+def part(results, name):
+    result = results[name]
+    if set(result) == {"error"}:
+        pytest.fail(f"{name}:\n{result['error']}", pytrace=False)
+    return result
+
+
+def _round_trip(entry):
+    assert entry["import"][0] == 0 and entry["export"][0] == 0, (entry["import"], entry["export"])
+    assert entry["logits"] <= PARITY, entry["logits"]
+    assert not entry["names only one side"] and not entry["differing"] and entry["tensors"], entry
+    assert entry["export's logits"] <= PARITY, entry["export's logits"]
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-pre-softmax"])
+def test_qwen3_moe_imports_with_transformers_logits_and_exports_bit_for_bit(results, name):
+    entry = part(results, "qwen3_moe")[name]
+    _round_trip(entry)
+    assert entry["config"]["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert ("--moe-router-pre-softmax" in entry["flags"]) == (name == "qwen3-moe-pre-softmax"), entry["flags"]
+    layers = "[0,1,1]" if name == "qwen3-moe" else "[0,1,0]"
+    assert entry["flags"][entry["flags"].index("--moe-layer-freq") + 1] == layers, entry["flags"]
+
+
+def test_deepseek_v3_imports_with_transformers_logits_and_exports_bit_for_bit(results):
+    entry = part(results, "deepseek_v3")
+    _round_trip(entry)
+    config = entry["config"]
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["num_nextn_predict_layers"] == 2
+    assert config["first_k_dense_replace"] == 1 and config["n_group"] == 2 and config["routed_scaling_factor"] == 2.5
+    for flag in ("--multi-latent-attention", "--moe-router-enable-expert-bias", "--rope-type"):
+        assert flag in entry["flags"], entry["flags"]
+
+
+def test_deepseek_v3_mtp_depths_compute_deepseek_v3s_mtp_forward(results):
+    entry = part(results, "deepseek_v3")
+    assert entry["depths"] == 2, entry
+    for depth in (1, 2):
+        assert entry[f"depth {depth} logits"] <= PARITY, (depth, entry[f"depth {depth} logits"])
+
+
+def test_deepseek_v3_mtp_layer_has_the_loaders_names(results):
+    names = set(part(results, "deepseek_v3")["mtp names"])
+    from tests.bodies.bridges import DEEPSEEK_MTP, MLA
+
+    assert set(DEEPSEEK_MTP) | set(MLA) <= names, sorted(set(DEEPSEEK_MTP) | set(MLA) - names)
+    assert {"mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight",
+            "mlp.shared_experts.gate_proj.weight"} <= names, sorted(names)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("norm_topk_prob false", "norm_topk_prob false"), ("top-k over groups not 2", "topk_group 1 != 2"),
+    ("rope not interleaved", "rope_interleave false"), ("yarn with another original context", "2048"),
+    ("eval_speculative", "--multi-latent-attention")])
+def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(results, case, words):
+    entry = part(results, "refusals")[case]
+    assert entry["status"] == 2 and len(entry["stderr"]) == 1 and words in entry["stderr"][0], entry
+    assert not entry.get("written"), entry
