@@ -53,6 +53,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         for name, parameter in model.named_parameters():
             if not name.startswith("mtp."):
                 parameter.requires_grad_(False)
+        for name, module in model.named_modules():
+            # a router's expert bias moves with its token counts, not its gradient (aux-loss-free balancing)
+            if hasattr(module, "frozen_expert_bias") and not name.startswith("mtp."):
+                module.frozen_expert_bias = True
     return model
 
 

@@ -54,8 +54,8 @@ def _provider(defaults: dict):
                                 "token count)")
         group.add_argument("--freeze-backbone", action="store_true",
                            help="train the MTP heads only (draft heads beside a backbone another objective "
-                                "owns): every parameter outside the MTP block is frozen; needs "
-                                "--mtp-detach-heads. The main loss is still computed and logged.")
+                                "owns): every parameter outside the MTP block is frozen, and every MoE router's expert bias "
+                                "there; needs --mtp-detach-heads. The main loss is still computed and logged.")
         group.add_argument("--create-attention-mask-in-dataloader", action="store_true",
                            help="build the dataset's causal attention mask every micro-batch (Megatron-LM's "
                                 "default; off here: the attention is causal without it, SDPA or Transformer "

@@ -16,11 +16,15 @@ installed here, on tiny random configs made locally (tests/bodies/bridges.py, on
   unnormalized sigmoid top-k, group scores over other than 2 experts, DeepSeek-V3 weights without
   interleaved rotary pairs, YaRN with another original context; eval_speculative.py refuses
   decoding MLA over its KV cache.
+- The trainer loads the DeepSeek-V3 import with the flags the import wrote, at EP = 2, and trains
+  its MTP depths with the backbone frozen: every backbone tensor after training is the
+  imported one, bit for bit (matrix tier).
 """
 
 import pytest
 
 from tests.harness.launcher import launch
+from tests.harness.trainer import TINY, train
 
 PARITY = 1e-5  # relative, fp32 (measured <= 4e-7)
 
@@ -28,7 +32,7 @@ PARITY = 1e-5  # relative, fp32 (measured <= 4e-7)
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("bridges")
-    return launch("tests.bodies.bridges:check", 1, {"root": str(root)}, timeout=600)[0]
+    return {**launch("tests.bodies.bridges:check", 1, {"root": str(root)}, timeout=600)[0], "root": root}
 
 
 def part(results, name):
@@ -89,3 +93,20 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(results, c
     entry = part(results, "refusals")[case]
     assert entry["status"] == 2 and len(entry["stderr"]) == 1 and words in entry["stderr"][0], entry
     assert not entry.get("written"), entry
+
+
+@pytest.mark.matrix
+@pytest.mark.slow
+def test_the_trainer_trains_heads_on_the_deepseek_v3_import_with_its_backbone_frozen(results):
+    part(results, "deepseek_v3")
+    imported = results["root"] / "deepseek-v3-mg"
+    trained = results["root"] / "deepseek-v3-trained"
+    flags = (imported / "megatron_flags.txt").read_text().split()
+    run = train(2, *TINY, *flags, "--load", str(imported), "--finetune", "--freeze-backbone", "--mtp-detach-heads",
+                "--expert-model-parallel-size", "2", "--train-iters", "2", "--lr", "3e-3", "--save", str(trained),
+                "--save-interval", "2", timeout=400)
+    assert sorted(run.iterations) == [1, 2] and "mtp_2 loss" in run.iterations[2], run.tail()
+    compared = launch("tests.bodies.bridges:frozen", 1, {"imported": str(imported), "trained": str(trained)},
+                      timeout=300)[0]
+    assert compared["backbone"] and not compared["backbone changed"], compared
+    assert compared["mtp changed"], compared

@@ -262,8 +262,11 @@ class ModelConfig:
         scaling = self.rope_scaling or {}
         return argparse.Namespace(
             num_layers=self.num_layers, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
-            num_attention_heads=self.num_attention_heads, group_query_attention=True,
-            num_query_groups=self.num_query_groups, kv_channels=self.head_dim, normalization="RMSNorm",
+            num_attention_heads=self.num_attention_heads, group_query_attention=not self.mla,
+            num_query_groups=self.num_query_groups,
+            # MLA's head sizes are its own flags; the trainer leaves kv_channels at hidden / heads there
+            kv_channels=self.hidden_size // self.num_attention_heads if self.mla else self.head_dim,
+            normalization="RMSNorm",
             layernorm_epsilon=self.norm_epsilon, swiglu=True, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
             qk_layernorm=self.qk_layernorm,
             position_embedding_type="rope", rotary_base=self.rope_theta, rotary_percent=1.0,
@@ -307,8 +310,9 @@ class ModelConfig:
         tensor-parallel size the import was made for."""
         flags = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                  "--ffn-hidden-size", self.ffn_hidden_size, "--num-attention-heads", self.num_attention_heads,
-                 "--group-query-attention", "--num-query-groups", self.num_query_groups,
-                 "--kv-channels", self.head_dim, "--normalization", "RMSNorm", "--norm-epsilon", self.norm_epsilon,
+                 *([] if self.mla else ["--group-query-attention", "--num-query-groups", self.num_query_groups,
+                                        "--kv-channels", self.head_dim]),
+                 "--normalization", "RMSNorm", "--norm-epsilon", self.norm_epsilon,
                  "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
                  "--rotary-base", _number(self.rope_theta), "--max-position-embeddings", self.max_position_embeddings,
                  "--make-vocab-size-divisible-by", pad_to, "--attention-dropout", _number(self.attention_dropout),

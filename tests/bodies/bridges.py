@@ -233,6 +233,18 @@ def refusals(root: Path) -> dict:
     return out
 
 
+def frozen(imported: str, trained: str) -> dict:
+    """Backbone and MTP tensors of the imported checkpoint against the trained one's."""
+    from megatron_mtp.serving import files
+
+    _, before, _ = files.read_megatron(imported)
+    _, after, _ = files.read_megatron(trained)
+    backbone = [n for n in before if not n.startswith("mtp.")]
+    return {"backbone": len(backbone),
+            "backbone changed": [n for n in backbone if not torch.equal(before[n], after[n])],
+            "mtp changed": [n for n in before if n.startswith("mtp.") and not torch.equal(before[n], after[n])]}
+
+
 def check(root: str) -> dict:
     """Every part, each reporting its own result or its own traceback."""
     import traceback
