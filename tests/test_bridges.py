@@ -1,14 +1,15 @@
 """Hugging Face bridges for the MoE and multi-latent attention families (issue 27):
-tools/convert_checkpoint.py on Qwen3-MoE and DeepSeek-V3 against the `transformers` classes
+tools/convert_checkpoint.py on Qwen3-MoE, DeepSeek-V3 and GLM-4.5 against the `transformers` classes
 installed here, on tiny random configs made locally (tests/bodies/bridges.py, one process).
 
 - The imported model's logits equal transformers' (fp32, relative 1e-5): Qwen3-MoE with a
   dense first layer and normalized top-k probabilities, and with experts on every second layer
   and softmax before top-k; DeepSeek-V3 with MLA (q- and kv-LoRA, YaRN with both mscales), a
   dense first layer, sigmoid routing with an expert bias over 2 groups, a shared expert and a
-  routed scaling factor.
-- Its two MTP depths, in DeepSeek-V3's layout, equal a forward written from DeepSeek-V3's MTP
-  semantics on the Hugging Face tensors (relative 1e-5).
+  routed scaling factor; GLM-4.5 with QKV biases, q/k norms, rotary on half of each head and
+  DeepSeek-V3's routing.
+- The two MTP depths of DeepSeek-V3 and GLM-4.5, in DeepSeek-V3's layout, equal a forward written
+  from DeepSeek-V3's MTP semantics on the Hugging Face tensors (relative 1e-5).
 - Import then export gives the original tensors bit for bit (the MTP depths and the copies its
   loaders read included), the config the loaders read, and transformers loads the export with the
   same logits.
@@ -59,6 +60,16 @@ def test_qwen3_moe_imports_with_transformers_logits_and_exports_bit_for_bit(resu
     assert entry["flags"][entry["flags"].index("--moe-layer-freq") + 1] == layers, entry["flags"]
 
 
+def test_glm_4_5_imports_with_transformers_logits_and_exports_bit_for_bit(results):
+    entry = part(results, "glm_4_5")
+    _round_trip(entry)
+    config = entry["config"]
+    assert config["architectures"] == ["Glm4MoeForCausalLM"] and config["num_nextn_predict_layers"] == 2
+    assert config["partial_rotary_factor"] == 0.5 and config["attention_bias"] and config["use_qk_norm"], config
+    for flag in ("--add-qkv-bias", "--qk-layernorm", "--rotary-percent", "--moe-router-enable-expert-bias"):
+        assert flag in entry["flags"], entry["flags"]
+
+
 def test_deepseek_v3_imports_with_transformers_logits_and_exports_bit_for_bit(results):
     entry = part(results, "deepseek_v3")
     _round_trip(entry)
@@ -69,19 +80,22 @@ def test_deepseek_v3_imports_with_transformers_logits_and_exports_bit_for_bit(re
         assert flag in entry["flags"], entry["flags"]
 
 
-def test_deepseek_v3_mtp_depths_compute_deepseek_v3s_mtp_forward(results):
-    entry = part(results, "deepseek_v3")
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_4_5"])
+def test_mtp_depths_compute_deepseek_v3s_mtp_forward(results, family):
+    entry = part(results, family)
     assert entry["depths"] == 2, entry
     for depth in (1, 2):
         assert entry[f"depth {depth} logits"] <= PARITY, (depth, entry[f"depth {depth} logits"])
 
 
-def test_deepseek_v3_mtp_layer_has_the_loaders_names(results):
-    names = set(part(results, "deepseek_v3")["mtp names"])
-    from tests.bodies.bridges import DEEPSEEK_MTP, MLA
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_4_5"])
+def test_mtp_layer_has_the_loaders_names(results, family):
+    names = set(part(results, family)["mtp names"])
+    from tests.bodies.bridges import DEEPSEEK_MTP, GQA, MLA
 
-    assert set(DEEPSEEK_MTP) | set(MLA) <= names, sorted(set(DEEPSEEK_MTP) | set(MLA) - names)
-    assert {"mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.experts.7.down_proj.weight",
+    attention = MLA if family == "deepseek_v3" else GQA
+    assert set(DEEPSEEK_MTP) | set(attention) <= names, sorted(set(DEEPSEEK_MTP) | set(attention) - names)
+    assert {"mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.experts.3.down_proj.weight",
             "mlp.shared_experts.gate_proj.weight"} <= names, sorted(names)
 
 

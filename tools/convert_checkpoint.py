@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 / MiMo / Qwen3 / Qwen3-MoE / DeepSeek-V3
-backbones and their MTP heads.
+"""Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 / MiMo / Qwen3 / Qwen3-MoE / DeepSeek-V3 /
+GLM-4.5 backbones and their MTP heads.
 
     # a Hugging Face model into the trainer (draft heads for an existing model)
     tools/convert_checkpoint.py import HF_DIR OUT_DIR [--mtp-num-layers D] [--tensor-model-parallel-size T]
@@ -14,8 +14,9 @@ backbones and their MTP heads.
 import reads config.json and safetensors (model.safetensors, or shards with
 model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM, MiMoForCausalLM (Qwen2
 with model.mtp_layers), Qwen3ForCausalLM (q/k norms: --qk-layernorm), Qwen3MoeForCausalLM (and its
-experts) or DeepseekV3ForCausalLM (multi-latent attention with YaRN, sigmoid-routed experts with
-an expert bias, groups and a shared expert behind dense first layers), and MTP depths when
+experts), DeepseekV3ForCausalLM (multi-latent attention with YaRN, sigmoid-routed experts with
+an expert bias, groups and a shared expert behind dense first layers) or Glm4MoeForCausalLM
+(GLM-4.5: QKV biases, q/k norms, partial rotary, DeepSeek-V3's experts), and MTP depths when
 present (MiMo's model.mtp_layers.{i}.*, or DeepSeek-V3's model.layers.{L+k}.*); it writes a torch_dist release checkpoint that
 pretrain_gpt_mtp.py --load DIR --finetune loads at any PP layout and at the tensor-parallel
 size given (the vocabulary is padded as the trainer pads it there), and the model flags that
@@ -26,9 +27,10 @@ megatron-core initializes them (seeded by --seed).
 export writes the backbone as Llama (Qwen2 when the model has QKV biases, Qwen3 when it has q/k
 norms; MiMo when it was imported
 from MiMo, or with --architecture mimo, so that vLLM and SGLang pick their MiMo MTP model; Qwen3-MoE
-with experts and q/k norms, DeepSeek-V3 with multi-latent attention and experts): config.json,
+with experts and q/k norms, DeepSeek-V3 with multi-latent attention and experts, GLM-4.5 with
+sigmoid-routed experts without it): config.json,
 model.safetensors, the tokenizer's files when --tokenizer is given; the MTP depths in MiMo's
-layout (default; DeepSeek-V3's for DeepSeek-V3) or DeepSeek-V3's (with the copies of the output weight and embedding that
+layout (default; DeepSeek-V3's for the MoE families) or DeepSeek-V3's (with the copies of the output weight and embedding that
 its loaders read), num_nextn_predict_layers in config.json. A checkpoint trained with
 --mtp-use-repeated-layer is written as D identical depths (one per depth it was trained at).
 
@@ -75,7 +77,7 @@ def parse(argv):
     exp.add_argument("output", help="new (or empty) directory for the Hugging Face checkpoint")
     exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "none"], default=None,
                      help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths, "
-                          "deepseek_v3 for a DeepSeek-V3-shaped model; none: the backbone only)")
+                          "deepseek_v3 for a mixture-of-experts model; none: the backbone only)")
     exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3"], default=None,
                      help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases, "
                           "Qwen3 with q/k norms, Llama without either); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
@@ -143,7 +145,7 @@ def run_export(args) -> int:
     tensors = local_names(tensors, cfg.num_layers)  # the model's names, whatever layout saved them
     if args.architecture:
         cfg.as_architecture(args.architecture)
-    default = "deepseek_v3" if cfg.family == "deepseek_v3" else "mimo"
+    default = "deepseek_v3" if cfg.moe else "mimo"  # MiMo's MTP layers are Qwen2's, not MoE
     layout = None if args.mtp_layout == "none" else args.mtp_layout or (default if cfg.mtp_num_layers else None)
     if cfg.moe and layout == "mimo":
         raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "

@@ -1,7 +1,8 @@
 """The model both sides describe: a Llama, Qwen2 or Qwen3 decoder (GQA, RMSNorm, SwiGLU, RoPE;
 Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm), Qwen3-MoE (Qwen3's attention, softmax-routed
-experts) or DeepSeek-V3 (multi-latent attention with YaRN, sigmoid-routed experts with an
-expert bias, group-limited routing and a shared expert, dense first layers), with D MTP depths,
+experts), DeepSeek-V3 (multi-latent attention with YaRN, sigmoid-routed experts with an
+expert bias, group-limited routing and a shared expert, dense first layers) or GLM-4.5 (GQA
+with QKV biases, optional q/k norms and partial rotary, DeepSeek-V3's experts), with D MTP depths,
 read from a Hugging Face config.json or from a trainer checkpoint's arguments, and written back
 to either (config.json, the trainer's flags, the arguments a checkpoint holds).
 """
@@ -15,11 +16,14 @@ from megatron_mtp.serving import ServingError
 # MiMo (model_type "mimo") is Qwen2 with MTP depths in model.mtp_layers; its own name in config.json
 # is what makes vLLM and SGLang serve those depths (their MiMo MTP models).
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
-            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
+            "Glm4MoeForCausalLM": "glm4_moe"}
 ARCHITECTURES = {family: architecture for architecture, family in FAMILIES.items()}
 QKV_BIAS_FAMILIES = ("qwen2", "mimo")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # an RMSNorm of each head's query and key (megatron-core's --qk-layernorm)
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+# DeepSeek-V3's routing (sigmoid scores with an expert bias, groups, a shared expert, a scaling factor)
+SIGMOID_ROUTED_FAMILIES = ("deepseek_v3", "glm4_moe")
 # megatron-core's MLA takes YaRN's original context and correction range from MLATransformerConfig's
 # defaults, which the trainer's flags do not set (DeepSeek-V3's own values).
 MLA_YARN_CONSTANTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
@@ -29,7 +33,7 @@ LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_m
 
 @dataclass
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3" | "qwen3_moe" | "deepseek_v3"
+    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3" | "qwen3_moe" | "deepseek_v3" | "glm4_moe"
     vocab_size: int  # the tokenizer's vocabulary (Hugging Face's vocab_size)
     padded_vocab_size: int  # rows of megatron-core's embedding and output layer
     hidden_size: int
@@ -45,6 +49,7 @@ class ModelConfig:
     qkv_bias: bool
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear" | "yarn", "factor": F, ...}
     qk_layernorm: bool = False
+    rotary_percent: float = 1.0  # the leading fraction of each head's dims that RoPE rotates (GLM-4.5: 0.5)
     mtp_num_layers: int = 0
     mtp_repeated: bool = False
     attention_dropout: float = 0.0  # Llama's and Qwen2's; neither has hidden dropout
@@ -87,6 +92,8 @@ class ModelConfig:
                 values["mla"] = {name: int(config[name]) for name in
                                  ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
                 values.update(num_query_groups=heads, head_dim=values["mla"]["qk_nope_head_dim"], qk_layernorm=True)
+            if family == "glm4_moe":
+                values.update(qkv_bias=bool(config.get("attention_bias")), qk_layernorm=bool(config.get("use_qk_norm")))
         except (KeyError, TypeError) as missing:
             name = missing.args[0] if isinstance(missing, KeyError) else "a number where it has null"
             raise ServingError(f"config.json has no {name!r}") from None
@@ -113,14 +120,19 @@ class ModelConfig:
             scaling = parameters
         values["rope_theta"] = float(theta)
         values["rope_scaling"] = _rope_scaling(scaling, yarn=family == "deepseek_v3")
+        values["rotary_percent"] = float(parameters.get("partial_rotary_factor",
+                                                        config.get("partial_rotary_factor", 1.0)))
+        if values["rotary_percent"] != 1.0 and family != "glm4_moe":
+            raise ServingError(f"config.json: partial_rotary_factor {values['rotary_percent']} (only GLM-4.5's "
+                               "rotary is partial here)")
         values["mtp_num_layers"] = int(config.get("num_nextn_predict_layers") or 0)
         values["extra"] = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
         values["attention_dropout"] = float(config.get("attention_dropout") or 0.0)
         return cls(**values)
 
     def to_hf(self, dtype: str, mtp_layout: str | None) -> dict:
-        if self.family == "deepseek_v3":
-            return self._deepseek_v3_hf(dtype, mtp_layout)
+        if self.family in SIGMOID_ROUTED_FAMILIES:
+            return self._sigmoid_routed_hf(dtype, mtp_layout)
         config = {
             "architectures": [ARCHITECTURES[self.family]], "model_type": self.family,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -150,22 +162,30 @@ class ModelConfig:
             config["num_nextn_predict_layers"] = self.mtp_num_layers
         return config
 
-    def _deepseek_v3_hf(self, dtype: str, mtp_layout: str | None) -> dict:
-        moe, mla = self.moe, self.mla
+    def _sigmoid_routed_hf(self, dtype: str, mtp_layout: str | None) -> dict:
+        """DeepSeek-V3's and GLM-4.5's config.json."""
+        moe = self.moe
         dense = moe["layers"].index(1) if 1 in moe["layers"] else self.num_layers
+        if self.family == "deepseek_v3":
+            attention = {"num_key_value_heads": self.num_attention_heads, **self.mla, "rope_interleave": True,
+                         "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+                         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+                         "attention_bias": False}
+        else:
+            attention = {"num_key_value_heads": self.num_query_groups, "head_dim": self.head_dim,
+                         "attention_bias": self.qkv_bias, "use_qk_norm": self.qk_layernorm,
+                         "partial_rotary_factor": self.rotary_percent}
         config = {
             "architectures": [ARCHITECTURES[self.family]], "model_type": self.family,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.ffn_hidden_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_attention_heads,
-            **mla, "rope_interleave": True, "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
+            "num_attention_heads": self.num_attention_heads, **attention, "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.norm_epsilon, "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "moe_intermediate_size": moe["ffn"], "n_routed_experts": moe["experts"],
             "num_experts_per_tok": moe["topk"], "n_shared_experts": moe["shared_ffn"] // moe["ffn"],
             "n_group": moe["groups"] or 1, "topk_group": moe["group_topk"] or 1, "norm_topk_prob": moe["normalize"],
-            "routed_scaling_factor": moe["scaling"], "first_k_dense_replace": dense, "moe_layer_freq": 1,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "attention_bias": False,
+            "routed_scaling_factor": moe["scaling"], "first_k_dense_replace": dense,
             "tie_word_embeddings": self.tied, "attention_dropout": self.attention_dropout, "initializer_range": 0.02,
             "use_cache": True, "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
         }
@@ -190,10 +210,14 @@ class ModelConfig:
             problems.append("no --swiglu (needs SwiGLU)")
         if get("add_bias_linear", True):
             problems.append("linear biases (needs --disable-bias-linear)")
-        if get("position_embedding_type") != "rope" or get("rotary_percent", 1.0) != 1.0 or get("rotary_interleaved"):
-            problems.append("positions other than full, non-interleaved RoPE")
-        if get("qk_layernorm") and get("add_qkv_bias"):
-            problems.append("--qk-layernorm with --add-qkv-bias (Qwen3 has q/k norms, Qwen2 QKV biases)")
+        sigmoid_routed = bool(get("num_experts")) and get("moe_router_score_function") == "sigmoid"
+        partial = get("rotary_percent", 1.0) != 1.0 and sigmoid_routed and not get("multi_latent_attention")
+        if get("position_embedding_type") != "rope" or (get("rotary_percent", 1.0) != 1.0 and not partial) or \
+                get("rotary_interleaved"):
+            problems.append("positions other than full, non-interleaved RoPE (partial: GLM-4.5's)")
+        if get("qk_layernorm") and get("add_qkv_bias") and not sigmoid_routed:
+            problems.append("--qk-layernorm with --add-qkv-bias (Qwen3 has q/k norms, Qwen2 QKV biases; both: "
+                            "GLM-4.5, with its experts)")
         for flag in ("qk_l2_norm", "layernorm_zero_centered_gamma", "apply_layernorm_1p", "squared_relu",
                      "attention_output_gate", "experimental_attention_variant"):
             if get(flag):
@@ -223,7 +247,7 @@ class ModelConfig:
             vocab_size = max(vocab_size, min(eod + 1, int(get("padded_vocab_size"))))
         family = "qwen2" if get("add_qkv_bias") else "qwen3" if get("qk_layernorm") else "llama"
         if moe is not None:
-            family = "deepseek_v3" if mla is not None else "qwen3_moe"
+            family = "deepseek_v3" if mla is not None else "glm4_moe" if moe["score"] == "sigmoid" else "qwen3_moe"
         if family == "qwen2" and get("serving_family") == "mimo":  # imported from MiMo: exported as MiMo
             family = "mimo"
         return cls(
@@ -235,7 +259,7 @@ class ModelConfig:
             norm_epsilon=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),
             rope_theta=float(get("rotary_base", 10000)), max_position_embeddings=int(get("max_position_embeddings")),
             tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")),
-            qk_layernorm=bool(get("qk_layernorm")),
+            qk_layernorm=bool(get("qk_layernorm")), rotary_percent=float(get("rotary_percent", 1.0)),
             rope_scaling=scaling, mtp_num_layers=int(get("mtp_num_layers") or 0),
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
             attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla,
@@ -269,7 +293,7 @@ class ModelConfig:
             normalization="RMSNorm",
             layernorm_epsilon=self.norm_epsilon, swiglu=True, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
             qk_layernorm=self.qk_layernorm,
-            position_embedding_type="rope", rotary_base=self.rope_theta, rotary_percent=1.0,
+            position_embedding_type="rope", rotary_base=self.rope_theta, rotary_percent=self.rotary_percent,
             rotary_interleaved=False, use_rope_scaling=scaling.get("rope_type") == "llama3",
             rope_scaling_factor=float(scaling.get("factor", 8.0)),
             rotary_seq_len_interpolation_factor=(scaling["factor"] if scaling.get("rope_type") == "linear" else None),
@@ -321,6 +345,8 @@ class ModelConfig:
             flags.append("--add-qkv-bias")
         if self.qk_layernorm:
             flags.append("--qk-layernorm")
+        if self.rotary_percent != 1.0:
+            flags += ["--rotary-percent", _number(self.rotary_percent)]
         if not self.tied:
             flags.append("--untie-embeddings-and-output-weights")
         if self.mla:
@@ -446,23 +472,25 @@ def _moe_from_args(get, problems: list, mla: bool) -> dict | None:
     for flag in ("moe_expert_capacity_factor", "moe_shared_expert_gate", "moe_latent_size"):
         if get(flag):
             problems.append(f"--{flag.replace('_', '-')}")
-    if not mla:
+    if not mla and score == "softmax":
         if not get("qk_layernorm"):
             problems.append("experts without --qk-layernorm (Qwen3-MoE has q/k norms)")
-        if score != "softmax" or moe["expert_bias"] or groups or moe["shared_ffn"] or moe["scaling"] not in (None, 1.0):
+        if moe["expert_bias"] or groups or moe["shared_ffn"] or moe["scaling"] not in (None, 1.0):
             problems.append("experts routed otherwise than Qwen3-MoE's (softmax scores, no expert bias, groups, "
                             "shared expert or scaling factor)")
         return moe
     dense = layers.index(1) if 1 in layers else len(layers)
     if layers != [0] * dense + [1] * (len(layers) - dense):
-        problems.append(f"--moe-layer-freq {layers} (DeepSeek-V3's MoE layers follow its first dense ones)")
+        problems.append(f"--moe-layer-freq {layers} (DeepSeek-V3's and GLM-4.5's MoE layers follow their first "
+                        "dense ones)")
     if score != "sigmoid" or not moe["expert_bias"]:
-        problems.append("experts routed otherwise than DeepSeek-V3's (sigmoid scores with an expert bias)")
+        problems.append("experts routed otherwise than DeepSeek-V3's and GLM-4.5's (sigmoid scores with an expert "
+                        "bias)")
     if not moe["shared_ffn"] or moe["shared_ffn"] % moe["ffn"]:
-        problems.append("a shared expert size that is not a multiple of --moe-ffn-hidden-size (DeepSeek-V3's "
+        problems.append("a shared expert size that is not a multiple of --moe-ffn-hidden-size (their "
                         "n_shared_experts)")
     if groups and topk // moe["group_topk"] != 2:
-        problems.append("--moe-router-topk // --moe-router-group-topk != 2 (DeepSeek-V3 scores a group by its top 2 "
+        problems.append("--moe-router-topk // --moe-router-group-topk != 2 (transformers scores a group by its top 2 "
                         "experts)")
     return moe
 
@@ -476,12 +504,13 @@ def _moe_from_hf(family: str, config: dict, num_layers: int) -> dict:
                     shared_ffn=0, score="softmax", normalize=bool(config.get("norm_topk_prob", False)),
                     expert_bias=False, groups=None, group_topk=None, scaling=None,
                     layers=[int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(num_layers)])
+    name = {"deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5"}[family]
     experts, topk = int(config["n_routed_experts"]), int(config["num_experts_per_tok"])
     groups, group_topk = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
     problems = []
     if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
         problems.append(f"scoring_func {config.get('scoring_func')!r} / topk_method {config.get('topk_method')!r} "
-                        "(transformers' DeepSeek-V3 routes by sigmoid with e_score_correction_bias)")
+                        f"(transformers' {name} routes by sigmoid with e_score_correction_bias)")
     if topk > 1 and not config.get("norm_topk_prob", True):
         problems.append("norm_topk_prob false (megatron-core normalizes sigmoid top-k probabilities)")
     if groups > 1 and topk // group_topk != 2:
@@ -490,8 +519,9 @@ def _moe_from_hf(family: str, config: dict, num_layers: int) -> dict:
     if int(config.get("n_shared_experts") or 0) < 1:
         problems.append("no shared expert")
     if problems:
-        raise ServingError("config.json: DeepSeek-V3 with " + "; ".join(problems))
-    first_dense, frequency = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
+        raise ServingError(f"config.json: {name} with " + "; ".join(problems))
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    frequency = int(config.get("moe_layer_freq") or 1) if family == "deepseek_v3" else 1
     return dict(experts=experts, topk=topk, ffn=int(config["moe_intermediate_size"]),
                 shared_ffn=int(config["n_shared_experts"]) * int(config["moe_intermediate_size"]), score="sigmoid",
                 normalize=True, expert_bias=True, groups=groups if groups > 1 else None,

@@ -1,12 +1,13 @@
 """Test bodies of tests/test_bridges.py: Hugging Face's MoE and multi-latent attention families
 through tools/convert_checkpoint.py (one process, megatron-core imported once).
 
-References: the `transformers` classes installed here (Qwen3MoeForCausalLM, DeepseekV3ForCausalLM)
+References: the `transformers` classes installed here (Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
+Glm4MoeForCausalLM)
 on tiny random configs made here, with non-unit norms and a non-zero expert bias; for the
-DeepSeek-V3 MTP depths, a forward written from DeepSeek-V3's MTP semantics (enorm of the next
+DeepSeek-V3 and GLM-4.5 MTP depths, a forward written from DeepSeek-V3's MTP semantics (enorm of the next
 token's embedding, hnorm of the previous depth's hidden state, eh_proj over their concatenation,
 one decoder layer, shared_head.norm, shared_head.head) whose decoder layer is transformers'
-own (a one-layer DeepseekV3Model whose final norm is shared_head.norm).
+own (a one-layer DeepseekV3Model / Glm4MoeModel whose final norm is shared_head.norm).
 """
 
 import io
@@ -24,6 +25,9 @@ DEEPSEEK_MTP = ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.n
                 "shared_head.head.weight", "embed_tokens.weight"]
 MLA = ["self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
        "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
+       "self_attn.o_proj.weight"]
+GQA = ["self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+       "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
        "self_attn.o_proj.weight"]
 
 
@@ -125,24 +129,39 @@ DEEPSEEK = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_inte
                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
-def _deepseek_checkpoint(root: Path):
-    """A DeepSeek-V3 of L layers with D MTP depths in its own layout: the depths' inner layers are
-    layers L .. L + D - 1 of a transformers model of L + D layers (MLA + MoE, as DeepSeek-V3's
-    MTP layer is), beside random enorm / hnorm / eh_proj / shared_head.norm and the copies of the
-    embedding and output weight its loaders read."""
-    from safetensors.torch import save_file
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+GLM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=24, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+           n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+           n_shared_experts=2, routed_scaling_factor=1.5, max_position_embeddings=128, rms_norm_eps=1e-5,
+           rope_theta=1e6)
 
+
+def _families():
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model, Glm4MoeConfig,
+                              Glm4MoeForCausalLM, Glm4MoeModel)
+
+    return {"deepseek-v3": (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model, DEEPSEEK),
+            "glm-4.5": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeModel, GLM)}
+
+
+def _checkpoint_with_mtp(root: Path, name: str):
+    """A model of L layers with D MTP depths in DeepSeek-V3's layout (GLM-4.5's too): the depths'
+    inner layers are layers L .. L + D - 1 of a transformers model of L + D layers (MoE, as their
+    MTP layers are), beside random enorm / hnorm / eh_proj / shared_head.norm and the copies of
+    the embedding and output weight the loaders read."""
+    from safetensors.torch import save_file
+
+    config_class, model_class, _, values = _families()[name]
     torch.manual_seed(7)
-    full = DeepseekV3ForCausalLM(DeepseekV3Config(num_hidden_layers=L + D, num_nextn_predict_layers=0, **DEEPSEEK))
+    full = model_class(config_class(num_hidden_layers=L + D, num_nextn_predict_layers=0, **values))
     _randomize(full)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(num_hidden_layers=L, num_nextn_predict_layers=D, **DEEPSEEK))
+    model = model_class(config_class(num_hidden_layers=L, num_nextn_predict_layers=D, **values))
     mtp_layers = tuple(f"model.layers.{L + k}." for k in range(D))
     model.load_state_dict({k: v for k, v in full.state_dict().items() if not k.startswith(mtp_layers)})
-    full.save_pretrained(root / "deepseek-v3-full")  # the checkpoint's names (one tensor per expert)
-    tensors = _tensors(root / "deepseek-v3-full")
+    full.save_pretrained(root / f"{name}-full")  # the checkpoint's names (one tensor per expert)
+    tensors = _tensors(root / f"{name}-full")
     generator = torch.Generator().manual_seed(8)
-    H = DEEPSEEK["hidden_size"]
+    H = values["hidden_size"]
     for k in range(D):
         prefix = f"model.layers.{L + k}."
         tensors.update({prefix + "enorm.weight": 1 + 0.2 * torch.randn(H, generator=generator),
@@ -151,18 +170,17 @@ def _deepseek_checkpoint(root: Path):
                         prefix + "shared_head.norm.weight": 1 + 0.2 * torch.randn(H, generator=generator),
                         prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
                         prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
-    model.save_pretrained(root / "deepseek-v3")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / "deepseek-v3" / "model.safetensors"),
+    model.save_pretrained(root / name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / name / "model.safetensors"),
               metadata={"format": "pt"})
     return model, full, tensors
 
 
-def _deepseek_mtp(tensors: dict, full, depth: int, previous_hidden, next_tokens):
-    """DeepSeek-V3's MTP depth `depth` (0-based) on the Hugging Face tensors: [b, s, h], [b, s] ->
-    (hidden, logits)."""
-    from transformers import DeepseekV3Config, DeepseekV3Model
-
-    prefix, eps = f"model.layers.{L + depth}.", DEEPSEEK["rms_norm_eps"]
+def _mtp_forward(name: str, tensors: dict, full, depth: int, previous_hidden, next_tokens):
+    """DeepSeek-V3's MTP depth `depth` (0-based; GLM-4.5's is the same) on the Hugging Face
+    tensors: [b, s, h], [b, s] -> (hidden, logits)."""
+    config_class, _, base_class, values = _families()[name]
+    prefix, eps = f"model.layers.{L + depth}.", values["rms_norm_eps"]
 
     def rms_norm(x, weight):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -170,7 +188,7 @@ def _deepseek_mtp(tensors: dict, full, depth: int, previous_hidden, next_tokens)
     token = rms_norm(tensors[prefix + "embed_tokens.weight"][next_tokens], tensors[prefix + "enorm.weight"])
     hidden = rms_norm(previous_hidden, tensors[prefix + "hnorm.weight"])
     x = torch.cat([token, hidden], -1) @ tensors[prefix + "eh_proj.weight"].T
-    layer = DeepseekV3Model(DeepseekV3Config(**dict(DEEPSEEK, num_hidden_layers=1, first_k_dense_replace=0))).eval()
+    layer = base_class(config_class(**dict(values, num_hidden_layers=1, first_k_dense_replace=0))).eval()
     layer.layers[0].load_state_dict(full.model.layers[L + depth].state_dict())
     with torch.no_grad():
         layer.norm.weight.copy_(tensors[prefix + "shared_head.norm.weight"])
@@ -178,23 +196,34 @@ def _deepseek_mtp(tensors: dict, full, depth: int, previous_hidden, next_tokens)
     return out, out @ tensors[prefix + "shared_head.head.weight"].T
 
 
-def deepseek_v3(root: Path) -> dict:
-    """DeepSeek-V3: MLA (q- and kv-LoRA, YaRN with both mscales), a dense first layer, then 8
-    sigmoid-routed experts top-2 in 2 groups with an expert bias, a shared expert and a routed
-    scaling factor; two MTP depths in DeepSeek-V3's layout."""
-    model, full, tensors = _deepseek_checkpoint(root)
-    out, per_depth = _import_export(root, "deepseek-v3", model)
+def _with_mtp(root: Path, name: str) -> dict:
+    model, full, tensors = _checkpoint_with_mtp(root, name)
+    out, per_depth = _import_export(root, name, model)
     with torch.no_grad():
         hidden = model.eval()(TOKENS, output_hidden_states=True).hidden_states[-1]  # after model.norm
     out["depths"] = len(per_depth)
     for depth in range(min(D, len(per_depth))):
         k = depth + 1
         hidden = hidden[:, : TOKENS.shape[1] - k]
-        hidden, logits = _deepseek_mtp(tensors, full, depth, hidden, TOKENS[:, k:])
+        hidden, logits = _mtp_forward(name, tensors, full, depth, hidden, TOKENS[:, k:])
         out[f"depth {k} logits"] = _rel(per_depth[depth], logits[..., :VOCAB])
-    back = _tensors(root / "deepseek-v3-back")
+    back = _tensors(root / f"{name}-back")
     out["mtp names"] = sorted(n[len(f"model.layers.{L}."):] for n in back if n.startswith(f"model.layers.{L}."))
     return out
+
+
+def deepseek_v3(root: Path) -> dict:
+    """DeepSeek-V3: MLA (q- and kv-LoRA, YaRN with both mscales), a dense first layer, then 8
+    sigmoid-routed experts top-2 in 2 groups with an expert bias, a shared expert and a routed
+    scaling factor; two MTP depths in DeepSeek-V3's layout."""
+    return _with_mtp(root, "deepseek-v3")
+
+
+def glm_4_5(root: Path) -> dict:
+    """GLM-4.5: GQA with QKV biases and q/k RMSNorms, rotary on half of each head, a dense first
+    layer, then 4 sigmoid-routed experts top-2 with an expert bias, two shared experts and a
+    routed scaling factor; two MTP depths in DeepSeek-V3's layout (GLM-4.5's own)."""
+    return _with_mtp(root, "glm-4.5")
 
 
 def refusals(root: Path) -> dict:
@@ -252,7 +281,8 @@ def check(root: str) -> dict:
 
     warnings.filterwarnings("ignore")
     results = {}
-    for name, part in (("qwen3_moe", qwen3_moe), ("deepseek_v3", deepseek_v3), ("refusals", refusals)):
+    for name, part in (("qwen3_moe", qwen3_moe), ("deepseek_v3", deepseek_v3), ("glm_4_5", glm_4_5),
+                       ("refusals", refusals)):
         try:
             results[name] = part(Path(root))
         except Exception:
