@@ -14,6 +14,18 @@ MOE = dict(add_bias_linear=False, num_moe_experts=8, moe_router_topk=2, moe_ffn_
            moe_layer_freq=[0, 1, 1, 1],
            moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_z_loss_coeff=1e-3,
            moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+# The architectures MTP models use, at SHAPE (TransformerConfig fields; hybrid_layer_pattern
+# builds a HybridModel, its MTP depths "/*-" appended): DeepSeek-V3's, multi-latent attention
+# (q- and kv-LoRA, YaRN with both mscales, q/k RMSNorm) with the MoE layers of MOE; Qwen3-Next's,
+# Gated DeltaNet as every other mixer beside gated attention, SwiGLU and RMSNorm (dense MLPs).
+ARCHITECTURES = {
+    "mla_moe": dict(MOE, multi_latent_attention=True, q_lora_rank=128, kv_lora_rank=64, qk_head_dim=32,
+                    qk_pos_emb_head_dim=16, v_head_dim=32, rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0,
+                    mscale_all_dim=1.0, qk_layernorm=True, normalization="RMSNorm"),
+    "delta_net": dict(hybrid_layer_pattern="G-*-G-*-", linear_num_key_heads=4, linear_num_value_heads=8,
+                      linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                      attention_output_gate=True, normalization="RMSNorm", gated_linear_unit=True),
+}
 
 
 def setup_process() -> None:
@@ -33,13 +45,20 @@ def setup_process() -> None:
 def build(depths: int, detach: bool = False, repeated: bool = False, vocab: int = SHAPE["vocab"],
           seq: int = SHAPE["seq"], batch: int = SHAPE["batch"], **config_fields):
     """GPT of SHAPE with `depths` MTP depths (SDPA layer spec, fixed seed) and a batch of tokens;
-    `config_fields`: further TransformerConfig fields."""
+    `config_fields`: further TransformerConfig fields (MLATransformerConfig's with multi-latent
+    attention; `hybrid_layer_pattern`: a HybridModel of that pattern instead)."""
     import torch
+    import torch.nn.functional as F
 
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_mtp.library.model import build_gpt
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    from megatron_mtp.library.model import build_gpt, build_hybrid
 
-    config = TransformerConfig(num_layers=SHAPE["layers"], hidden_size=SHAPE["hidden"],
+    pattern = config_fields.pop("hybrid_layer_pattern", None)
+    if config_fields.get("gated_linear_unit"):
+        config_fields["activation_func"] = F.silu
+    config_class = MLATransformerConfig if config_fields.get("multi_latent_attention") else TransformerConfig
+    # a HybridModel counts mixers and MLPs as layers of their own
+    config = config_class(num_layers=len(pattern) if pattern else SHAPE["layers"], hidden_size=SHAPE["hidden"],
                                num_attention_heads=SHAPE["heads"], mtp_num_layers=depths or None,
                                mtp_detach_heads=detach, mtp_use_repeated_layer=repeated,
                                hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
@@ -51,7 +70,10 @@ def build(depths: int, detach: bool = False, repeated: bool = False, vocab: int 
 
         destroy_moe_metrics_tracker()
     torch.manual_seed(0)
-    model = build_gpt(config, vocab, seq)
+    if pattern:
+        model = build_hybrid(config, vocab, seq, pattern + "/*-" * depths)
+    else:
+        model = build_gpt(config, vocab, seq)
     tokens = torch.randint(0, vocab, (batch, seq + 1),
                            generator=torch.Generator().manual_seed(1))
     return model, tokens

@@ -1,7 +1,7 @@
 """The fork's MTP step against pristine upstream, side by side in one run (isolation off).
 
     .venv/bin/python benchmarks/upstream_overhead_bench.py [--version 0.19.2] [--rounds 10] [--vocab 8192]
-        [--moe] [--threads N]
+        [--moe | --architecture mla_moe|delta_net] [--threads N]
 
 Two sides build the same GPT (SDPA layer spec, same weights and data):
 - fork: this checkout's patched build of VERSION (default: `current`), its default MTP
@@ -22,6 +22,11 @@ free (deterministic), one process per side, D and vocabulary size, and the ratio
 layers and the MTP layer; seq_aux_loss and z-loss), D = 0 and 1, peak memory at the
 step-time vocabulary only. The fork's MoE MTP layer keeps its dense last-depth MLP
 (megatron/core/fork/mtp/last_depth.py): what it saves at 30% valid is the sparse loss.
+
+--architecture: likewise (D = 0 and 1) on an architecture of benchmarks.common.ARCHITECTURES:
+mla_moe (DeepSeek-V3's multi-latent attention with YaRN and q/k norms, the MoE layers of
+--moe) or delta_net (Qwen3-Next's: a HybridModel of Gated DeltaNet and gated attention, with
+upstream's PyTorch Gated DeltaNet kernels on CPU from the runtime patches on both sides).
 """
 
 import argparse
@@ -37,16 +42,18 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-from benchmarks.common import MOE, SHAPE, build, peak_step_memory_mib, setup_process, step  # noqa: E402
+from benchmarks.common import ARCHITECTURES, MOE, SHAPE, build, peak_step_memory_mib, setup_process, step  # noqa: E402
 
-def worker(depths: int, valid_fraction: float, vocab: int, moe: bool, threads: int) -> None:
+VARIANTS = {"dense": {}, "moe": MOE, **ARCHITECTURES}  # the model's TransformerConfig fields beside SHAPE
+
+def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads: int) -> None:
     """Answer "step" with one step's wall-clock and CPU seconds, until "quit"."""
     import torch
 
     setup_process()
     if threads:
         torch.set_num_threads(threads)
-    model, tokens = build(depths, vocab=vocab, **(MOE if moe else {}))
+    model, tokens = build(depths, vocab=vocab, **VARIANTS[variant])
     step(model, tokens, valid_fraction)  # warm-up
     print("ready", flush=True)
     for line in sys.stdin:
@@ -57,9 +64,9 @@ def worker(depths: int, valid_fraction: float, vocab: int, moe: bool, threads: i
         print(time.perf_counter() - start, time.process_time() - cpu_start, flush=True)
 
 
-def peak_memory(depths: int, vocab: int, moe: int) -> None:
+def peak_memory(depths: int, vocab: int, variant: str) -> None:
     setup_process()
-    print(peak_step_memory_mib(*build(depths, vocab=vocab, **(MOE if moe else {}))))
+    print(peak_step_memory_mib(*build(depths, vocab=vocab, **VARIANTS[variant])))
 
 
 def side_env(tree: Path) -> dict:
@@ -67,13 +74,13 @@ def side_env(tree: Path) -> dict:
 
 
 def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: int, rounds: int,
-                      moe: bool = False, threads: int = 0) -> tuple:
+                      variant: str = "dense", threads: int = 0) -> tuple:
     """({D: {side: median wall seconds}}, {D: {side: median CPU seconds}}): one process per
     side and D, all taking turns one step at a time, so that step(D) - step(0) subtracts steps
     measured under the same load. CPU seconds (the process's, all its threads) depend less
     on what else runs on the machine; with one thread (--threads 1) they are the step's work."""
     procs = {(d, side): subprocess.Popen([sys.executable, __file__, "--worker", str(d), str(valid_fraction),
-                                          str(vocab), str(int(moe)), str(threads)], env=side_env(tree),
+                                          str(vocab), variant, str(threads)], env=side_env(tree),
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                          text=True)
              for d in depths for side, tree in trees.items()}
@@ -94,13 +101,13 @@ def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: 
                  for i in (0, 1))
 
 
-def compare_peak_memory(trees: dict, depths: int, vocab: int, moe: bool = False) -> dict:
+def compare_peak_memory(trees: dict, depths: int, vocab: int, variant: str = "dense") -> dict:
     peaks = {}
     for side, tree in trees.items():
         # torch.profiler's memory timeline sometimes asserts on its own records ("duplicate
         # outputs", tensor ids reused): measure again, the number itself is deterministic.
         for _ in range(3):
-            run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab), str(int(moe))],
+            run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab), variant],
                                  env=side_env(tree), capture_output=True, text=True)
             if run.returncode == 0 or "duplicate outputs" not in run.stderr:
                 break
@@ -116,39 +123,45 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="alternating steps per side and D")
     parser.add_argument("--vocab", type=int, default=SHAPE["vocab"], help="vocabulary size of the step-time runs")
     parser.add_argument("--moe", action="store_true", help="the MoE model of benchmarks.common.MOE, D = 0 and 1")
+    parser.add_argument("--architecture", choices=sorted(ARCHITECTURES),
+                        help="an architecture of benchmarks.common.ARCHITECTURES, D = 0 and 1")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of each step-time process (default: torch's own)")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
-    parser.add_argument("--peak-memory", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--peak-memory", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        return worker(int(args.worker[0]), float(args.worker[1]), int(args.worker[2]), bool(int(args.worker[3])),
+        return worker(int(args.worker[0]), float(args.worker[1]), int(args.worker[2]), args.worker[3],
                       int(args.worker[4]))
     if args.peak_memory is not None:
-        return peak_memory(*args.peak_memory)
+        return peak_memory(int(args.peak_memory[0]), int(args.peak_memory[1]), args.peak_memory[2])
+    if args.moe and args.architecture:
+        parser.error("--moe and --architecture: give one")
+    variant = args.architecture or ("moe" if args.moe else "dense")
 
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     from fork_tool.series import make_upstream_tree
     from megatron_mtp.patched_core import build_tree, current_upstream_version
 
     version = args.version or current_upstream_version()
-    depths = (0, 1) if args.moe else (0, 1, 3)
-    memory_vocabs = (args.vocab,) if args.moe else (SHAPE["vocab"], 4 * SHAPE["vocab"])
+    depths = (0, 1, 3) if variant == "dense" else (0, 1)
+    memory_vocabs = (SHAPE["vocab"], 4 * SHAPE["vocab"]) if variant == "dense" else (args.vocab,)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"fork": build_tree(version), "upstream": make_upstream_tree(version, Path(tmp))}
         print(f"megatron-core {version}, isolation off; shape {SHAPE}, vocab {args.vocab} in the step-time runs"
-              + (f"; MoE {MOE}" if args.moe else "") + (f"; {args.threads} torch thread(s)" if args.threads else ""))
+              + (f"; {variant} {VARIANTS[variant]}" if VARIANTS[variant] else "")
+              + (f"; {args.threads} torch thread(s)" if args.threads else ""))
         for valid_fraction in (1.0, 0.3):
             print(f"step time, {valid_fraction:.0%} of positions valid (median of {args.rounds} alternating steps):")
             for kind, seconds in zip(("wall", "CPU"), compare_step_time(
-                    trees, depths, valid_fraction, args.vocab, args.rounds, args.moe, args.threads)):
+                    trees, depths, valid_fraction, args.vocab, args.rounds, variant, args.threads)):
                 print(f" {kind} time:")
                 report("", {d: {side: t * 1000 for side, t in by_side.items()} for d, by_side in seconds.items()},
                        "ms", "MTP overhead step(D) - step(0)")
         print("peak live tensor memory of a step, all positions valid:")
         for vocab in memory_vocabs:
             report(f"vocab {vocab:6d}, ",
-                   {d: compare_peak_memory(trees, d, vocab, args.moe) for d in depths},
+                   {d: compare_peak_memory(trees, d, vocab, variant) for d in depths},
                    "MiB", "MTP branch peak(D) - peak(0)")
 
 

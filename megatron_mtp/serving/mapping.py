@@ -63,21 +63,12 @@ def _qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return fused.reshape(groups * (per_group + 2) * d, *rest).contiguous()
 
 
-def _mla_names() -> list:
-    """(megatron-core suffix, Hugging Face suffix) of multi-latent attention's tensors."""
-    return [("input_layernorm.weight", "input_layernorm.weight"),
-            ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
-            ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
-            ("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
-            ("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
-            ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
-            ("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-            ("self_attention.linear_proj.weight", "self_attn.o_proj.weight")]
-
-
-def _gated(prefix: str, fc1: torch.Tensor) -> dict:
-    gate, up = torch.chunk(fc1, 2, dim=0)
-    return {prefix + "gate_proj.weight": gate.contiguous(), prefix + "up_proj.weight": up.contiguous()}
+MLA_NAMES = [("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
+             ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+             ("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight"),
+             ("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+             ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+             ("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight")]
 
 
 def _mlp_names(cfg: ModelConfig, sparse: bool) -> list:
@@ -88,57 +79,47 @@ def _mlp_names(cfg: ModelConfig, sparse: bool) -> list:
     return experts + ([("mlp.shared_experts.", "mlp.shared_experts.")] if cfg.moe["shared_ffn"] else [])
 
 
+def _renamed(cfg: ModelConfig, sparse: bool) -> list:
+    """(megatron-core suffix, Hugging Face suffix) of a layer's tensors that only change name (the
+    fused QKV and [gate; up] are split and joined)."""
+    names = [("input_layernorm.weight", "input_layernorm.weight"),
+             ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+             ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight")]
+    if cfg.mla:
+        names += MLA_NAMES
+    elif cfg.qk_layernorm:
+        names += [("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+                  ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight")]
+    if sparse:
+        names.append(("mlp.router.weight", "mlp.gate.weight"))
+        if cfg.moe["expert_bias"]:
+            names.append(("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"))
+    return names + [(ours + "linear_fc2.weight", hf + "down_proj.weight") for ours, hf in _mlp_names(cfg, sparse)]
+
+
+def _qkv_kinds(cfg: ModelConfig) -> tuple:
+    return () if cfg.mla else ("weight", "bias") if cfg.qkv_bias else ("weight",)
+
+
 def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False) -> dict:
     """One megatron-core layer's tensors (suffix -> tensor) as Hugging Face suffixes; `sparse`: its
     MLP is the experts'."""
-    if cfg.mla:
-        out = {hf: layer[ours] for ours, hf in _mla_names()}
-    else:
-        out = {"input_layernorm.weight": layer["input_layernorm.weight"]}
-        q, k, v = _qkv_split(layer["self_attention.linear_qkv.weight"], cfg)
-        out.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v})
-        if cfg.qkv_bias:
-            q, k, v = _qkv_split(layer["self_attention.linear_qkv.bias"], cfg)
-            out.update({"self_attn.q_proj.bias": q, "self_attn.k_proj.bias": k, "self_attn.v_proj.bias": v})
-        if cfg.qk_layernorm:
-            out.update({"self_attn.q_norm.weight": layer["self_attention.q_layernorm.weight"],
-                        "self_attn.k_norm.weight": layer["self_attention.k_layernorm.weight"]})
-        out["self_attn.o_proj.weight"] = layer["self_attention.linear_proj.weight"]
-    out["post_attention_layernorm.weight"] = layer["pre_mlp_layernorm.weight"]
-    if sparse:
-        out["mlp.gate.weight"] = layer["mlp.router.weight"]
-        if cfg.moe["expert_bias"]:
-            out["mlp.gate.e_score_correction_bias"] = layer["mlp.router.expert_bias"]
+    out = {hf: layer[ours] for ours, hf in _renamed(cfg, sparse)}
+    for kind in _qkv_kinds(cfg):
+        q, k, v = _qkv_split(layer[f"self_attention.linear_qkv.{kind}"], cfg)
+        out.update({f"self_attn.q_proj.{kind}": q, f"self_attn.k_proj.{kind}": k, f"self_attn.v_proj.{kind}": v})
     for ours, hf in _mlp_names(cfg, sparse):
-        out.update(_gated(hf, layer[ours + "linear_fc1.weight"]))
-        out[hf + "down_proj.weight"] = layer[ours + "linear_fc2.weight"]
+        gate, up = torch.chunk(layer[ours + "linear_fc1.weight"], 2, dim=0)
+        out.update({hf + "gate_proj.weight": gate.contiguous(), hf + "up_proj.weight": up.contiguous()})
     return out
 
 
 def layer_from_hf(layer: dict, cfg: ModelConfig, sparse: bool = False) -> dict:
-    if cfg.mla:
-        out = {ours: layer[hf] for ours, hf in _mla_names()}
-    else:
-        out = {"input_layernorm.weight": layer["input_layernorm.weight"],
-               "self_attention.linear_qkv.weight": _qkv_fuse(layer["self_attn.q_proj.weight"],
-                                                             layer["self_attn.k_proj.weight"],
-                                                             layer["self_attn.v_proj.weight"], cfg)}
-        if cfg.qkv_bias:
-            out["self_attention.linear_qkv.bias"] = _qkv_fuse(layer["self_attn.q_proj.bias"],
-                                                              layer["self_attn.k_proj.bias"],
-                                                              layer["self_attn.v_proj.bias"], cfg)
-        if cfg.qk_layernorm:
-            out.update({"self_attention.q_layernorm.weight": layer["self_attn.q_norm.weight"],
-                        "self_attention.k_layernorm.weight": layer["self_attn.k_norm.weight"]})
-        out["self_attention.linear_proj.weight"] = layer["self_attn.o_proj.weight"]
-    out["pre_mlp_layernorm.weight"] = layer["post_attention_layernorm.weight"]
-    if sparse:
-        out["mlp.router.weight"] = layer["mlp.gate.weight"]
-        if cfg.moe["expert_bias"]:
-            out["mlp.router.expert_bias"] = layer["mlp.gate.e_score_correction_bias"]
+    out = {ours: layer[hf] for ours, hf in _renamed(cfg, sparse)}
+    for kind in _qkv_kinds(cfg):
+        out[f"self_attention.linear_qkv.{kind}"] = _qkv_fuse(*(layer[f"self_attn.{x}_proj.{kind}"] for x in "qkv"), cfg)
     for ours, hf in _mlp_names(cfg, sparse):
         out[ours + "linear_fc1.weight"] = torch.cat([layer[hf + "gate_proj.weight"], layer[hf + "up_proj.weight"]], 0)
-        out[ours + "linear_fc2.weight"] = layer[hf + "down_proj.weight"]
     return out
 
 
