@@ -50,18 +50,22 @@ def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads
     """Answer "step" with one step's wall-clock and CPU seconds, until "quit"."""
     import torch
 
+    # the answers on stdout, anything megatron-core prints (a deprecation warning, HybridModel's
+    # layer allocation) on stderr
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     setup_process()
     if threads:
         torch.set_num_threads(threads)
     model, tokens = build(depths, vocab=vocab, **VARIANTS[variant])
     step(model, tokens, valid_fraction)  # warm-up
-    print("ready", flush=True)
+    print("ready", file=answers)
     for line in sys.stdin:
         if line.strip() != "step":
             break
         start, cpu_start = time.perf_counter(), time.process_time()
         step(model, tokens, valid_fraction)
-        print(time.perf_counter() - start, time.process_time() - cpu_start, flush=True)
+        print(time.perf_counter() - start, time.process_time() - cpu_start, file=answers)
 
 
 def peak_memory(depths: int, vocab: int, variant: str) -> None:
