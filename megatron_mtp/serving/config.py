@@ -199,7 +199,7 @@ class ModelConfig:
     @classmethod
     def from_megatron_args(cls, args) -> "ModelConfig":
         """A trainer checkpoint's arguments; refused (one line) unless the model is Llama-, Qwen2-,
-        Qwen3- (q/k norms without QKV biases), Qwen3-MoE- or DeepSeek-V3-shaped."""
+        Qwen3- (q/k norms without QKV biases), Qwen3-MoE-, DeepSeek-V3- or GLM-4.5-shaped."""
         def get(name, default=None):
             return getattr(args, name, default)
 
@@ -225,8 +225,8 @@ class ModelConfig:
         mla = _mla_from_args(get, problems)
         moe = _moe_from_args(get, problems, mla is not None)
         if problems:
-            raise ServingError("the checkpoint's model is not Llama-, Qwen2-, Qwen3-, Qwen3-MoE- or DeepSeek-V3-"
-                               "shaped, it has " + ", ".join(problems))
+            raise ServingError("the checkpoint's model is not Llama-, Qwen2-, Qwen3-, Qwen3-MoE-, DeepSeek-V3- or "
+                               "GLM-4.5-shaped, it has " + ", ".join(problems))
         heads = get("num_attention_heads")
         groups = get("num_query_groups") if get("group_query_attention") else heads
         scaling = None
