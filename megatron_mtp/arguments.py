@@ -79,10 +79,25 @@ def _defaults(on_cpu: bool, embedded: bool) -> dict:
     # passes none: the dataloader does not build one per micro-batch (benchmarks/README.md).
     defaults = dict(calculate_per_token_loss=True, position_embedding_type="rope", eval_interval=1000,
                     create_attention_mask_in_dataloader=False)
-    if on_cpu:
-        defaults.update(CPU_DEFAULTS)
+    defaults.update(CPU_DEFAULTS if on_cpu else _gpu_defaults())
     if embedded:
         defaults.update(EMBEDDED_DEFAULTS, data_path=[str(corpus_prefix(default_cache_dir()))])
+    return defaults
+
+
+def _gpu_defaults() -> dict:
+    """Megatron-LM's GPU defaults assume Transformer Engine (its layers, its fused RoPE) and apex
+    (fused weight-gradient accumulation: every ColumnParallelLinear, the output layer's too, raises
+    without it; the persistent LayerNorm: torch's norm asserts without it). Without them the
+    defaults are what runs: local layers, unfused RoPE and accumulation, torch's norms (the same
+    arithmetic)."""
+    defaults = {}
+    if _missing("transformer_engine"):
+        defaults.update(transformer_impl="local", apply_rope_fusion=False)
+    if _missing("fused_weight_gradient_mlp_cuda"):
+        defaults.update(gradient_accumulation_fusion=False)
+    if _missing("fast_layer_norm"):  # apex.contrib's persistent LayerNorm; torch's norm refuses the flag
+        defaults.update(no_persist_layer_norm=True)
     return defaults
 
 
@@ -145,6 +160,17 @@ def is_weight(item: str) -> bool:
 LOCAL_HYBRID_LAYERS = "*-EG"  # megatron.core.fork.specs.get_hybrid_stack_spec
 
 
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+def _gated_delta_net(args) -> bool:
+    pattern = args.hybrid_layer_pattern or ""
+    return "G" in pattern or getattr(args, "experimental_attention_variant", None) == "gated_delta_net"
+
+
 def _check(args) -> None:
     """What neither Megatron-LM's validate_args nor the TransformerConfig's checks (upstream's
     and the fork's MTP options, megatron.core.fork.mtp.options) refuse, or refuse only once
@@ -184,6 +210,9 @@ def _check(args) -> None:
     if args.freeze_backbone and not (depths and args.mtp_detach_heads):
         raise ArgumentError("--freeze-backbone trains the MTP heads only: it needs --mtp-num-layers D >= 1 and "
                             "--mtp-detach-heads (isolation keeps the heads' loss off the frozen backbone)")
+    if args.transformer_impl == "transformer_engine" and not args.dry_run and _missing("transformer_engine"):
+        raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine, which is not installed "
+                            "(pip install -e '.[gpu]'), or --transformer-impl local")
     pattern = args.hybrid_layer_pattern
     if pattern is not None and args.transformer_impl != "transformer_engine":
         others = sorted(set(pattern) - set(LOCAL_HYBRID_LAYERS) - set("|/"))
@@ -193,6 +222,12 @@ def _check(args) -> None:
                                 "MLP '-', MoE 'E' (with --num-experts) and Gated DeltaNet 'G'")
         if "E" in pattern and not args.num_experts:
             raise ArgumentError("--hybrid-layer-pattern has MoE layers 'E': give --num-experts")
+    if _gated_delta_net(args) and not args.dry_run and _missing("fla"):
+        import torch
+
+        if torch.cuda.is_available():
+            raise ArgumentError("Gated DeltaNet layers on GPUs compute with flash-linear-attention's kernels "
+                                "(upstream's), which is not installed: pip install flash-linear-attention")
     if pattern is not None and "G" in pattern and not args.swiglu:
         # GatedDeltaNet's convolution (FLA's causal_conv1d, or its PyTorch form here) takes SiLU only,
         # and the layer gates its output with the same activation.

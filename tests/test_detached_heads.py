@@ -53,10 +53,16 @@ def backbone(tensors: dict) -> dict:
                                     for name in LAYOUTS])
 def test_detached_heads_leave_the_backbone_bit_identical(layout, tmp_path):
     nproc, args = LAYOUTS[layout]
+    check_bit_identical(tmp_path, nproc, args)
+
+
+def check_bit_identical(tmp_path, nproc: int, args: tuple, env: dict | None = None) -> None:
+    """The three runs of RUNS in this layout (`env`: tests/test_gpu.py's CUDA device), compared."""
     logged, saved = {}, {}
     for name, mtp in RUNS.items():
         root = tmp_path / name.replace(" ", "_").replace("=", "")
-        train(nproc, *COMMON, *args, *mtp, "--save", str(root / "ckpt"), "--tensorboard-dir", str(root / "tb"))
+        train(nproc, *COMMON, *args, *mtp, "--save", str(root / "ckpt"), "--tensorboard-dir", str(root / "tb"),
+              env=env)
         logged[name] = read(root / "tb").series
         saved[name] = backbone(checkpoint_tensors(root / "ckpt" / f"iter_{ITERATIONS:07d}"))
     without, detached, attached = (logged[name] for name in RUNS)

@@ -1,8 +1,13 @@
-"""GPU path: Transformer Engine layers, bf16 and NCCL. Skipped on CPU-only machines."""
+"""GPU path: local and Transformer Engine layers, bf16 and NCCL, and detached heads that leave
+the backbone bit-identical on CUDA (the MTP streams through the CUDA RNG tracker). Skipped on
+CPU-only machines; tools/gpu_check.sh runs these with the trainer's GPU runs."""
+
+import importlib.util
 
 import pytest
 
 from tests.harness import launch
+from tests.test_detached_heads import check_bit_identical
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -16,3 +21,10 @@ def test_bf16_training_step_on_gpu_matches_the_sdpa_spec():
     if result["transformer_engine"] is not None:
         for te, local in zip(result["transformer_engine"], result["local"], strict=True):
             assert abs(te["lm loss"] - local["lm loss"]) / local["lm loss"] < 5e-2
+
+
+def test_detached_heads_leave_the_backbone_bit_identical_on_gpu(tmp_path):
+    # deterministic kernels (Megatron-LM's --deterministic-mode): the comparison is of two runs
+    impl = "transformer_engine" if importlib.util.find_spec("transformer_engine") else "local"
+    check_bit_identical(tmp_path, 1, ("--transformer-impl", impl, "--deterministic-mode"),
+                        env={"CUDA_VISIBLE_DEVICES": "0"})

@@ -7,6 +7,10 @@
 - CPU defaults only where no GPU exists: a machine with NVIDIA devices whose CUDA is
   unusable (a driver problem, a CPU-only torch) is refused in one line, unless the run
   hides its GPUs on purpose (CUDA_VISIBLE_DEVICES=).
+- On GPUs, Megatron-LM's defaults where Transformer Engine and apex are installed; without them,
+  what runs without them (local layers, unfused RoPE and weight-gradient accumulation: upstream's
+  defaults raise there at the first layer built or the first forward), and
+  `--transformer-impl transformer_engine` without Transformer Engine refused in one line.
 - Pipeline layouts upstream accepts: MTP on a stage of its own (`m` in
   --pipeline-model-parallel-layout) and uneven splits train; an even split that does not
   divide is refused in one line with upstream's own reason.
@@ -132,6 +136,38 @@ def test_a_machine_with_nvidia_gpus_but_unusable_cuda_is_refused_in_one_line():
                               "(/dev/nvidia0, /dev/nvidia1) but CUDA is unusable: "), refused
     assert "CPU-only build" in refused and "set CUDA_VISIBLE_DEVICES= to train on the CPU on purpose" in refused
     assert lines[2:] == ["gpus '' True []", "gpus '-1' True []"], lines  # GPUs hidden on purpose
+
+
+GPU_DEFAULTS = """
+    import contextlib, io, sys
+    from megatron_mtp import arguments
+    for installed in (False, True):
+        arguments._missing = lambda module: not installed
+        defaults = arguments._defaults(on_cpu=False, embedded=False)
+        print("gpu", installed, {key: defaults.get(key) for key in
+              ("transformer_impl", "apply_rope_fusion", "gradient_accumulation_fusion", "no_persist_layer_norm",
+               "distributed_backend")})
+    arguments._missing = lambda module: True  # as on this machine, where a run asks for TE
+    sys.argv = ["pretrain_gpt_mtp.py", *ARGS, "--transformer-impl", "transformer_engine"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        accepted = arguments.parse() is not None
+    print("te", accepted, [line for line in stderr.getvalue().splitlines() if line.startswith("pretrain_gpt_mtp")])
+"""
+
+
+def test_gpu_defaults_follow_what_is_installed_and_a_missing_transformer_engine_is_refused():
+    args = [*TINY, *MOCK, "--lr", "1e-3", "--train-iters", "2"]
+    result = python(f"ARGS = {args!r}\n" + textwrap.dedent(GPU_DEFAULTS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("gpu", "te"))]
+    assert lines[:2] == [
+        "gpu False {'transformer_impl': 'local', 'apply_rope_fusion': False, 'gradient_accumulation_fusion': False, "
+        "'no_persist_layer_norm': True, 'distributed_backend': None}",
+        "gpu True {'transformer_impl': None, 'apply_rope_fusion': None, 'gradient_accumulation_fusion': None, "
+        "'no_persist_layer_norm': None, 'distributed_backend': None}"], lines  # Megatron-LM's own defaults where TE and apex are installed
+    assert lines[2] == ("te False [\"pretrain_gpt_mtp.py: error: --transformer-impl transformer_engine needs Transformer "
+                        "Engine, which is not installed (pip install -e '.[gpu]'), or --transformer-impl local\"]"), lines
 
 
 # ---------------------------------------------------------------- pipeline layouts

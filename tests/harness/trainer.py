@@ -86,7 +86,8 @@ def start(nproc: int, *args: str, env: dict | None = None, cwd: Path = REPO_ROOT
     log = log or Path(tempfile.mkstemp(prefix="trainer-", suffix=".log")[1])
     tag = f"{os.getpid()}-{next(_LAUNCHES)}"
     environment = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                       **{LAUNCH_TAG: tag}, **(env or {}))
+                       **{LAUNCH_TAG: tag})
+    environment.update(env or {})  # a test's own CUDA_VISIBLE_DEVICES (tests/test_gpu.py) too
     zygote = None if fresh else _zygote(script, cwd, env)
     command = torchrun_command(nproc, *args, script=script, rank_logs=rank_logs(log), zygote=zygote)
     with open(log, "w") as out:
