@@ -15,6 +15,11 @@ section 11): upstream divided the repeated layer's balance loss by mtp_num_layer
 off the spec's gradient here); the series' patch "MoE: a repeated MTP layer's balance loss counts
 at every depth" makes it the spec's.
 
+The attentions MoE models use (issue 27; matrix tier, current build): DeepSeek-V3's multi-latent
+attention (q- and kv-LoRA, YaRN, q/k RMSNorm) and Qwen3-Next's gated attention (q/k RMSNorm, output
+gate) over the same MoE layers, on every layout above (MLA's heads split over TP = 2 with EP = 2):
+the same comparisons, against the reference's MLA and gated attention.
+
 Every carried build runs it (the default tier: 0.16.1 on one rank; docs/tests.md): on 0.16.1 the series' backports (moe_grad_scale_func; the router's
 per-token weights, without which the seq_aux_loss setups are 0.22-0.47 off on one rank) make it
 exact.
@@ -53,6 +58,12 @@ LAYOUTS = [
     dict(name="ep2_tp2_sp_dp2_allgather", tp=2, pp=1, ep=2),
     dict(name="pp2_ep2_dp2_alltoall", tp=1, pp=2, ep=2, setup=dict(moe_token_dispatcher_type="alltoall")),
 ]
+ARCH_SETUPS = {
+    "mla_yarn_attached_D2_sigmoid_seq_z": dict(SETUPS["attached_D1_sigmoid_seq_z"], mtp_num_layers=2, arch="mla_yarn"),
+    "mla_yarn_isolated_D1_repeated_sigmoid_z": dict(SETUPS["isolated_D2_repeated_sigmoid_z"], mtp_num_layers=1,
+                                                    arch="mla_yarn"),
+    "gated_isolated_D2_softmax_seq_z": dict(SETUPS["isolated_D2_softmax_seq_z"], arch="qk_rmsnorm_gate"),
+}
 BREAKS = [["attached_D1_sigmoid_seq_z", "no_division"], ["attached_D1_sigmoid_seq_z", "valid_tokens"]]
 
 
@@ -151,3 +162,24 @@ def test_each_mtp_depths_router_losses_are_the_step_values(runs, layout):
             assert not {k for k in got if k.endswith(("load balancing loss", "z loss"))} - set(want), (name, got)
     assert checked >= len(results) * 6, checked
 
+
+
+@pytest.mark.matrix
+def test_mla_and_gated_attention_over_moe_match_the_reference(tmp_path):
+    """One rank and every layout of LAYOUTS against the reference, every copy; the expert biases
+    after the step are the reference's update; every layout's gradients equal one rank's. The
+    current build (0.16.1 builds no multi-latent attention without Transformer Engine)."""
+    (one_rank,) = launch("tests.bodies.moe_gradients:reference", 1, {"ckpt_root": str(tmp_path), "setups": ARCH_SETUPS},
+                         timeout=600)
+    ranks = launch("tests.bodies.moe_gradients:layouts", 4,
+                   {"ckpt_root": str(tmp_path), "layouts": LAYOUTS, "setups": ARCH_SETUPS}, timeout=900)
+    assert len(ranks) == 4
+    for name, kwargs in ARCH_SETUPS.items():
+        results = [one_rank[name]] + [rank[f"{layout['name']}/{name}"] for rank in ranks for layout in LAYOUTS]
+        for result in results:
+            assert_matches(result["grads"])
+            assert not result["bias"]["missing"] and result["bias"]["max_abs"] == 0.0, (name, result["bias"])
+            if kwargs.get("moe_router_enable_expert_bias"):
+                assert result["bias"]["copies"] > 0, name
+        for result in results[1:]:
+            assert result["vs_one_rank"]["max_rel"] < TOL, (name, result["vs_one_rank"]["worst"])

@@ -15,7 +15,7 @@ import torch
 from megatron.core.fork import compat, router_losses
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.moe_full_grads import gathered_full_grads_and_buffers
-from tests.bodies.tiny_gpt import Setup, build, global_batch, train_step
+from tests.bodies.tiny_gpt import Setup, build, global_batch, reference_architecture, train_step
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import mtp_inner_layer_name
 from tests.reference.moe import ReferenceMoEGPT, balance_loss, moe_layer_pattern
@@ -95,7 +95,7 @@ def reference_model(setup: Setup, chunks, config) -> ReferenceMoEGPT:
                           setup.mtp_num_layers, options, ffn=config.ffn_hidden_size, tied=setup.tied,
                           repeated=setup.mtp_use_repeated_layer, detach_heads=setup.mtp_detach_heads,
                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor,
-                          mtp_inner_name=mtp_inner_layer_name(state))
+                          mtp_inner_name=mtp_inner_layer_name(state), arch=reference_architecture(setup))
     ref.load_state_dict(state, strict=True)
     return ref
 

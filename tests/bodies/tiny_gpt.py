@@ -80,6 +80,20 @@ ARCHITECTURES = {
 }
 
 
+def reference_architecture(setup: Setup):
+    """The plain-PyTorch reference's Architecture (tests/reference/gpt_mtp.py) of the setup's
+    attention (the MLPs are the setup's own: dense, or MoE by tests/reference/moe.py)."""
+    from tests.reference.gpt_mtp import Architecture, Latent
+
+    return {
+        "": Architecture(),
+        "qk_rmsnorm_gate": Architecture("RMSNorm", qk_norm=True, output_gate=True),
+        # (q-LoRA, kv-LoRA, q/k head, rope head, v head); YaRN: (factor, original context, beta_fast, beta_slow,
+        # mscale, mscale_all_dim), upstream's beta defaults
+        "mla_yarn": Architecture("RMSNorm", qk_norm=True, latent=Latent(16, 8, 8, 8, 8, yarn=(4.0, 4096, 32, 1, 1.0, 0.5))),
+    }[setup.arch]
+
+
 def architecture_config(setup: Setup):
     """(the config class, its fields) of the setup's architecture: MLA's config class, or this
     module's TransformerConfig (which tests.bodies.mtp_layouts may wrap for a call)."""
