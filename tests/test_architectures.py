@@ -9,7 +9,11 @@ in every attention layer, decoder and MTP: before, the trainer built its dense l
 no arguments and dropped --qk-layernorm and --multi-latent-attention without a word. A flag
 the selected specs do not build is refused in one line.
 
-Exact MTP on the architectures: q/k LayerNorm, q/k RMSNorm, multi-latent attention with RoPE,
+Zero-centred gamma (--apply-layernorm-1p) is built on CPU (the series' torch norms: (1 + w), w
+started at zero), every norm of the model, q/k norms too.
+
+Exact MTP on the architectures: q/k LayerNorm, q/k RMSNorm, zero-centred RMSNorm with q/k norms
+and zero-centred LayerNorm (their weights moved off zero), multi-latent attention with RoPE,
 and with YaRN (factor 4, both mscales) and q/k RMSNorm, each against the plain-PyTorch
 reference (tests/reference/gpt_mtp.py, MLA and YaRN written from the papers) for D in {1, 2},
 isolation on and off, the repeated layer, tied and untied, recompute, padded rows with holes
@@ -51,7 +55,8 @@ CASES = {
                             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-layer-freq",
                             "[0,1,1,1]"),
     "hybrid_qk_layernorm": ("--hybrid-layer-pattern", "*-*-/*-/*-", "--qk-layernorm"),
-    "refused_apply_layernorm_1p": ("--apply-layernorm-1p",),
+    "apply_layernorm_1p": ("--apply-layernorm-1p",),
+    "apply_layernorm_1p_qk_rmsnorm": ("--apply-layernorm-1p", "--qk-layernorm", "--normalization", "RMSNorm"),
     "refused_gated_delta_net": ("--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"),
 }
 DEPTHS = 2  # the embedded default's MTP depths: every case's MTP layers are checked with the decoder's
@@ -75,7 +80,7 @@ REFERENCE_TOL = 3e-5
 
 
 def test_mtp_on_each_architecture_matches_the_reference(reference_cases):
-    assert len(reference_cases) == 5 * 5  # architectures x setups (tests/bodies/architectures.py)
+    assert len(reference_cases) == 7 * 5  # architectures x setups (tests/bodies/architectures.py)
     failures = {}
     for name, errors in reference_cases.items():
         bad = {k: v for k, v in errors.items()
@@ -103,12 +108,19 @@ def test_every_attention_layer_holds_what_the_flag_names(results, case):
     assert result["core_attention"] == ["SDPACoreAttention"]  # the one CPU swap
     assert result["attention"] == (["MLASelfAttention"] if "mla" in case else ["SelfAttention"])
     norms = {"qk_layernorm": ["LayerNorm"], "qk_layernorm_rmsnorm": ["RMSNorm"], "qk_l2_norm": ["L2Norm"],
-             "mla_rope_qk_layernorm": ["LayerNorm"], "mla_moe_dense_first": ["RMSNorm"]}
+             "mla_rope_qk_layernorm": ["LayerNorm"], "mla_moe_dense_first": ["RMSNorm"],
+             "apply_layernorm_1p_qk_rmsnorm": ["ZeroCenteredRMSNorm"]}
     # without q/k norms: SelfAttention holds None, MLASelfAttention upstream's IdentityOp
     expected = norms.get(case, ["IdentityOp"] if "mla" in case else ["NoneType"])
     assert result["qk_norms"] == expected
     assert result["gate"] == [case == "attention_output_gate"]
     assert result["loss"] == result["loss"] and 0 < result["loss"] < 20  # finite: the layers run here
+
+
+def test_zero_centred_gamma_makes_every_norm_zero_centred(results):
+    assert results["default"]["norms"] == ["LayerNorm"]
+    assert results["apply_layernorm_1p"]["norms"] == ["ZeroCenteredLayerNorm"]  # decoder, final, MTP norms alike
+    assert results["apply_layernorm_1p_qk_rmsnorm"]["norms"] == ["ZeroCenteredRMSNorm"]
 
 
 def test_flags_change_the_parameters(results):
@@ -124,7 +136,6 @@ def test_flags_change_the_parameters(results):
 
 
 @pytest.mark.parametrize("case,flag", [("hybrid_qk_layernorm", "--qk-layernorm"),
-                                       ("refused_apply_layernorm_1p", "--apply-layernorm-1p"),
                                        ("refused_gated_delta_net", "--experimental-attention-variant")])
 def test_a_flag_the_specs_do_not_build_is_refused_in_one_line(results, case, flag):
     refused = results[case]["refused"]
@@ -176,11 +187,11 @@ def test_trainer_steps_are_the_same_however_the_step_is_cut(architecture, datase
 
 
 def test_the_trainer_refuses_a_flag_the_specs_do_not_build_in_one_line():
-    run = train(1, *TINY, "--apply-layernorm-1p", "--mock-data", "--tokenizer-type", "NullTokenizer",
-                "--vocab-size", "64", "--train-iters", "1", "--lr", "1e-3", check=False)
+    run = train(1, *TINY, "--hybrid-layer-pattern", "*-*-", "--qk-layernorm", "--mock-data", "--tokenizer-type",
+                "NullTokenizer", "--vocab-size", "64", "--train-iters", "1", "--lr", "1e-3", check=False)
     errors = run.errors()
     assert run.returncode != 0 and len(errors) == 1, run.tail()
-    assert "--apply-layernorm-1p (zero-centred gamma) is not built" in errors[0], errors
+    assert "--qk-layernorm is not built" in errors[0], errors
 
 
 @pytest.mark.matrix  # the attention's fields in the default tier: test_trainer_faults' shape refusal (q/k norms)

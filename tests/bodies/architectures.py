@@ -106,6 +106,8 @@ def builder_cases(cases: dict, save: str) -> dict:
             "qk_norms": sorted({type(getattr(m, n)).__name__ for m in attentions
                                 for n in ("q_layernorm", "k_layernorm", "kv_layernorm") if hasattr(m, n)}),
             "gate": sorted({bool(getattr(m.config, "attention_output_gate", False)) for m in attentions}),
+            "norms": sorted({type(m).__name__ for m in ours.modules()
+                             if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))}),
             "loss": _loss(ours, parsed.padded_vocab_size),
         }
     return results
@@ -132,6 +134,10 @@ def _reference_architectures() -> dict:
             Architecture("RMSNorm", qk_norm=True, output_gate=True, rotary_percent=0.5),
             dict(qk_layernorm=True, normalization="RMSNorm", attention_output_gate=True,
                  model_options=dict(rotary_percent=0.5))),
+        # zero-centred gamma (--apply-layernorm-1p): every norm (1 + w), q/k norms too, as Qwen3-Next's
+        "zero_centred_qk_rmsnorm": (Architecture("RMSNorm1p", qk_norm=True),
+                                    dict(qk_layernorm=True, normalization="RMSNorm", layernorm_zero_centered_gamma=True)),
+        "zero_centred_layernorm": (Architecture("LayerNorm1p"), dict(layernorm_zero_centered_gamma=True)),
         "mla_yarn_qk_rmsnorm": (
             Architecture("RMSNorm", qk_norm=True, latent=Latent(*sizes, yarn=(4.0, 4096, 32, 1, 1.0, 0.5))),
             dict(latent, **yarn, qk_layernorm=True, normalization="RMSNorm")),

@@ -144,6 +144,11 @@ def against_reference(config, seed, tied, layout, arch=Architecture(), model_opt
     `model_options`: GPTModel's own arguments (rotary_percent)."""
     torch.manual_seed(seed)
     model = build_gpt(config, VOCAB, SEQ, share_embeddings_and_output_weights=tied, **(model_options or {}))
+    if config.layernorm_zero_centered_gamma:  # zero-centred weights start at 0: move them, so (1 + w) is seen
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name and name.endswith("weight"):
+                    param.normal_(0.0, 0.2)
     input_ids, labels, mask, segments = (padded_batch if layout == "padded" else packed_batch)()
     got = run_megatron(model, input_ids, labels, mask, segments)
     ref = reference_for(model, config.mtp_num_layers or 0, tied, config.mtp_use_repeated_layer,

@@ -32,7 +32,29 @@ from torch import nn
 
 
 def norm(kind, size):
+    """"LayerNorm" or "RMSNorm" (torch's), or with "1p" (Megatron-LM's --apply-layernorm-1p) the
+    zero-centred form written out here."""
+    if kind.endswith("1p"):
+        return OnePlusNorm(kind[:-2], size)
     return nn.RMSNorm(size, eps=1e-5) if kind == "RMSNorm" else nn.LayerNorm(size, eps=1e-5)
+
+
+class OnePlusNorm(nn.Module):
+    """x normalized (LayerNorm: centred, over the standard deviation; RMSNorm: over the root mean
+    square), times (1 + w), plus b for LayerNorm: the scale stored as its offset from one."""
+
+    def __init__(self, kind, size, eps=1e-5):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.zeros(size))
+        if kind == "LayerNorm":
+            self.bias = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x):
+        if self.kind == "LayerNorm":
+            centred = x - x.mean(-1, keepdim=True)
+            return centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight) + self.bias
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
 
 
 def causal_within_segments(scores, segments):

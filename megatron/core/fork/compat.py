@@ -57,3 +57,12 @@ def mtp_rolls_across_context_parallel_ranks() -> bool:
 
     major, minor = (int(part) for part in __version__.split(".")[:2])
     return (major, minor) >= (0, 19)
+
+
+def torch_norms_have_zero_centered_gamma() -> bool:
+    """Whether megatron-core's torch norms (WrappedTorchNorm) build zero-centred gamma: the 0.19.2
+    series' patch "Zero-centred gamma with the torch norms"; 0.16.1's still assert it away."""
+    from megatron.core.package_info import __version__
+
+    major, minor = (int(part) for part in __version__.split(".")[:2])
+    return (major, minor) >= (0, 19)

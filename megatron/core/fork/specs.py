@@ -19,6 +19,7 @@ layer is the GPT network; the MTP depths' inner layers come from the same patter
 
 import dataclasses
 
+from megatron.core.fork import compat
 from megatron.core.fork.sdpa_attention import SDPACoreAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
@@ -101,12 +102,12 @@ def refuse_dropped(config, *specs, multi_latent: bool = True) -> None:
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 
-    if config.layernorm_zero_centered_gamma:
+    if config.layernorm_zero_centered_gamma and not compat.torch_norms_have_zero_centered_gamma():
         torch_norms = []
         _walk(list(specs), lambda holder, name, value: torch_norms.append(value) if value is WrappedTorchNorm else None)
         if torch_norms:
-            raise SpecError("--apply-layernorm-1p (zero-centred gamma) is not built by megatron-core's torch norms, "
-                            "which these local specs use (Apex and Transformer Engine norms have it)")
+            raise SpecError("--apply-layernorm-1p (zero-centred gamma) is not built by this build's torch norms, "
+                            "which these local specs use (the 0.19.2 build's, Apex's and Transformer Engine's have it)")
     attentions = _attention_submodules(*specs)
     for spec in attentions:
         sub = spec.submodules
