@@ -2,7 +2,8 @@
 that fail before anything is built, in one line (not one traceback per rank).
 
 - On a machine without CUDA the defaults select what runs there (local layers, no fused
-  CUDA kernels, CPU initialization, gloo).
+  CUDA kernels, CPU initialization, gloo); on GPUs, Megatron-LM's, except what needs a
+  package that is not installed (Transformer Engine, apex: docs/gpus.md).
 - With no data flag the run is the embedded default: a tiny GPT with 2 MTP depths on the
   embedded corpus (megatron_mtp.data.embedded), saving to runs/default.
 - A dataset written by tools/preprocess_data.py names its vocabulary: the run takes it
@@ -86,19 +87,23 @@ def _defaults(on_cpu: bool, embedded: bool) -> dict:
 
 
 def _gpu_defaults() -> dict:
-    """Megatron-LM's GPU defaults assume Transformer Engine (its layers, its fused RoPE) and apex
-    (fused weight-gradient accumulation: every ColumnParallelLinear, the output layer's too, raises
-    without it; the persistent LayerNorm: torch's norm asserts without it). Without them the
-    defaults are what runs: local layers, unfused RoPE and accumulation, torch's norms (the same
-    arithmetic)."""
+    """Megatron-LM's GPU defaults assume Transformer Engine (its layers; its fused RoPE, which
+    the config refuses without it) and apex (fused weight-gradient accumulation: every
+    ColumnParallelLinear, the output layer's too, raises without it). Without them the defaults
+    are what runs: local layers, unfused RoPE and accumulation (the same arithmetic)."""
     defaults = {}
     if _missing("transformer_engine"):
         defaults.update(transformer_impl="local", apply_rope_fusion=False)
     if _missing("fused_weight_gradient_mlp_cuda"):
         defaults.update(gradient_accumulation_fusion=False)
-    if _missing("fast_layer_norm"):  # apex.contrib's persistent LayerNorm; torch's norm refuses the flag
-        defaults.update(no_persist_layer_norm=True)
     return defaults
+
+
+def uses_torch_norms(args) -> bool:
+    """Whether the local layers' norms are torch's (WrappedTorchNorm), which assert that the
+    persistent LayerNorm is off: RMSNorm always, LayerNorm without apex (its FusedLayerNorm
+    persists with apex.contrib's fast_layer_norm). Megatron-LM's GPU default has it on."""
+    return args.transformer_impl == "local" and (args.normalization != "LayerNorm" or _missing("fast_layer_norm"))
 
 
 def _vocabulary_from_data(args, defaults: dict) -> None:
@@ -454,6 +459,8 @@ def _parse():
             if embedded and not _given("--lr-warmup-iters") and args.train_iters:
                 # a shortened embedded run (--train-iters N) warms up for a tenth of it
                 defaults["lr_warmup_iters"] = min(EMBEDDED_DEFAULTS["lr_warmup_iters"], args.train_iters // 10)
+            if not on_cpu and uses_torch_norms(args):
+                defaults["no_persist_layer_norm"] = True
             if embedded and not _given("--load") and args.save:
                 defaults["load"] = args.save  # the embedded default resumes from its own directory
             args = parse_args(_provider(defaults))

@@ -121,6 +121,9 @@ def test_zero_centred_gamma_makes_every_norm_zero_centred(results):
     assert results["default"]["norms"] == ["LayerNorm"]
     assert results["apply_layernorm_1p"]["norms"] == ["ZeroCenteredLayerNorm"]  # decoder, final, MTP norms alike
     assert results["apply_layernorm_1p_qk_rmsnorm"]["norms"] == ["ZeroCenteredRMSNorm"]
+    # w starts at zero (a scale of 1), as Transformer Engine's; torch's plain norms start at a weight of 1
+    assert results["apply_layernorm_1p"]["norm_weights_zero"] and results["apply_layernorm_1p_qk_rmsnorm"]["norm_weights_zero"]
+    assert not results["default"]["norm_weights_zero"]
 
 
 def test_flags_change_the_parameters(results):

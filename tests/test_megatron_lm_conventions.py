@@ -140,13 +140,17 @@ def test_a_machine_with_nvidia_gpus_but_unusable_cuda_is_refused_in_one_line():
 
 GPU_DEFAULTS = """
     import contextlib, io, sys
+    from types import SimpleNamespace
     from megatron_mtp import arguments
-    for installed in (False, True):
-        arguments._missing = lambda module: not installed
+    for installed in ((), ("transformer_engine",), ("transformer_engine", "fused_weight_gradient_mlp_cuda",
+                                                    "fast_layer_norm")):
+        arguments._missing = lambda module: module not in installed
         defaults = arguments._defaults(on_cpu=False, embedded=False)
-        print("gpu", installed, {key: defaults.get(key) for key in
-              ("transformer_impl", "apply_rope_fusion", "gradient_accumulation_fusion", "no_persist_layer_norm",
-               "distributed_backend")})
+        print("gpu", len(installed), {key: defaults.get(key) for key in
+              ("transformer_impl", "apply_rope_fusion", "gradient_accumulation_fusion", "distributed_backend")})
+        print("norms", len(installed), [arguments.uses_torch_norms(SimpleNamespace(transformer_impl=impl,
+                                                                                   normalization=norm))
+                                        for impl in ("local", "transformer_engine") for norm in ("LayerNorm", "RMSNorm")])
     arguments._missing = lambda module: True  # as on this machine, where a run asks for TE
     sys.argv = ["pretrain_gpt_mtp.py", *ARGS, "--transformer-impl", "transformer_engine"]
     stderr = io.StringIO()
@@ -160,13 +164,20 @@ def test_gpu_defaults_follow_what_is_installed_and_a_missing_transformer_engine_
     args = [*TINY, *MOCK, "--lr", "1e-3", "--train-iters", "2"]
     result = python(f"ARGS = {args!r}\n" + textwrap.dedent(GPU_DEFAULTS))
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith(("gpu", "te"))]
-    assert lines[:2] == [
-        "gpu False {'transformer_impl': 'local', 'apply_rope_fusion': False, 'gradient_accumulation_fusion': False, "
-        "'no_persist_layer_norm': True, 'distributed_backend': None}",
-        "gpu True {'transformer_impl': None, 'apply_rope_fusion': None, 'gradient_accumulation_fusion': None, "
-        "'no_persist_layer_norm': None, 'distributed_backend': None}"], lines  # Megatron-LM's own defaults where TE and apex are installed
-    assert lines[2] == ("te False [\"pretrain_gpt_mtp.py: error: --transformer-impl transformer_engine needs Transformer "
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("gpu", "norms", "te"))]
+    assert lines[:6] == [
+        "gpu 0 {'transformer_impl': 'local', 'apply_rope_fusion': False, 'gradient_accumulation_fusion': False, "
+        "'distributed_backend': None}",
+        "norms 0 [True, True, False, False]",
+        # TE without apex: TE's layers, but the output layer's ColumnParallelLinear needs apex's fusion
+        "gpu 1 {'transformer_impl': None, 'apply_rope_fusion': None, 'gradient_accumulation_fusion': False, "
+        "'distributed_backend': None}",
+        "norms 1 [True, True, False, False]",
+        # Megatron-LM's own defaults where TE and apex are installed; apex persists LayerNorm, not RMSNorm
+        "gpu 3 {'transformer_impl': None, 'apply_rope_fusion': None, 'gradient_accumulation_fusion': None, "
+        "'distributed_backend': None}",
+        "norms 3 [False, True, False, False]"], lines
+    assert lines[6] == ("te False [\"pretrain_gpt_mtp.py: error: --transformer-impl transformer_engine needs Transformer "
                         "Engine, which is not installed (pip install -e '.[gpu]'), or --transformer-impl local\"]"), lines
 
 

@@ -1,9 +1,10 @@
 """The model shape a checkpoint records names every parameter-bearing architecture field.
 
 A checkpoint of one architecture loaded into a model of another must be refused naming the
-fields, not load the tensors both share: the attention's output gate and Gated DeltaNet's
-heads, head sizes and convolution are compared (issue 27), for HybridModel's `G` layers and
-GPTModel's experimental gated_delta_net layers; a shape saved before those fields were
+fields, not load the tensors both share: the attention's output gate, Gated DeltaNet's
+heads, head sizes and convolution (issue 27), for HybridModel's `G` layers and GPTModel's
+experimental gated_delta_net layers, and the norms' kind and zero-centred gamma are compared;
+a shape saved before those fields were
 recorded is compared without them.
 """
 
@@ -56,3 +57,13 @@ def test_a_shape_saved_before_the_gate_and_linear_attention_fields_loads():
              if not field.startswith("linear_") and field not in ("attention_output_gate",
                                                                   "experimental_attention_variant")}
     check_same_shape(saved, current)
+
+
+def test_zero_centred_gamma_and_the_norm_are_a_shape():
+    # the same tensors, read as w or as 1 + w: a checkpoint of the other kind would load silently
+    message = refusal(shape(), shape(layernorm_zero_centered_gamma=True, normalization="RMSNorm"))
+    assert "layernorm_zero_centered_gamma: checkpoint False, model True" in message, message
+    assert "normalization: checkpoint 'LayerNorm', model 'RMSNorm'" in message, message
+    saved = {field: value for field, value in shape().items()
+             if field not in ("normalization", "layernorm_zero_centered_gamma")}  # saved before they were recorded
+    check_same_shape(saved, shape(layernorm_zero_centered_gamma=True))

@@ -163,7 +163,6 @@ def test_each_mtp_depths_router_losses_are_the_step_values(runs, layout):
     assert checked >= len(results) * 6, checked
 
 
-
 @pytest.mark.matrix
 def test_mla_and_gated_attention_over_moe_match_the_reference(tmp_path):
     """One rank and every layout of LAYOUTS against the reference, every copy; the expert biases

@@ -11,7 +11,7 @@
 #   fp32_cpu_gpu    the embedded default, 20 iterations in fp32 on the GPU and on the CPU side by
 #                   side, from the same initial weights without dropout: every iteration's losses,
 #                   largest relative difference
-#   bf16_default    the embedded default on the GPU in bf16, 100 iterations (evaluation, checkpoint)
+#   bf16_default    the embedded default on the GPU in bf16 (300 iterations, 3 evaluations, checkpoints)
 #   gpu_tests       tests marked gpu: bf16 library steps on NCCL; detached heads leave the backbone
 #                   bit-identical on CUDA (MTP RNG streams through the CUDA RNG tracker)
 #   deepseek_v3     examples/configs/deepseek_v3_tiny.sh (MLA + MoE + MTP) in bf16

@@ -108,6 +108,8 @@ def builder_cases(cases: dict, save: str) -> dict:
             "gate": sorted({bool(getattr(m.config, "attention_output_gate", False)) for m in attentions}),
             "norms": sorted({type(m).__name__ for m in ours.modules()
                              if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))}),
+            "norm_weights_zero": all(not m.weight.any() for m in ours.modules()
+                                     if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))),
             "loss": _loss(ours, parsed.padded_vocab_size),
         }
     return results

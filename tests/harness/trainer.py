@@ -75,6 +75,8 @@ def _zygote(script: str, cwd: Path, env: dict | None) -> zygotes.Zygote | None:
     """The zygote for a script of this checkout run with its installed build, else None."""
     if not zygotes.enabled() or "PYTHONPATH" in (env or {}) or "PYTHONPATH" in os.environ:
         return None
+    if (env or {}).get("CUDA_VISIBLE_DEVICES"):  # a GPU run: the zygote has imported torch without CUDA
+        return None
     if not (Path(cwd) / script).resolve().is_relative_to(REPO_ROOT):
         return None
     return zygotes.zygote_for(str(build_tree(current_upstream_version())), str(REPO_ROOT))

@@ -53,16 +53,16 @@ def mtp_rolls_across_context_parallel_ranks() -> bool:
     """Whether this megatron-core's MTP roll is the fork's exact one across context-parallel
     ranks (the 0.19.2 series routes roll_tensor to megatron.core.fork.context_parallel; the
     0.16.1 series does not carry it, so MTP with context parallelism stays refused there)."""
-    from megatron.core.package_info import __version__
-
-    major, minor = (int(part) for part in __version__.split(".")[:2])
-    return (major, minor) >= (0, 19)
+    return _at_least(0, 19)
 
 
 def torch_norms_have_zero_centered_gamma() -> bool:
     """Whether megatron-core's torch norms (WrappedTorchNorm) build zero-centred gamma: the 0.19.2
     series' patch "Zero-centred gamma with the torch norms"; 0.16.1's still assert it away."""
+    return _at_least(0, 19)
+
+
+def _at_least(major: int, minor: int) -> bool:
     from megatron.core.package_info import __version__
 
-    major, minor = (int(part) for part in __version__.split(".")[:2])
-    return (major, minor) >= (0, 19)
+    return tuple(int(part) for part in __version__.split(".")[:2]) >= (major, minor)

@@ -10,9 +10,10 @@ of experts the expert count, the experts' sizes and which layers are MoE layers 
 the shape (dist checkpoints key experts by global index: another count or placement would
 load some experts and leave others as initialized). So are the attention's parameters: q/k
 norms and multi-latent attention with its ranks and head sizes (a model without q/k norms
-would load the others and drop them without a word), the attention's output gate, and
+would load the others and drop them without a word), the attention's output gate,
 Gated DeltaNet's heads, head sizes and convolution (HybridModel's `G` layers or GPTModel's
-experimental gated_delta_net layers).
+experimental gated_delta_net layers), and the norms' kind and zero-centred gamma (the same
+tensors read as w or as 1 + w).
 """
 
 from megatron.core.fork import compat
@@ -34,13 +35,15 @@ ATTENTION_FIELDS = ("qk_layernorm", "multi_latent_attention", "q_lora_rank", "kv
 GATE_AND_LINEAR_ATTENTION_FIELDS = ("attention_output_gate", "experimental_attention_variant",
                                     "linear_attention_freq", "linear_num_key_heads", "linear_num_value_heads",
                                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+# (1 + w) or w: the same tensors, another model (a checkpoint of the other kind would load silently)
+NORM_FIELDS = ("normalization", "layernorm_zero_centered_gamma")
 # What a finetune may change: MTP depths added to, or dropped from, a pretrained backbone.
 MTP_FIELDS = ("mtp_num_layers", "mtp_use_repeated_layer")
 
 
 def config_shape(config, hybrid_layer_pattern: str | None = None) -> dict:
     """The shape a TransformerConfig and HybridModel's layer pattern fix: sizes, MTP depths
-    and mode, experts, attention and linear-attention parameters."""
+    and mode, experts, attention and linear-attention parameters, norms."""
     shape = {field: compat.config_field(config, field) for field in SHAPE_FIELDS}
     shape["hybrid_layer_pattern"] = hybrid_layers(hybrid_layer_pattern)
     shape["mtp_num_layers"] = shape["mtp_num_layers"] or 0  # None and 0 both mean no MTP
@@ -49,6 +52,8 @@ def config_shape(config, hybrid_layer_pattern: str | None = None) -> dict:
     if shape["multi_latent_attention"]:
         shape.update({field: getattr(config, field) for field in ATTENTION_FIELDS[2:]})
     shape["attention_output_gate"] = bool(getattr(config, "attention_output_gate", False))
+    shape["normalization"] = config.normalization
+    shape["layernorm_zero_centered_gamma"] = bool(config.layernorm_zero_centered_gamma)
     variant = getattr(config, "experimental_attention_variant", None)
     shape["experimental_attention_variant"] = variant
     if variant == "gated_delta_net" or "G" in (hybrid_layer_pattern or ""):
@@ -84,8 +89,8 @@ def model_shape(model) -> dict:
 
 def check_same_shape(saved: dict, current: dict, finetune: bool = False) -> None:
     """Raise ValueError naming every field where the checkpoint and the model differ (a shape
-    saved before the experts, the attention's fields, or the output gate and linear
-    attention's fields were recorded is compared without them; with `finetune`, the MTP
+    saved before the experts, the attention's fields, the output gate and linear attention's
+    fields, or the norms' were recorded is compared without them; with `finetune`, the MTP
     depths may differ)."""
     if finetune:
         saved = dict(saved, **{field: current.get(field) for field in MTP_FIELDS})
@@ -93,6 +98,8 @@ def check_same_shape(saved: dict, current: dict, finetune: bool = False) -> None
         current = {field: value for field, value in current.items() if field not in MOE_FIELDS}
     if "qk_layernorm" not in saved:
         current = {field: value for field, value in current.items() if field not in ATTENTION_FIELDS}
+    if "layernorm_zero_centered_gamma" not in saved:
+        current = {field: value for field, value in current.items() if field not in NORM_FIELDS}
     if "attention_output_gate" not in saved:
         current = {field: value for field, value in current.items()
                    if field not in GATE_AND_LINEAR_ATTENTION_FIELDS}
