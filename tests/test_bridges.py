@@ -15,8 +15,10 @@ installed here, on tiny random configs made locally (tests/bodies/bridges.py, on
   same logits.
 - What megatron-core would compute otherwise is refused in one line with nothing written:
   unnormalized sigmoid top-k, group scores over other than 2 experts, DeepSeek-V3 weights without
-  interleaved rotary pairs, YaRN with another original context; eval_speculative.py refuses
-  decoding MLA over its KV cache.
+  interleaved rotary pairs, YaRN with another original context.
+- Decoding the DeepSeek-V3 import over the KV cache (multi-latent attention's rotary positions
+  counted from each forward's first position), speculative and greedy, gives the whole-sequence
+  recompute's tokens and draft logits (relative 1e-5); eval_speculative.py runs on it.
 - The trainer loads the DeepSeek-V3 import with the flags the import wrote, at EP = 2, and trains
   its MTP depths with the backbone frozen: every backbone tensor after training is the
   imported one, bit for bit (matrix tier).
@@ -101,12 +103,18 @@ def test_mtp_layer_has_the_loaders_names(results, family):
 
 @pytest.mark.parametrize("case, words", [
     ("norm_topk_prob false", "norm_topk_prob false"), ("top-k over groups not 2", "topk_group 1 != 2"),
-    ("rope not interleaved", "rope_interleave false"), ("yarn with another original context", "2048"),
-    ("eval_speculative", "--multi-latent-attention")])
+    ("rope not interleaved", "rope_interleave false"), ("yarn with another original context", "2048")])
 def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(results, case, words):
     entry = part(results, "refusals")[case]
     assert entry["status"] == 2 and len(entry["stderr"]) == 1 and words in entry["stderr"][0], entry
     assert not entry.get("written"), entry
+
+
+def test_decoding_mla_over_the_kv_cache_equals_a_whole_sequence_recompute(results):
+    entry = part(results, "mla_decoding")
+    assert entry["same"] and entry["sampled same"] and entry["draft calls"] > 0, entry
+    assert entry["worst"] <= PARITY, entry["worst"]
+    assert entry["eval_speculative"]["status"] in (0, None), entry["eval_speculative"]
 
 
 @pytest.mark.matrix

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         run_args, directory = files.read_arguments(args.checkpoint)
         if run_args is None:
             raise ServingError(f"{directory}: the checkpoint holds no arguments")
-        serving_model.check_supported(run_args, decoding=True)
+        serving_model.check_supported(run_args)
         depths = run_args.mtp_num_layers or 0
         if not depths:
             raise ServingError(f"{directory}: the model has no MTP depths to draft with")

@@ -7,6 +7,8 @@ depth (megatron-core's MultiTokenPredictionLayer, with the token ids given direc
 speculative-decoding entry point `forward_single_position`) can be read separately.
 """
 
+import contextlib
+import functools
 import os
 
 import torch
@@ -54,13 +56,8 @@ def setup(seed: int = 1234) -> None:
         initialize_model_parallel(1, 1, None, seed)
 
 
-def check_supported(args, decoding: bool = False) -> None:
-    """A checkpoint whose forward differs from what this module runs is refused in one line;
-    `decoding`: over the KV cache, at positions after the first forward's."""
-    if decoding and getattr(args, "multi_latent_attention", False):
-        raise ServingError("the checkpoint's model has --multi-latent-attention, which this tool does not decode "
-                           "over its KV cache (megatron-core's MLA numbers its rotary positions from 0 at every "
-                           "forward); convert_checkpoint.py exports it")
+def check_supported(args) -> None:
+    """A checkpoint whose forward differs from what this module runs is refused in one line."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:
         raise ServingError(f"the checkpoint's model is a HybridModel (--hybrid-layer-pattern {pattern}), which this "
@@ -219,12 +216,29 @@ class Runner:
     def _rope(self, start: int, count: int):
         return self.model.rotary_pos_emb(start + count)[start:] if hasattr(self.model, "rotary_pos_emb") else None
 
+    @contextlib.contextmanager
+    def _positions(self, stream, start: int, count: int):
+        """The cache's positions `start` on, and multi-latent attention's rotary positions with them:
+        MLA computes its own rotary embedding from position 0 at every forward (the other attentions
+        take `_rope`'s), so for this forward its rotary module counts from `start` (its `offset`)."""
+        from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+        ropes = [m.rotary_pos_emb for m in self.model.modules() if isinstance(m, MultiLatentAttention)]
+        for rope in ropes:
+            rope.forward = functools.partial(type(rope).forward, rope, offset=start)
+        try:
+            with self.cache.positions(stream, start, count):
+                yield
+        finally:
+            for rope in ropes:
+                del rope.forward
+
     @torch.no_grad()
     def main(self, tokens: torch.Tensor, start: int = 0):
         """tokens [b, n] at positions start .. start + n - 1 -> (h^0 [n, b, h], logits [b, n, V])."""
         count = tokens.shape[1]
         positions = torch.arange(start, start + count).unsqueeze(0).expand_as(tokens)
-        with self.cache.positions("main", start, count):
+        with self._positions("main", start, count):
             embedded = self.model.embedding(input_ids=tokens, position_ids=positions)
             hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
                                         rotary_pos_emb=self._rope(start, count))
@@ -237,7 +251,7 @@ class Runner:
         layer = self.model.mtp.layers[0 if self.repeated else k - 1]
         count = hidden.shape[0]
         positions = (torch.arange(start, start + count) + k).unsqueeze(0).expand_as(ahead)  # the rolled inputs'
-        with self.cache.positions(("depth", k), start, count):
+        with self._positions(("depth", k), start, count):
             out = layer.forward_single_position(hidden_states=hidden, next_token_ids=ahead, position_ids=positions,
                                                 embedding=self.model.embedding,
                                                 rotary_pos_emb=self._rope(start, count))

@@ -248,17 +248,25 @@ def refusals(root: Path) -> dict:
         status, stderr = _convert("import", str(directory), str(root / f"refused-{i}-mg"))
         out[name] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
                      "written": (root / f"refused-{i}-mg").exists()}
-    # decoding over the KV cache with MLA: refused by eval_speculative.py before it runs
+    return out
+
+
+def mla_decoding(root: Path) -> dict:
+    """Speculative and greedy decoding of the DeepSeek-V3 import over the KV cache (multi-latent
+    attention's rotary positions counted from each forward's first) against the whole-sequence
+    recompute (tests/bodies/serving.py's check), and eval_speculative.py on it."""
     import eval_speculative
 
+    from tests.bodies.serving import kv_cache
+
+    out = kv_cache(str(root), names=("deepseek-v3-mg",))["deepseek-v3-mg"]
     err = io.StringIO()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         try:
-            status = eval_speculative.main([str(root / "deepseek-v3-mg"), "--num-prompts", "1"])
+            status = eval_speculative.main([str(root / "deepseek-v3-mg"), "--num-prompts", "2", "--new-tokens", "8"])
         except SystemExit as exit_:
             status = exit_.code
-    out["eval_speculative"] = {"status": status, "stderr": [line for line in err.getvalue().splitlines()
-                                                            if line.strip()]}
+    out["eval_speculative"] = {"status": status, "stderr": err.getvalue()[-2000:]}
     return out
 
 
@@ -282,7 +290,7 @@ def check(root: str) -> dict:
     warnings.filterwarnings("ignore")
     results = {}
     for name, part in (("qwen3_moe", qwen3_moe), ("deepseek_v3", deepseek_v3), ("glm_4_5", glm_4_5),
-                       ("refusals", refusals)):
+                       ("refusals", refusals), ("mla_decoding", mla_decoding)):
         try:
             results[name] = part(Path(root))
         except Exception:

@@ -423,11 +423,12 @@ def eval_refusals(root: str) -> dict:
     return results
 
 
-def kv_cache(root: str) -> dict:
+def kv_cache(root: str, names=("trained", "qwen-mg", "trained-moe")) -> dict:
     """Speculative and greedy decoding over the KV cache against tests/reference/speculative.py's
-    whole-sequence recompute, on the trained checkpoint, on the imported random Qwen2 (its second
-    depth new) and on the MoE checkpoint: the same outputs, and every draft's logits (each depth call's last position, in
-    order) within float32 round-off."""
+    whole-sequence recompute, on the checkpoints `names` under `root` (here the trained checkpoint,
+    the imported random Qwen2 (its second depth new) and the MoE checkpoint; tests/bodies/bridges.py's
+    DeepSeek-V3 import, multi-latent attention): the same outputs, and every draft's logits (each
+    depth call's last position, in order) within float32 round-off."""
     from megatron_mtp.serving import speculative
     from tests.reference import speculative as reference
 
@@ -446,7 +447,7 @@ def kv_cache(root: str) -> dict:
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (1, 6, 19)]
     results = {}
-    for name in ("trained", "qwen-mg", "trained-moe"):
+    for name in names:
         runner = _runner(f"{root}/{name}")
         worst, same, calls = 0.0, True, 0
         sampled_same, sampled_stats = True, speculative.Stats(depths=runner.depths)
@@ -461,6 +462,7 @@ def kv_cache(root: str) -> dict:
             same &= output == expected and speculative.greedy(runner, prompt, 30) == reference.greedy(runner, prompt, 30)
             same &= [k for k, _ in cached.drafted] == [k for k, _ in recomputed.drafted]
             calls += len(recomputed.drafted)
+            same &= len(cached.drafted) == len(recomputed.drafted)
             worst = max([worst] + [_rel(a, b) for (_, a), (_, b) in zip(cached.drafted, recomputed.drafted)])
         results[name] = {"same": same, "draft calls": calls, "worst": worst, "sampled same": sampled_same,
                          "sampled accepted": sum(sampled_stats.accepted_per_position)}
