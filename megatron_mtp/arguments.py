@@ -176,6 +176,14 @@ def _gated_delta_net(args) -> bool:
     return "G" in pattern or getattr(args, "experimental_attention_variant", None) == "gated_delta_net"
 
 
+def _check_gated_delta_net_kernels(args, on_gpu: bool) -> None:
+    """Upstream's Gated DeltaNet computes with flash-linear-attention's kernels on GPUs (the
+    runtime part's PyTorch forms serve machines without CUDA only)."""
+    if on_gpu and _gated_delta_net(args) and not args.dry_run and _missing("fla"):
+        raise ArgumentError("Gated DeltaNet layers on GPUs compute with flash-linear-attention's kernels "
+                            "(upstream's), which is not installed: pip install flash-linear-attention")
+
+
 def _check(args) -> None:
     """What neither Megatron-LM's validate_args nor the TransformerConfig's checks (upstream's
     and the fork's MTP options, megatron.core.fork.mtp.options) refuse, or refuse only once
@@ -227,12 +235,9 @@ def _check(args) -> None:
                                 "MLP '-', MoE 'E' (with --num-experts) and Gated DeltaNet 'G'")
         if "E" in pattern and not args.num_experts:
             raise ArgumentError("--hybrid-layer-pattern has MoE layers 'E': give --num-experts")
-    if _gated_delta_net(args) and not args.dry_run and _missing("fla"):
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            raise ArgumentError("Gated DeltaNet layers on GPUs compute with flash-linear-attention's kernels "
-                                "(upstream's), which is not installed: pip install flash-linear-attention")
+    _check_gated_delta_net_kernels(args, on_gpu=torch.cuda.is_available())
     if pattern is not None and "G" in pattern and not args.swiglu:
         # GatedDeltaNet's convolution (FLA's causal_conv1d, or its PyTorch form here) takes SiLU only,
         # and the layer gates its output with the same activation.

@@ -151,6 +151,15 @@ GPU_DEFAULTS = """
         print("norms", len(installed), [arguments.uses_torch_norms(SimpleNamespace(transformer_impl=impl,
                                                                                    normalization=norm))
                                         for impl in ("local", "transformer_engine") for norm in ("LayerNorm", "RMSNorm")])
+    for on_gpu, pattern, variant, dry_run in ((True, "G*", None, False), (True, None, "gated_delta_net", False),
+                                              (False, "G*", None, False), (True, "G*", None, True),
+                                              (True, "**", None, False)):
+        args = SimpleNamespace(hybrid_layer_pattern=pattern, experimental_attention_variant=variant, dry_run=dry_run)
+        try:
+            arguments._check_gated_delta_net_kernels(args, on_gpu)
+            print("gdn", on_gpu, pattern, variant, dry_run, "accepted")
+        except arguments.ArgumentError as error:
+            print("gdn", on_gpu, pattern, variant, dry_run, "refused", "flash-linear-attention" in str(error))
     arguments._missing = lambda module: True  # as on this machine, where a run asks for TE
     sys.argv = ["pretrain_gpt_mtp.py", *ARGS, "--transformer-impl", "transformer_engine"]
     stderr = io.StringIO()
@@ -160,11 +169,16 @@ GPU_DEFAULTS = """
 """
 
 
-def test_gpu_defaults_follow_what_is_installed_and_a_missing_transformer_engine_is_refused():
+def test_gpu_defaults_follow_what_is_installed_and_what_is_missing_is_refused():
     args = [*TINY, *MOCK, "--lr", "1e-3", "--train-iters", "2"]
     result = python(f"ARGS = {args!r}\n" + textwrap.dedent(GPU_DEFAULTS))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith(("gpu", "norms", "te"))]
+    # Gated DeltaNet on a GPU without flash-linear-attention (missing from this last probe): refused, pattern
+    # or GPTModel variant; on CPU (the PyTorch kernels), in a dry run, or without GDN layers: accepted
+    assert [line for line in result.stdout.splitlines() if line.startswith("gdn")] == [
+        "gdn True G* None False refused True", "gdn True None gated_delta_net False refused True",
+        "gdn False G* None False accepted", "gdn True G* None True accepted", "gdn True ** None False accepted"]
     assert lines[:6] == [
         "gpu 0 {'transformer_impl': 'local', 'apply_rope_fusion': False, 'gradient_accumulation_fusion': False, "
         "'distributed_backend': None}",
