@@ -58,10 +58,10 @@ LAYOUTS = [
     dict(name="ep2_tp2_sp_dp2_allgather", tp=2, pp=1, ep=2),
     dict(name="pp2_ep2_dp2_alltoall", tp=1, pp=2, ep=2, setup=dict(moe_token_dispatcher_type="alltoall")),
 ]
+# (a repeated layer at D = 1 is the distinct one: each architecture's setups are SETUPS' own)
 ARCH_SETUPS = {
-    "mla_yarn_attached_D2_sigmoid_seq_z": dict(SETUPS["attached_D1_sigmoid_seq_z"], mtp_num_layers=2, arch="mla_yarn"),
-    "mla_yarn_isolated_D1_repeated_sigmoid_z": dict(SETUPS["isolated_D2_repeated_sigmoid_z"], mtp_num_layers=1,
-                                                    arch="mla_yarn"),
+    "mla_yarn_attached_D1_sigmoid_seq_z": dict(SETUPS["attached_D1_sigmoid_seq_z"], arch="mla_yarn"),
+    "mla_yarn_isolated_D2_repeated_sigmoid_z": dict(SETUPS["isolated_D2_repeated_sigmoid_z"], arch="mla_yarn"),
     "gated_isolated_D2_softmax_seq_z": dict(SETUPS["isolated_D2_softmax_seq_z"], arch="qk_rmsnorm_gate"),
 }
 BREAKS = [["attached_D1_sigmoid_seq_z", "no_division"], ["attached_D1_sigmoid_seq_z", "valid_tokens"]]

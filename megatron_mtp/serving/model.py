@@ -194,6 +194,7 @@ class Runner:
     only its new positions, and a forward at an earlier position drops what came after it."""
 
     def __init__(self, model, vocab_size: int):
+        from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
         from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention, KVCache
 
         self.model = model
@@ -201,9 +202,12 @@ class Runner:
         self.depths = model.config.mtp_num_layers or 0
         self.repeated = bool(model.config.mtp_use_repeated_layer)
         self.cache = KVCache()
+        self.mla_ropes = []  # multi-latent attention's own rotary modules (`_positions`)
         for module in model.modules():
             if isinstance(module, CachedSDPACoreAttention):
                 module.cache = self.cache
+            if isinstance(module, MultiLatentAttention):
+                self.mla_ropes.append(module.rotary_pos_emb)
 
     def _output_weight(self):
         return self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights \
@@ -221,16 +225,13 @@ class Runner:
         """The cache's positions `start` on, and multi-latent attention's rotary positions with them:
         MLA computes its own rotary embedding from position 0 at every forward (the other attentions
         take `_rope`'s), so for this forward its rotary module counts from `start` (its `offset`)."""
-        from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
-
-        ropes = [m.rotary_pos_emb for m in self.model.modules() if isinstance(m, MultiLatentAttention)]
-        for rope in ropes:
+        for rope in self.mla_ropes:
             rope.forward = functools.partial(type(rope).forward, rope, offset=start)
         try:
             with self.cache.positions(stream, start, count):
                 yield
         finally:
-            for rope in ropes:
+            for rope in self.mla_ropes:
                 del rope.forward
 
     @torch.no_grad()

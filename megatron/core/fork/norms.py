@@ -1,13 +1,15 @@
 """Zero-centred gamma (``--apply-layernorm-1p``) for megatron-core's torch norms.
 
 A zero-centred norm stores w and scales the normalized input by (1 + w), w started at zero
-(Megatron-LM's LayerNorm-1p; Qwen3-Next's and Gemma's RMSNorm). In bf16, 1 + w is rounded to
-bf16 before it scales, as Apex's norms do (Transformer Engine adds the one in float32). Transformer Engine's and Apex's norms have it
-(``layernorm_zero_centered_gamma``); megatron-core's ``WrappedTorchNorm``, which its local specs
-and blocks use where neither is installed, asserted it away. The series' patch "Zero-centred
-gamma with the torch norms" has it build torch's norm and hand it to ``zero_centered``: the same
-module (parameter names, sequence-parallel marks), whose weight is the zero-centred w that
-Transformer Engine's checkpoints hold, so checkpoints interoperate.
+(Megatron-LM's LayerNorm-1p; Qwen3-Next's and Gemma's RMSNorm). Transformer Engine's and Apex's
+norms have it (``layernorm_zero_centered_gamma``); megatron-core's ``WrappedTorchNorm``, which
+its local specs and blocks use where neither is installed, asserted it away. The series' patch
+"Zero-centred gamma with the torch norms" has it build torch's norm and hand it to
+``zero_centered``: the same module (parameter names, sequence-parallel marks), whose weight is
+the zero-centred w that Transformer Engine's checkpoints hold, so checkpoints interoperate.
+
+In bf16, 1 + w is rounded to bf16 before it scales, as Apex's norms do (Transformer Engine adds
+the one in float32).
 """
 
 import torch
