@@ -66,7 +66,8 @@ class Setup:
 # The architectures MTP models use (issue 27), as TransformerConfig fields for Setup.arch:
 # Qwen3's attention (q/k RMSNorm) with Qwen3-Next's output gate; DeepSeek-V3's multi-latent
 # attention (q- and kv-LoRA, YaRN, q/k RMSNorm); Qwen3-Next's Gated DeltaNet (a hybrid setup's
-# first layer "G", needs SwiGLU, whose convolution and gate use SiLU).
+# first layer "G", needs SwiGLU, whose convolution and gate use SiLU), and the same layers as a
+# GPTModel (--experimental-attention-variant gated_delta_net: every second layer full attention).
 ARCHITECTURES = {
     "": {},
     "qk_rmsnorm_gate": dict(qk_layernorm=True, normalization="RMSNorm", attention_output_gate=True),
@@ -78,6 +79,8 @@ ARCHITECTURES = {
                       linear_value_head_dim=8, linear_conv_kernel_dim=4, normalization="RMSNorm",
                       gated_linear_unit=True),
 }
+ARCHITECTURES["delta_net_gpt"] = dict(ARCHITECTURES["delta_net"], experimental_attention_variant="gated_delta_net",
+                                      linear_attention_freq=2)
 
 
 def reference_architecture(setup: Setup):
