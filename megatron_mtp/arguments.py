@@ -241,10 +241,9 @@ def _check(args) -> None:
     if _gated_delta_net(args) and not args.swiglu:
         # GatedDeltaNet's convolution (FLA's causal_conv1d, or its PyTorch form here) takes SiLU only,
         # and the layer gates its output with the same activation.
-        where = ("--hybrid-layer-pattern has Gated DeltaNet layers 'G'" if pattern is not None and "G" in pattern
-                 else "--experimental-attention-variant gated_delta_net builds Gated DeltaNet layers")
-        raise ArgumentError(f"{where}, whose convolution and output gate use the model's activation, SiLU only "
-                            "(upstream's): give --swiglu")
+        raise ArgumentError("Gated DeltaNet layers (--hybrid-layer-pattern 'G', --experimental-attention-variant "
+                            "gated_delta_net) use the model's activation in their convolution and output gate, SiLU "
+                            "only (upstream's): give --swiglu")
     if args.reset_attention_mask:
         # Megatron-LM's pretrain_gpt.py passes the dataset's per-document mask to the model; this
         # trainer passes none (its attention is causal without one), so the flag would do nothing.

@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config, items):
 ALLOWED_SKIPS = (
     ("tests/test_gpu.py", "", "needs a CUDA device"),
     ("tests/test_examples.py", "", "checks the refusal on a machine without CUDA"),
-    ("tests/test_hybrid_model.py", "[core0.16.1", "HybridModel's MTP depths"),
+    ("tests/test_hybrid_model.py", "core0.16.1", "HybridModel's MTP depths"),
     ("tests/test_mtp_layouts.py", "core0.16.1", "HybridModel's MTP depths"),
     ("tests/test_context_parallel.py", "core0.16.1", "MTP with context parallelism is 0.19.2's series"),
 )

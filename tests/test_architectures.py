@@ -68,6 +68,10 @@ CASES = {
     # Qwen3-Next's GPTModel form: Gated DeltaNet layers, every second layer gated full attention
     "gated_delta_net": ("--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
                         *GATED_DELTA_NET, "--qk-layernorm", "--attention-output-gate", "--apply-layernorm-1p"),
+    # its MTP layer is the decoder's last: dense here, where a plain GPT layer would be MoE
+    "gated_delta_net_moe_dense_last": ("--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq",
+                                       "2", *GATED_DELTA_NET, "--num-experts", "4", "--moe-router-topk", "2",
+                                       "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,1,1,0]", "--disable-bias-linear"),
     "refused_gated_delta_net_without_swiglu": ("--experimental-attention-variant", "gated_delta_net",
                                                "--linear-attention-freq", "2"),
     "refused_dsa": ("--experimental-attention-variant", "dsa", *MLA, "--disable-bias-linear"),
@@ -104,14 +108,14 @@ def test_mtp_on_each_architecture_matches_the_reference(reference_cases):
 
 
 BUILT = [name for name in CASES if not name.startswith(("hybrid", "refused"))]
-ATTENTION = [name for name in BUILT if name != "gated_delta_net"]
+ATTENTION = [name for name in BUILT if not name.startswith("gated_delta_net")]
 
 
 @pytest.mark.parametrize("case", BUILT)
 def test_same_parameter_names_and_shapes_as_upstreams_builder(results, case):
     result = results[case]
     assert "refused" not in result, result
-    if case == "gated_delta_net":  # upstream's MTP layer: test_gated_delta_net_on_gptmodel_...
+    if case.startswith("gated_delta_net"):  # the MTP layers: test_gated_delta_net_on_gptmodel_...
         assert {k: v for k, v in result["ours"].items() if not k.startswith("mtp.")} == result["upstream"]
     else:
         assert result["ours"] == result["upstream"]
@@ -133,6 +137,24 @@ def test_gated_delta_net_on_gptmodel_places_its_layers_as_upstream(results):
                                "out_proj.weight"}
     assert result["norms"] == ["ZeroCenteredRMSNorm"] and result["norm_weights_zero"]
     assert result["loss"] == result["loss"] and 0 < result["loss"] < 20  # finite: the layers run here
+    # checkpoints name the norms as Transformer Engine's fused layers do (TELayerNormColumnParallelLinear's
+    # layer_norm_weight), so they move between the local and the TE model
+    keys = set(result["norm_keys"])
+    assert {"decoder.layers.0.self_attention.in_proj.layer_norm_weight",
+            "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+            "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+            "mtp.layers.1.transformer_layer.self_attention.linear_qkv.layer_norm_weight",
+            "mtp.layers.1.transformer_layer.mlp.linear_fc1.layer_norm_weight"} <= keys
+    assert not any("input_layernorm" in key or "pre_mlp_layernorm" in key for key in keys), sorted(keys)
+
+
+def test_gated_delta_net_on_gptmodel_takes_the_decoders_last_layer_for_mtp(results):
+    # Megatron-LM's gpt_builders.py: the MTP layer is the decoder's last layer spec, here a dense one
+    # (--moe-layer-freq [1,1,1,0]) where a plain GPT layer of the config would be an MoE layer
+    ours = results["gated_delta_net_moe_dense_last"]["ours"]
+    assert any(".experts." in name for name in ours if name.startswith("decoder.layers.0."))
+    assert not any(".experts." in name or ".router." in name for name in ours if name.startswith("mtp."))
+    assert any(name.startswith("mtp.layers.0.mtp_model_layer.mlp.linear_fc1") for name in ours)
 
 
 @pytest.mark.parametrize("case", ATTENTION)

@@ -38,8 +38,8 @@ def test_a_gpt_shaped_hybrid_pattern_matches_the_reference(cases):
 @pytest.fixture(scope="module", params=["hybrid", "gpt"])
 def delta_net_cases(build, request):
     if build != "0.19.2":
-        pytest.skip("Gated DeltaNet layers and HybridModel's MTP depths (the pattern's '/' parts) exist from "
-                    "megatron-core 0.19")
+        pytest.skip("HybridModel's MTP depths (the pattern's '/' parts) exist from megatron-core 0.19, and the "
+                    "GPTModel form's layer selection is the 0.19.2 series'")
     (result,) = launch("tests.bodies.hybrid:delta_net", 1, {"form": request.param}, timeout=600, build=build)
     return result
 

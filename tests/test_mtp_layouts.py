@@ -45,8 +45,10 @@ HYBRID_SETUPS = {
 }
 # The architectures MTP models use (issue 27; tests.bodies.tiny_gpt.ARCHITECTURES): Qwen3's q/k
 # RMSNorm with an output gate, DeepSeek-V3's MLA (YaRN, q/k RMSNorm), Qwen3-Next's Gated DeltaNet
-# (a HybridModel whose first layer is "G"); run on every layout without an upstream pipeline
-# layout (TP = 2 splits their heads), 0.19.2 only (0.16.1 builds MLA with Transformer Engine only,
+# (a HybridModel whose first layer is "G", and the GPTModel form: --experimental-attention-variant
+# gated_delta_net, also on two upstream pipeline layouts: its MTP layer the decoder's last, wherever
+# the stages cut); run on every layout without an upstream pipeline layout (TP = 2 splits their
+# heads), 0.19.2 only (0.16.1 builds MLA with Transformer Engine only,
 # and has no HybridModel MTP). Under TP = 2 MLA and Gated DeltaNet failed before the series' two
 # TP fixes (MLA's rope key and latent q norm; Gated DeltaNet's output norm: docs/architectures.md).
 ARCH_SETUPS = {
@@ -66,10 +68,10 @@ LAYOUT_ONLY_SETUPS = {
 LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), dict(name="tp2_pp2", tp=2, pp=2),
            dict(name="dp4_distributed_optimizer", tp=1, pp=1, distributed_optimizer=True),
            dict(name="pp2_dp2_mtp_with_loss", tp=1, pp=2, pipeline_layout="Et*4|{m}L",
-                setups=["attached_D2", "attached_D2_tied"]),
+                setups=["attached_D2", "attached_D2_tied", "delta_net_gpt_isolated_D2"]),
            dict(name="pp4_mtp_stage", tp=1, pp=4, pipeline_layout="Et*2|t*2|{m}|L"),
            dict(name="pp2_vpp2_dp2_mtp_with_loss", tp=1, pp=2, pipeline_layout="Et|t*2|t|{m}L", micro_batch=1,
-                setups=["attached_D2", "isolated_D3", "attached_D2_tied"]),
+                setups=["attached_D2", "isolated_D3", "attached_D2_tied", "delta_net_gpt_isolated_D2"]),
            dict(name="pp4_vpp2_mtp_stage", tp=1, pp=4, pipeline_layout="E|t|t|t|t|t|{m}|L", micro_batch=1,
                 setups=["attached_D2_L5", "attached_D2_L5_tied"]),
            # a virtual stage with nothing on it (upstream accepts the empty "||")
@@ -98,7 +100,7 @@ DEFAULT_CASES = {
     ("pp2_cp2", "attached_D2_tied"), ("cp4", "isolated_D2_repeated"),
     ("tp2_dp2", "qk_rmsnorm_gate_D2"), ("tp2_dp2", "mla_yarn_isolated_D2"), ("pp2_dp2", "mla_yarn_isolated_D2"),
     ("tp2_dp2", "delta_net_hybrid_D2"), ("cp2_dp2", "delta_net_hybrid_D2"),
-    ("tp2_pp2", "delta_net_gpt_isolated_D2"),
+    ("tp2_pp2", "delta_net_gpt_isolated_D2"), ("pp2_dp2_mtp_with_loss", "delta_net_gpt_isolated_D2"),
 }
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 

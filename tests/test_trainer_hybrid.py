@@ -108,7 +108,7 @@ def test_another_pattern_and_layers_without_a_local_build_are_refused_in_one_lin
          f"hybrid_layer_pattern: checkpoint '{PATTERN}', model '*-*-*-/*-/*-'"),
         (("--hybrid-layer-pattern", "M-M-/*-"), "--hybrid-layer-pattern layers M need Transformer Engine"),
         (("--hybrid-layer-pattern", "*E*E/*E"), "--hybrid-layer-pattern has MoE layers 'E': give --num-experts"),
-        (("--hybrid-layer-pattern", "G-*-/*-/*-"), "Gated DeltaNet layers 'G', whose convolution and output gate"),
+        (("--hybrid-layer-pattern", "G-*-/*-/*-"), "Gated DeltaNet layers (--hybrid-layer-pattern 'G'"),
     ]
     cases = [{"argv": [*base, *extra], "env": {"WORLD_SIZE": "1", "RANK": "0"}} for extra, _ in expected]
     cases.append({"argv": [*base, "--load", str(initial_weights)], "env": {"WORLD_SIZE": "1", "RANK": "0"}})

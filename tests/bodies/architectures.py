@@ -5,7 +5,8 @@ model_provider builds the model; upstream's builder (megatron.training.models.gp
 GPTModelBuilder: default_layer_spec and mtp_block_spec, the choices of Megatron-LM's
 gpt_builders.py) builds the model of the same TransformerConfig. Recorded: both models'
 parameter names and shapes, the attention classes the trainer's model holds (decoder and MTP
-layers), its q/k norm classes, and its loss on a fixed batch (finite: the layers run here).
+layers), its q/k norm classes, its norms' checkpoint keys, and its loss on a fixed batch (finite:
+the layers run here).
 """
 
 import contextlib
@@ -109,6 +110,8 @@ def builder_cases(cases: dict, save: str) -> dict:
             "attention_layers": len(attentions),
             "mixers": [type(layer.self_attention).__name__ for layer in ours.decoder.layers],
             "mtp_mixers": [type(layer.mtp_model_layer.self_attention).__name__ for layer in ours.mtp.layers],
+            "norm_keys": sorted(sharded.key for sharded in ours.sharded_state_dict().values()  # checkpoint keys
+                                if "norm" in sharded.key and not sharded.key.endswith("_extra_state")),
             "core_attention": sorted({type(m.core_attention).__name__ for m in attentions}),
             "qk_norms": sorted({type(getattr(m, n)).__name__ for m in attentions
                                 for n in ("q_layernorm", "k_layernorm", "kv_layernorm") if hasattr(m, n)}),

@@ -68,6 +68,8 @@ class Setup:
 # attention (q- and kv-LoRA, YaRN, q/k RMSNorm); Qwen3-Next's Gated DeltaNet (a hybrid setup's
 # first layer "G", needs SwiGLU, whose convolution and gate use SiLU), and the same layers as a
 # GPTModel (--experimental-attention-variant gated_delta_net: every second layer full attention).
+_DELTA_NET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                  linear_conv_kernel_dim=4, normalization="RMSNorm", gated_linear_unit=True)
 ARCHITECTURES = {
     "": {},
     "qk_rmsnorm_gate": dict(qk_layernorm=True, normalization="RMSNorm", attention_output_gate=True),
@@ -75,12 +77,9 @@ ARCHITECTURES = {
                      qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="yarn", rotary_scaling_factor=4.0,
                      original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.5, qk_layernorm=True,
                      normalization="RMSNorm"),
-    "delta_net": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                      linear_value_head_dim=8, linear_conv_kernel_dim=4, normalization="RMSNorm",
-                      gated_linear_unit=True),
+    "delta_net": _DELTA_NET,
+    "delta_net_gpt": dict(_DELTA_NET, experimental_attention_variant="gated_delta_net", linear_attention_freq=2),
 }
-ARCHITECTURES["delta_net_gpt"] = dict(ARCHITECTURES["delta_net"], experimental_attention_variant="gated_delta_net",
-                                      linear_attention_freq=2)
 
 
 def reference_architecture(setup: Setup):
@@ -89,6 +88,8 @@ def reference_architecture(setup: Setup):
     from tests.reference.gpt_mtp import Architecture, DeltaNet, Latent
 
     net = ARCHITECTURES["delta_net"]
+    delta_net = DeltaNet(net["linear_num_key_heads"], net["linear_num_value_heads"], net["linear_key_head_dim"],
+                         net["linear_value_head_dim"], net["linear_conv_kernel_dim"])
     return {
         "": Architecture(),
         "qk_rmsnorm_gate": Architecture("RMSNorm", qk_norm=True, output_gate=True),
@@ -96,9 +97,10 @@ def reference_architecture(setup: Setup):
         # mscale, mscale_all_dim), upstream's beta defaults
         "mla_yarn": Architecture("RMSNorm", qk_norm=True, latent=Latent(16, 8, 8, 8, 8, yarn=(4.0, 4096, 32, 1, 1.0, 0.5))),
         # the first layer's mixer is the Gated DeltaNet (hybrid_layer_pattern)
-        "delta_net": Architecture("RMSNorm", swiglu=True, linear_layers=frozenset({0}), delta_net=DeltaNet(
-            net["linear_num_key_heads"], net["linear_num_value_heads"], net["linear_key_head_dim"],
-            net["linear_value_head_dim"], net["linear_conv_kernel_dim"])),
+        "delta_net": Architecture("RMSNorm", swiglu=True, linear_layers=frozenset({0}), delta_net=delta_net),
+        # upstream's --linear-attention-freq 2: every second layer full attention, the others Gated DeltaNet
+        "delta_net_gpt": Architecture("RMSNorm", swiglu=True, delta_net=delta_net,
+                                      linear_layers=frozenset(range(0, setup.num_layers, 2))),
     }[setup.arch]
 
 

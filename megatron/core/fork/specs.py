@@ -11,6 +11,9 @@ sdist has no ``megatron.training``, the same choices through megatron-core's spe
 core attention for ``SDPACoreAttention`` (packed rows, any device). ``refuse_dropped`` refuses
 in one line an architecture flag the specs do not build.
 
+Where this fork builds layers from local modules that Transformer Engine fuses (Gated DeltaNet
+on GPTModel, HybridModel's layers), ``name_norms_as_fused`` gives them TE's checkpoint names.
+
 ``get_hybrid_stack_spec`` is upstream's HybridModel stack spec (``hybrid_stack_spec``,
 Transformer-Engine-only) built from the same local modules: an attention layer (``*``) is
 the GPT layer's attention half, an MLP layer (``-``) its MLP half, so a pattern "*-" per
@@ -141,47 +144,60 @@ def refuse_gated_delta_net_head_split(config) -> None:
 def local_self_attention_spec(config) -> ModuleSpec:
     """The full-attention layers' attention of upstream's experimental-variant block (its
     Transformer Engine layer's) from megatron-core's local GPT layer: its input norm apart."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 
-    layer = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
-                                     multi_latent_attention=config.multi_latent_attention,
-                                     normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
-    attention = layer.submodules.self_attention
+    attention = get_gpt_layer_local_submodules(qk_layernorm=config.qk_layernorm,
+                                               multi_latent_attention=config.multi_latent_attention,
+                                               normalization=config.normalization,
+                                               qk_l2_norm=config.qk_l2_norm).self_attention
     attention.metainfo["fuse_input_layernorm"] = False
     return attention
 
 
-def name_norms_as_fused(layer_specs) -> None:
-    """Give each local TransformerLayer spec (in place) the checkpoint names of Transformer
-    Engine's fused layers: where TE fuses a norm into the next projection (attention's
-    linear_qkv, Gated DeltaNet's in_proj, a dense MLP's linear_fc1), its checkpoints name the
-    norm after that projection, and the local layers keep the norm apart under the same name, as
-    upstream's local GPT layer does (MLA's and MoE's norms are not fused: their names are their own)."""
+def _fused_norm_names() -> dict:
+    """Where Transformer Engine fuses a layer's norm into the next projection, the name its
+    checkpoints give the norm: {(norm field, the class the next module builds): checkpoint
+    prefix}. (MLA's and the MoE layers' input and pre-MLP norms are not fused.)"""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
-    fused_into = {SelfAttention: "self_attention.linear_qkv.layer_norm_",
-                  GatedDeltaNet: "self_attention.in_proj.layer_norm_", MLP: "mlp.linear_fc1.layer_norm_"}
-    for spec in layer_specs:
-        sub = spec.submodules
-        names = {f"{norm}.": fused_into[_built_class(module)]
-                 for norm, module in (("input_layernorm", sub.self_attention), ("pre_mlp_layernorm", sub.mlp))
-                 if getattr(sub, norm) is not IdentityOp and _built_class(module) in fused_into}
+    return {("input_layernorm", SelfAttention): "self_attention.linear_qkv.layer_norm_",
+            ("input_layernorm", GatedDeltaNet): "self_attention.in_proj.layer_norm_",
+            ("pre_mlp_layernorm", MLP): "mlp.linear_fc1.layer_norm_"}
+
+
+def name_norms_as_fused(*specs) -> None:
+    """Give every TransformerLayer spec in `specs` (in place) Transformer Engine's checkpoint
+    names for the norms it fuses (`_fused_norm_names`), which the local layers keep apart, so
+    checkpoints move between the two (upstream's local GPT layer names its own so; names a spec
+    already maps are kept)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    fused = _fused_norm_names()
+    layers = {}  # every TransformerLayerSubmodules reached (the walk's holders), each once
+    _walk(list(specs), lambda holder, name, value: layers.setdefault(id(holder), holder)
+          if isinstance(holder, TransformerLayerSubmodules) else None)
+    for sub in layers.values():
+        names = {f"{norm}.": fused[norm, _built_class(getattr(sub, module))]
+                 for norm, module in (("input_layernorm", "self_attention"), ("pre_mlp_layernorm", "mlp"))
+                 if getattr(sub, norm) is not IdentityOp and (norm, _built_class(getattr(sub, module))) in fused}
         sub.sharded_state_dict_keys_map = {**names, **sub.sharded_state_dict_keys_map}
 
 
 def _built_class(spec):
-    """The class a submodule spec builds: a ModuleSpec's module, or the class whose method a
-    builder partial binds (0.19.2's MLP builders, `MLP.as_mlp_submodule`)."""
+    """The class a submodule spec builds: a ModuleSpec's module, or a builder partial's class
+    (`partial(MoELayer, ...)`) or the class whose method it binds (0.19.2's MLP builders,
+    `MLP.as_mlp_submodule`)."""
     if isinstance(spec, ModuleSpec):
         return spec.module
-    return getattr(getattr(spec, "func", None), "__self__", None)
+    func = getattr(spec, "func", None)
+    return func if isinstance(func, type) else getattr(func, "__self__", None)
 
 
 def _upstream_gpt_specs(config, vp_stage, layer_spec):
     use_te = config.transformer_impl == "transformer_engine"
-    variant = getattr(config, "experimental_attention_variant", None)  # (0.19.2's field)
+    variant = getattr(config, "experimental_attention_variant", None)
     if variant not in (None, "gated_delta_net") and not use_te:
         raise SpecError(f"--experimental-attention-variant {variant} is built with Transformer Engine only here "
                         "(this build carries the local layers of gated_delta_net)")
@@ -197,6 +213,9 @@ def _upstream_gpt_specs(config, vp_stage, layer_spec):
         )
 
         options = dict(normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
+        if variant is not None:  # (the selection below would build plain attention layers)
+            raise SpecError(f"--experimental-attention-variant {variant} needs the 0.19.2 build (0.16.1's series "
+                            "does not carry its layer selection)")
         if config.multi_latent_attention and not use_te:
             raise SpecError("--multi-latent-attention without Transformer Engine needs the 0.19.2 build (0.16.1's "
                             "runtime part leaves its YaRN rotary embedding on CUDA)")
@@ -220,30 +239,37 @@ def _upstream_gpt_specs(config, vp_stage, layer_spec):
     shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(GPTModelConfig)
               if f.init and f.name != "transformer" and hasattr(config, f.name)}
     model_config = GPTModelConfig(transformer=config, transformer_layer_spec=layer_spec, **shared)
+    if variant is None:
+        decoder = layer_spec if layer_spec is not None else default_layer_spec(model_config, vp_stage)
+        return decoder, mtp_block_spec(model_config, decoder, vp_stage=vp_stage) if config.mtp_num_layers else None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    mtp_layer = _experimental_variant_mtp_layer(config) if config.mtp_num_layers else None
     decoder = layer_spec if layer_spec is not None else default_layer_spec(model_config, vp_stage)
-    if variant is None or layer_spec is not None:
-        mtp = mtp_block_spec(model_config, decoder, vp_stage=vp_stage) if config.mtp_num_layers else None
-        return decoder, mtp
-    return decoder, _experimental_variant_mtp_spec(config, decoder, vp_stage)
+    mtp = mtp_layer and get_gpt_mtp_block_spec(config, mtp_layer, use_transformer_engine=use_te, vp_stage=vp_stage)
+    if not use_te:  # the local layers keep Transformer Engine's checkpoint names
+        name_norms_as_fused(decoder, mtp)
+    return decoder, mtp
 
 
-def _experimental_variant_mtp_spec(config, decoder, vp_stage):
-    """The MTP block of an experimental-variant GPT as Megatron-LM's gpt_builders.py builds it
-    (0.19.2's megatron.training.models.gpt asserts on the variant): its layer the whole
-    decoder's last layer spec, on every pipeline layout. The local layers get Transformer
-    Engine's checkpoint names (`name_norms_as_fused`)."""
+def _experimental_variant_mtp_layer(config) -> ModuleSpec:
+    """The MTP layer of an experimental-variant GPT as Megatron-LM's gpt_builders.py takes it
+    (0.19.2's megatron.training.models.gpt asserts on the variant): the whole decoder's last
+    layer spec. gpt_builders.py takes a plain GPT layer instead on a last stage that holds no
+    decoder layer; this one does not, so the model is the same on every pipeline layout. MTP
+    layers attend with a causal mask: a last layer of Gated DeltaNet is refused."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_layer_with_experimental_attention_variant_spec,
     )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    use_te = config.transformer_impl == "transformer_engine"
-    last = get_transformer_layer_with_experimental_attention_variant_spec(config)[-1] if config.mtp_num_layers else None
-    if not use_te:
-        name_norms_as_fused(decoder.layer_specs + ([last] if last is not None else []))
-    if last is None:
-        return None
-    return get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)
+    last = get_transformer_layer_with_experimental_attention_variant_spec(config)[-1]
+    if _built_class(last.submodules.self_attention) is GatedDeltaNet:
+        raise SpecError(f"--mtp-num-layers with --experimental-attention-variant {config.experimental_attention_variant}: "
+                        "the MTP layer is the decoder's last layer, a Gated DeltaNet layer here, and MTP layers attend "
+                        "with a causal mask: make the last layer full attention (--num-layers a multiple of "
+                        "--linear-attention-freq, or a pattern ending in 0)")
+    return last
 
 
 def gpt_specs(config, vp_stage=None, layer_spec=None, core_attention=SDPACoreAttention):
@@ -277,11 +303,8 @@ def get_hybrid_stack_spec(config) -> ModuleSpec:
 
     gpt = get_gpt_layer_local_submodules(normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
     attention = TransformerLayerSubmodules(
-        input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention, self_attn_bda=gpt.self_attn_bda,
-        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"})
-    mlp = TransformerLayerSubmodules(
-        pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda,
-        sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})
+        input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention, self_attn_bda=gpt.self_attn_bda)
+    mlp = TransformerLayerSubmodules(pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda)
     mtp = get_gpt_mtp_block_spec(config, ModuleSpec(module=TransformerLayer, submodules=gpt),
                                  use_transformer_engine=False)
     for layer in mtp.layer_specs if mtp is not None else ():  # (None off the MTP stage) layers from the pattern
@@ -298,13 +321,14 @@ def get_hybrid_stack_spec(config) -> ModuleSpec:
         experts = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
         layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=experts, mlp_bda=gpt.mlp_bda))
+    name_norms_as_fused(*layers.values())
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
 
 
 def _gated_delta_net_layer(gpt) -> ModuleSpec:
     """Upstream's HybridModel GDN layer (hybrid_layer_specs.py: TELayerNormColumnParallelLinear,
     TENorm, TERowParallelLinear) from local modules: the input norm apart from the projection,
-    under the name Transformer Engine's fused one has in checkpoints, as the attention layer's.
+    under the name Transformer Engine's fused one has in checkpoints (`name_norms_as_fused`).
     Without FLA and CUDA the runtime part gives GatedDeltaNet its kernels in PyTorch."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -313,5 +337,4 @@ def _gated_delta_net_layer(gpt) -> ModuleSpec:
     mixer = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=gpt.input_layernorm, out_proj=RowParallelLinear))
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=gpt.input_layernorm, self_attention=mixer, self_attn_bda=gpt.self_attn_bda,
-        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.in_proj.layer_norm_"}))
+        input_layernorm=gpt.input_layernorm, self_attention=mixer, self_attn_bda=gpt.self_attn_bda))
