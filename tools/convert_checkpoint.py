@@ -75,9 +75,10 @@ def parse(argv):
     exp.add_argument("source", help="trainer checkpoint: the --save directory (its tracker names the iteration) "
                                     "or an iter_NNNNNNN / release directory")
     exp.add_argument("output", help="new (or empty) directory for the Hugging Face checkpoint")
-    exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "none"], default=None,
+    exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "qwen3_next", "none"], default=None,
                      help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths, "
-                          "deepseek_v3 for a mixture-of-experts model; none: the backbone only)")
+                          "deepseek_v3 for a mixture-of-experts model, qwen3_next for Qwen3-Next; none: the "
+                          "backbone only)")
     exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3"], default=None,
                      help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases, "
                           "Qwen3 with q/k norms, Llama without either); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
@@ -99,6 +100,7 @@ def run_import(args) -> int:
     cfg = ModelConfig.from_hf(config, pad_to=args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
     layout, depths = mapping.detect_mtp(tensors, cfg)
     global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
+    cfg.shift_originals = mapping.shift_originals(tensors, cfg)
     wanted = depths if args.mtp_num_layers is None else args.mtp_num_layers
     if wanted < 0:
         raise ServingError("--mtp-num-layers must be >= 0")
@@ -145,8 +147,11 @@ def run_export(args) -> int:
     tensors = local_names(tensors, cfg.num_layers)  # the model's names, whatever layout saved them
     if args.architecture:
         cfg.as_architecture(args.architecture)
-    default = "deepseek_v3" if cfg.moe else "mimo"  # MiMo's MTP layers are Qwen2's, not MoE
+    default = mapping.default_mtp_layout(cfg)
     layout = None if args.mtp_layout == "none" else args.mtp_layout or (default if cfg.mtp_num_layers else None)
+    if layout and (layout == "qwen3_next") != (default == "qwen3_next"):
+        raise ServingError(f"--mtp-layout {layout}: the model is {cfg.family}-shaped, whose MTP depths its engines "
+                           f"read in {default}'s layout; use --mtp-layout {default}")
     if cfg.moe and layout == "mimo":
         raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "
                            f"{cfg.family}-shaped; use --mtp-layout deepseek_v3")
