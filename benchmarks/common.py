@@ -9,7 +9,7 @@ SHAPE = dict(vocab=8192, hidden=256, heads=8, layers=4, seq=256, batch=4)
 # (as many multiply-adds per token as the dense MLP's 4h = 1024), softmax router,
 # seq_aux_loss and z-loss, the alltoall dispatcher (EP = 1 here), no linear biases (as
 # DeepSeek-V3; pristine upstream's experts add their bias in place of a view and fail on CPU,
-# which the fork's patch 0019 fixes; 0013 in 0.16.1).
+# which the fork's patch "MoE experts: add the expert bias out of place" fixes).
 MOE = dict(add_bias_linear=False, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512,
            moe_layer_freq=[0, 1, 1, 1],
            moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_z_loss_coeff=1e-3,

@@ -238,11 +238,13 @@ def _check(args) -> None:
     import torch
 
     _check_gated_delta_net_kernels(args, on_gpu=torch.cuda.is_available())
-    if pattern is not None and "G" in pattern and not args.swiglu:
+    if _gated_delta_net(args) and not args.swiglu:
         # GatedDeltaNet's convolution (FLA's causal_conv1d, or its PyTorch form here) takes SiLU only,
         # and the layer gates its output with the same activation.
-        raise ArgumentError("--hybrid-layer-pattern has Gated DeltaNet layers 'G', whose convolution and output "
-                            "gate use the model's activation, SiLU only (upstream's): give --swiglu")
+        where = ("--hybrid-layer-pattern has Gated DeltaNet layers 'G'" if pattern is not None and "G" in pattern
+                 else "--experimental-attention-variant gated_delta_net builds Gated DeltaNet layers")
+        raise ArgumentError(f"{where}, whose convolution and output gate use the model's activation, SiLU only "
+                            "(upstream's): give --swiglu")
     if args.reset_attention_mask:
         # Megatron-LM's pretrain_gpt.py passes the dataset's per-document mask to the model; this
         # trainer passes none (its attention is causal without one), so the flag would do nothing.

@@ -7,7 +7,11 @@ names and shapes of the model upstream's builder (megatron.training.models.gpt, 
 gpt_builders.py choices) gives for the same arguments, and holds the modules the flag names
 in every attention layer, decoder and MTP: before, the trainer built its dense layers with
 no arguments and dropped --qk-layernorm and --multi-latent-attention without a word. A flag
-the selected specs do not build is refused in one line.
+the selected specs do not build is refused in one line. Qwen3-Next's GPTModel form
+(--experimental-attention-variant gated_delta_net, refused on CPU before the series' runtime
+patch for it): its decoder has upstream's builder's names and shapes, its layers alternate as
+--linear-attention-freq says, and each MTP layer is the decoder's last (0.19.2's
+mtp_block_spec asserts on the variant; Megatron-LM's gpt_builders.py builds it so).
 
 Zero-centred gamma (--apply-layernorm-1p) is built on CPU (the series' torch norms: (1 + w), w
 started at zero), every norm of the model, q/k norms too.
@@ -28,7 +32,9 @@ Cut invariance on the architectures (the trainer's exact steps): from the same w
 grad norm at every iteration (relative 2e-5), D = 2 isolated, short documents with
 --eod-mask-loss (matrix tier): DeepSeek-V3's attention (MLA with q- and kv-LoRA, YaRN, q/k RMSNorm) with MoE
 behind a dense first layer, cut by DP = 2 and EP = 2; Qwen3's (q/k RMSNorm, gated attention
-output, partial rotary) by DP = 2 and TP = 2 (the head split). The DeepSeek-V3 checkpoint
+output, partial rotary) by DP = 2 and TP = 2 (the head split); Qwen3-Next's as a GPTModel
+(--experimental-attention-variant gated_delta_net: Gated DeltaNet layers, every second layer gated
+attention, zero-centred norms) by DP = 2 and TP = 2. The DeepSeek-V3 checkpoint
 loaded by a model without MLA and q/k norms is refused in one line naming both fields.
 """
 
@@ -42,6 +48,8 @@ pytestmark = pytest.mark.slow
 
 MLA = ("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")
+GATED_DELTA_NET = ("--swiglu", "--normalization", "RMSNorm", "--linear-num-key-heads", "2", "--linear-num-value-heads",
+                   "4", "--linear-key-head-dim", "16", "--linear-value-head-dim", "16", "--linear-conv-kernel-dim", "4")
 CASES = {
     "default": (),
     "qk_layernorm": ("--qk-layernorm",),
@@ -57,7 +65,12 @@ CASES = {
     "hybrid_qk_layernorm": ("--hybrid-layer-pattern", "*-*-/*-/*-", "--qk-layernorm"),
     "apply_layernorm_1p": ("--apply-layernorm-1p",),
     "apply_layernorm_1p_qk_rmsnorm": ("--apply-layernorm-1p", "--qk-layernorm", "--normalization", "RMSNorm"),
-    "refused_gated_delta_net": ("--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"),
+    # Qwen3-Next's GPTModel form: Gated DeltaNet layers, every second layer gated full attention
+    "gated_delta_net": ("--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
+                        *GATED_DELTA_NET, "--qk-layernorm", "--attention-output-gate", "--apply-layernorm-1p"),
+    "refused_gated_delta_net_without_swiglu": ("--experimental-attention-variant", "gated_delta_net",
+                                               "--linear-attention-freq", "2"),
+    "refused_dsa": ("--experimental-attention-variant", "dsa", *MLA, "--disable-bias-linear"),
 }
 DEPTHS = 2  # the embedded default's MTP depths: every case's MTP layers are checked with the decoder's
 
@@ -91,16 +104,38 @@ def test_mtp_on_each_architecture_matches_the_reference(reference_cases):
 
 
 BUILT = [name for name in CASES if not name.startswith(("hybrid", "refused"))]
+ATTENTION = [name for name in BUILT if name != "gated_delta_net"]
 
 
 @pytest.mark.parametrize("case", BUILT)
 def test_same_parameter_names_and_shapes_as_upstreams_builder(results, case):
     result = results[case]
     assert "refused" not in result, result
-    assert result["ours"] == result["upstream"]
+    if case == "gated_delta_net":  # upstream's MTP layer: test_gated_delta_net_on_gptmodel_...
+        assert {k: v for k, v in result["ours"].items() if not k.startswith("mtp.")} == result["upstream"]
+    else:
+        assert result["ours"] == result["upstream"]
 
 
-@pytest.mark.parametrize("case", BUILT)
+def test_gated_delta_net_on_gptmodel_places_its_layers_as_upstream(results):
+    result = results["gated_delta_net"]
+    # --linear-attention-freq 2: every second layer full attention (upstream's pattern), the
+    # MTP layer the decoder's last layer spec (Megatron-LM's gpt_builders.py), at every depth
+    assert result["mixers"] == ["GatedDeltaNet", "SelfAttention"] * 2
+    assert result["mtp_mixers"] == ["SelfAttention"] * DEPTHS
+    ours = result["ours"]
+    last = {k.split(".", 3)[3]: v for k, v in ours.items() if k.startswith("decoder.layers.3.")}
+    for depth in range(DEPTHS):
+        prefix = f"mtp.layers.{depth}.mtp_model_layer."
+        assert {k[len(prefix):]: v for k, v in ours.items() if k.startswith(prefix)} == last
+    gated_delta_net = {k.split(".", 4)[4] for k in ours if k.startswith("decoder.layers.0.self_attention.")}
+    assert gated_delta_net == {"in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "out_norm.weight",
+                               "out_proj.weight"}
+    assert result["norms"] == ["ZeroCenteredRMSNorm"] and result["norm_weights_zero"]
+    assert result["loss"] == result["loss"] and 0 < result["loss"] < 20  # finite: the layers run here
+
+
+@pytest.mark.parametrize("case", ATTENTION)
 def test_every_attention_layer_holds_what_the_flag_names(results, case):
     result = results[case]
     layers = 4 + DEPTHS  # decoder and MTP layers
@@ -139,7 +174,8 @@ def test_flags_change_the_parameters(results):
 
 
 @pytest.mark.parametrize("case,flag", [("hybrid_qk_layernorm", "--qk-layernorm"),
-                                       ("refused_gated_delta_net", "--experimental-attention-variant")])
+                                       ("refused_dsa", "--experimental-attention-variant dsa"),
+                                       ("refused_gated_delta_net_without_swiglu", "give --swiglu")])
 def test_a_flag_the_specs_do_not_build_is_refused_in_one_line(results, case, flag):
     refused = results[case]["refused"]
     assert flag in refused and "\n" not in refused
@@ -152,6 +188,9 @@ DEEPSEEK_V3_MOE = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-lin
 DEEPSEEK_V3 = (*MLA, "--qk-layernorm", *DEEPSEEK_V3_MOE)
 QWEN3 = ("--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
          "--attention-output-gate", "--rotary-percent", "0.5", "--group-query-attention", "--num-query-groups", "2")
+QWEN3_NEXT_GPT = (*GATED_DELTA_NET, "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq",
+                  "2", "--qk-layernorm", "--disable-bias-linear", "--attention-output-gate", "--rotary-percent", "0.25",
+                  "--apply-layernorm-1p")
 STEP = (*TINY, "--mtp-num-layers", "2", "--mtp-detach-heads", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--eod-mask-loss", "--global-batch-size", "8", "--lr", "1e-3", "--make-vocab-size-divisible-by", "256")
 ARCHITECTURES = {
@@ -159,6 +198,9 @@ ARCHITECTURES = {
                                   "ep2": (2, ("--micro-batch-size", "2", "--expert-model-parallel-size", "2"))}),
     "qwen3": (QWEN3, {"dp2x1": (2, ("--micro-batch-size", "4")),
                       "tp2": (2, ("--micro-batch-size", "2", "--tensor-model-parallel-size", "2"))}),
+    # Qwen3-Next's GPTModel form: Gated DeltaNet layers (their heads split by TP = 2) and gated attention
+    "qwen3_next_gpt": (QWEN3_NEXT_GPT, {"dp2x1": (2, ("--micro-batch-size", "4")),
+                                       "tp2": (2, ("--micro-batch-size", "2", "--tensor-model-parallel-size", "2"))}),
 }
 
 
@@ -169,7 +211,7 @@ def dataset(tmp_path_factory):
 
 
 @pytest.mark.matrix  # the default tier: MLA and q/k norms against the reference (library), and the trainer's build
-@pytest.mark.parametrize("architecture", ["deepseek_v3", "qwen3"])
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
 def test_trainer_steps_are_the_same_however_the_step_is_cut(architecture, dataset, tmp_path):
     flags, cuts = ARCHITECTURES[architecture]
     common = (*STEP, *flags, "--data-path", str(dataset))

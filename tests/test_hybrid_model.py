@@ -35,20 +35,24 @@ def test_a_gpt_shaped_hybrid_pattern_matches_the_reference(cases):
             assert errors[key] < TOL, (name, key, errors[key])
 
 
-@pytest.fixture(scope="module")
-def delta_net_cases(build):
+@pytest.fixture(scope="module", params=["hybrid", "gpt"])
+def delta_net_cases(build, request):
     if build != "0.19.2":
-        pytest.skip("HybridModel's MTP depths (the pattern's '/' parts) exist from megatron-core 0.19")
-    (result,) = launch("tests.bodies.hybrid:delta_net", 1, {}, timeout=600, build=build)
+        pytest.skip("Gated DeltaNet layers and HybridModel's MTP depths (the pattern's '/' parts) exist from "
+                    "megatron-core 0.19")
+    (result,) = launch("tests.bodies.hybrid:delta_net", 1, {"form": request.param}, timeout=600, build=build)
     return result
 
 
 def test_gated_deltanet_layers_match_the_recurrent_reference(delta_net_cases):
-    """Qwen3-Next's pattern "G-*-" with MTP depths "/*-" (issue 27): upstream's GatedDeltaNet
-    (its chunked torch kernel, with the runtime part's convolution and L2 norm on CPU) against
-    the Gated DeltaNet paper's recurrence in the reference, over 70 tokens (two of the kernel's
-    chunks), for D in {1, 2}, isolation off and on; gates of slow decay (tests/bodies/hybrid.py:
-    slow_decay says why). Measured: gradients within 4.6e-6, losses 1.2e-7 (relative)."""
+    """Qwen3-Next's layers "G-*-" with MTP depths "/*-" (issue 27), both ways upstream expresses
+    them: the HybridModel pattern, and GPTModel with --experimental-attention-variant
+    gated_delta_net --linear-attention-freq 2 (its MTP layer the decoder's last, as Megatron-LM's
+    gpt_builders.py builds it). Upstream's GatedDeltaNet (its chunked torch kernel, with the
+    runtime part's convolution and L2 norm on CPU) against the Gated DeltaNet paper's recurrence
+    in the reference, over 70 tokens (two of the kernel's chunks), for D in {1, 2}, isolation off
+    and on; gates of slow decay (tests/bodies/hybrid.py: slow_decay says why). Measured:
+    gradients within 4.6e-6, losses 1.2e-7 (relative), both forms."""
     assert sorted(delta_net_cases) == ["D1_attached", "D1_isolated", "D2_attached", "D2_isolated"]
     for name, errors in delta_net_cases.items():
         assert "error" not in errors, (name, errors.get("error"))

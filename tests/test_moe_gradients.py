@@ -20,6 +20,21 @@ attention (q- and kv-LoRA, YaRN, q/k RMSNorm) and Qwen3-Next's gated attention (
 gate) over the same MoE layers, on every layout above (MLA's heads split over TP = 2 with EP = 2):
 the same comparisons, against the reference's MLA and gated attention.
 
+Qwen3-Next's hybrid over MoE (issue 27; matrix tier, current build: 0.16.1's HybridModel has no
+MTP depths): a HybridModel "GE*E" (a Gated DeltaNet layer, attention, MoE layers; "GE|*E" under
+PP) with MTP depths "/*E", D = 1 attached (sigmoid routing, expert bias, shared expert) and D = 2
+isolated (softmax), on 70 tokens (the state crosses the torch kernel's 64-token chunk; decay
+slowed as in tests.bodies.hybrid), against the reference's recurrent Gated DeltaNet and its MoE,
+on one rank and every layout above (the DeltaNet's heads split over TP = 2 with EP = 2): measured
+<= 3.7e-6 (the DeltaNet's dt_bias at EP2 x TP2; 2.2e-6 on one rank), every layout within 3.4e-6 of
+one rank's, the expert biases exactly the reference's update. It fails with the output norm's
+gradient scaled by 1.001 (1e-3 on every layout), with that norm's gradient not summed over TP
+(0.51 and 0.91 at EP2 x TP2) and with the reference's decay applied to the new write too (0.034
+and 0.087). Upstream's MoE layer refuses TP without sequence parallelism in training, so here the
+norm is summed by its sequence-parallel rule; the series' sum for TP without SP (patch "Gated
+DeltaNet: its output norm's gradient summed over tensor parallelism") is held by
+tests/test_mtp_layouts.py.
+
 Every carried build runs it (the default tier: 0.16.1 on one rank; docs/tests.md): on 0.16.1 the series' backports (moe_grad_scale_func; the router's
 per-token weights, without which the seq_aux_loss setups are 0.22-0.47 off on one rank) make it
 exact.
@@ -63,6 +78,16 @@ ARCH_SETUPS = {
     "mla_yarn_attached_D1_sigmoid_seq_z": dict(SETUPS["attached_D1_sigmoid_seq_z"], arch="mla_yarn"),
     "mla_yarn_isolated_D2_repeated_sigmoid_z": dict(SETUPS["isolated_D2_repeated_sigmoid_z"], arch="mla_yarn"),
     "gated_isolated_D2_softmax_seq_z": dict(SETUPS["isolated_D2_softmax_seq_z"], arch="qk_rmsnorm_gate"),
+}
+# Qwen3-Next's hybrid (issue 27): a Gated DeltaNet layer "G", attention "*" and MoE layers "E",
+# MTP depths "/*E" (tests.bodies.tiny_gpt.hybrid_layer_pattern: "GE*E/*E", "GE|*E/*E" under PP);
+# SwiGLU (the DeltaNet's convolution and output gate use SiLU); 70 tokens, so that the state
+# crosses the torch kernel's 64-token chunk (tests.bodies.hybrid.DELTA_NET_SEQ).
+DELTA_NET = dict(arch="delta_net", hybrid=True, seq_length=70)
+DELTA_NET_SETUPS = {
+    "delta_net_attached_D1_sigmoid_seq_z": dict(SETUPS["attached_D1_sigmoid_seq_z"], **DELTA_NET),
+    "delta_net_isolated_D2_softmax_seq_z": dict(MOE, **SEQ_Z, **DELTA_NET, mtp_num_layers=2, mtp_detach_heads=True,
+                                                swiglu=True),
 }
 BREAKS = [["attached_D1_sigmoid_seq_z", "no_division"], ["attached_D1_sigmoid_seq_z", "valid_tokens"]]
 
@@ -163,17 +188,15 @@ def test_each_mtp_depths_router_losses_are_the_step_values(runs, layout):
     assert checked >= len(results) * 6, checked
 
 
-@pytest.mark.matrix
-def test_mla_and_gated_attention_over_moe_match_the_reference(tmp_path):
+def assert_all_layouts_match_the_reference(ckpt_root: str, setups: dict):
     """One rank and every layout of LAYOUTS against the reference, every copy; the expert biases
-    after the step are the reference's update; every layout's gradients equal one rank's. The
-    current build (0.16.1 builds no multi-latent attention without Transformer Engine)."""
-    (one_rank,) = launch("tests.bodies.moe_gradients:reference", 1, {"ckpt_root": str(tmp_path), "setups": ARCH_SETUPS},
+    after the step are the reference's update; every layout's gradients equal one rank's."""
+    (one_rank,) = launch("tests.bodies.moe_gradients:reference", 1, {"ckpt_root": ckpt_root, "setups": setups},
                          timeout=600)
     ranks = launch("tests.bodies.moe_gradients:layouts", 4,
-                   {"ckpt_root": str(tmp_path), "layouts": LAYOUTS, "setups": ARCH_SETUPS}, timeout=900)
+                   {"ckpt_root": ckpt_root, "layouts": LAYOUTS, "setups": setups}, timeout=900)
     assert len(ranks) == 4
-    for name, kwargs in ARCH_SETUPS.items():
+    for name, kwargs in setups.items():
         results = [one_rank[name]] + [rank[f"{layout['name']}/{name}"] for rank in ranks for layout in LAYOUTS]
         for result in results:
             assert_matches(result["grads"])
@@ -182,3 +205,15 @@ def test_mla_and_gated_attention_over_moe_match_the_reference(tmp_path):
                 assert result["bias"]["copies"] > 0, name
         for result in results[1:]:
             assert result["vs_one_rank"]["max_rel"] < TOL, (name, result["vs_one_rank"]["worst"])
+
+
+@pytest.mark.matrix
+def test_mla_and_gated_attention_over_moe_match_the_reference(tmp_path):
+    """The current build (0.16.1 builds no multi-latent attention without Transformer Engine)."""
+    assert_all_layouts_match_the_reference(str(tmp_path), ARCH_SETUPS)
+
+
+@pytest.mark.matrix
+def test_gated_delta_net_hybrid_over_moe_matches_the_reference(tmp_path):
+    """The current build (0.16.1's HybridModel has no MTP depths)."""
+    assert_all_layouts_match_the_reference(str(tmp_path), DELTA_NET_SETUPS)

@@ -53,6 +53,7 @@ ARCH_SETUPS = {
     "qk_rmsnorm_gate_D2": dict(mtp_num_layers=2, arch="qk_rmsnorm_gate"),
     "mla_yarn_isolated_D2": dict(mtp_num_layers=2, mtp_detach_heads=True, arch="mla_yarn"),
     "delta_net_hybrid_D2": dict(mtp_num_layers=2, hybrid=True, arch="delta_net"),
+    "delta_net_gpt_isolated_D2": dict(mtp_num_layers=2, mtp_detach_heads=True, arch="delta_net_gpt"),
 }
 # Only for the layouts that name them: five decoder layers fill PP=4 x VPP=2 without an empty stage.
 LAYOUT_ONLY_SETUPS = {
@@ -97,6 +98,7 @@ DEFAULT_CASES = {
     ("pp2_cp2", "attached_D2_tied"), ("cp4", "isolated_D2_repeated"),
     ("tp2_dp2", "qk_rmsnorm_gate_D2"), ("tp2_dp2", "mla_yarn_isolated_D2"), ("pp2_dp2", "mla_yarn_isolated_D2"),
     ("tp2_dp2", "delta_net_hybrid_D2"), ("cp2_dp2", "delta_net_hybrid_D2"),
+    ("tp2_pp2", "delta_net_gpt_isolated_D2"),
 }
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -135,7 +137,7 @@ def setups_of(layout: dict) -> list:
     # Gated DeltaNet's 2 key heads split over TP x CP <= 2 ranks only (more is refused in one line).
     splits = layout["tp"] * layout.get("cp", 1)
     return list(SETUPS) + list(HYBRID_SETUPS) + [name for name in ARCH_SETUPS
-                                                   if splits <= 2 or ARCH_SETUPS[name]["arch"] != "delta_net"]
+                                                   if splits <= 2 or not ARCH_SETUPS[name]["arch"].startswith("delta_net")]
 
 
 def cases():

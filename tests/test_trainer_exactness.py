@@ -154,6 +154,13 @@ RESUME_CASES = {
         "--hybrid-layer-pattern", "G-*-/*-", "--swiglu", "--normalization", "RMSNorm", "--attention-output-gate",
         "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
         "--linear-value-head-dim", "16", "--linear-conv-kernel-dim", "4", "--tensor-model-parallel-size", "2")),
+    # the same layers as a GPTModel (its norms saved under Transformer Engine's fused names), PP = 2
+    "qwen3-next-gpt-gated-deltanet-pp2-isolated": (2, (
+        "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2", "--swiglu",
+        "--normalization", "RMSNorm", "--attention-output-gate", "--qk-layernorm", "--apply-layernorm-1p",
+        "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+        "--linear-value-head-dim", "16", "--linear-conv-kernel-dim", "4", "--pipeline-model-parallel-size", "2",
+        "--mtp-num-layers", "2", "--mtp-detach-heads")),
 }
 
 

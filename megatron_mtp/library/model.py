@@ -53,6 +53,8 @@ def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: i
     default, as in DeepSeek-V3: learned absolute positions with MTP under pipeline parallelism
     are refused, as the MTP stage's copy would not stay in sync)."""
     _set_impl(config, use_transformer_engine)
+    if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":  # (0.19.2's field)
+        refuse_gated_delta_net_head_split(config)
     decoder_spec, mtp_spec = gpt_specs(config, vp_stage, layer_spec,
                                        **({"core_attention": core_attention} if core_attention else {}))
     pre_process, post_process = _stage(vp_stage, pre_process, post_process)

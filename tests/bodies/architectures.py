@@ -96,12 +96,19 @@ def builder_cases(cases: dict, save: str) -> dict:
         except SpecError as error:
             results[name] = {"refused": str(error)}
             continue
-        upstream = _upstream_model(parsed, core_transformer_config_from_args(parsed))
+        upstream_config = core_transformer_config_from_args(parsed)
+        if config.experimental_attention_variant is not None:
+            # 0.19.2's mtp_block_spec asserts on the variant; the test checks the MTP layer against
+            # the decoder's last one, as Megatron-LM's gpt_builders.py makes it
+            upstream_config.mtp_num_layers = None
+        upstream = _upstream_model(parsed, upstream_config)
         attentions = [m for m in ours.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
         results[name] = {
             "ours": _shapes(ours), "upstream": _shapes(upstream),
             "attention": sorted({type(m).__name__ for m in attentions}),
             "attention_layers": len(attentions),
+            "mixers": [type(layer.self_attention).__name__ for layer in ours.decoder.layers],
+            "mtp_mixers": [type(layer.mtp_model_layer.self_attention).__name__ for layer in ours.mtp.layers],
             "core_attention": sorted({type(m.core_attention).__name__ for m in attentions}),
             "qk_norms": sorted({type(getattr(m, n)).__name__ for m in attentions
                                 for n in ("q_layernorm", "k_layernorm", "kv_layernorm") if hasattr(m, n)}),

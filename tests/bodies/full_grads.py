@@ -24,7 +24,7 @@ def global_name(model, name: str) -> str:
     return ".".join(parts)
 
 
-def _sections(chunk) -> dict:
+def shard_sections(chunk) -> dict:
     """{local parameter name: the sizes of the sections each TP rank's shard is made of}, for the
     parameters whose full tensor is every rank's first section, then every rank's second, and so
     on, rather than rank after rank: a gated linear unit's first MLP projection ([gate; up], SwiGLU)
@@ -46,7 +46,7 @@ def _sections(chunk) -> dict:
 def _local_pieces(chunks) -> list:
     pieces = []
     for chunk in chunks:
-        sections = _sections(chunk)
+        sections = shard_sections(chunk)
         for name, param in chunk.module.named_parameters():
             split = bool(getattr(param, "tensor_model_parallel", False))
             split = sections.get(name, True) if split else False
@@ -71,7 +71,7 @@ def gathered_full_grads(chunks) -> dict:
         for i, (name, split, dim, _) in enumerate(by_tp[0]):
             shards = [pieces[i][3] for pieces in by_tp]
             assert all(pieces[i][0] == name for pieces in by_tp), "TP ranks disagree on the parameters"
-            if isinstance(split, list):  # section by section (_sections)
+            if isinstance(split, list):  # section by section (shard_sections)
                 parts = [shard.split(split, dim=dim) for shard in shards]
                 full.setdefault(name, []).append(
                     torch.cat([part[k] for k in range(len(split)) for part in parts], dim=dim))

@@ -135,11 +135,18 @@ def slow_decay(model) -> None:
                 param.copy_(torch.empty(param.shape).uniform_(-2.0, 0.0, generator=g))
 
 
-def delta_net_reference(model, depths: int, detach: bool):
+# Both ways upstream expresses Qwen3-Next's layers: a HybridModel pattern, and a GPTModel whose
+# every second layer is full attention (--experimental-attention-variant gated_delta_net
+# --linear-attention-freq 2), its MTP layer the decoder's last. Each is "G-*-" + "/*-" per depth
+# (the GPT's layer i is the reference's layer i).
+FORMS = {"hybrid": reference_name, "gpt": lambda name: name}
+
+
+def delta_net_reference(model, depths: int, detach: bool, form: str = "hybrid"):
     """The reference (a recurrent Gated DeltaNet first layer) on the "G-*-" model's weights, and
     the map from the model's parameter names to the reference's."""
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    names = {name: reference_name(name) for name in state}
+    names = {name: FORMS[form](name) for name in state}
     ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, 2, depths, groups=GROUPS, detach_heads=detach,
                        mtp_loss_scaling_factor=LAMBDA, mtp_inner_name="mtp_model_layer",
                        arch=Architecture(normalization="RMSNorm", swiglu=True, delta_net=DELTA_NET,
@@ -148,15 +155,20 @@ def delta_net_reference(model, depths: int, detach: bool):
     return ref, names
 
 
-def delta_net_case(depths: int, detach: bool, sparse: bool) -> dict:
-    """Pattern "G-*-" + "/*-" per depth (Qwen3-Next's: linear-attention layers, full attention in
-    the MTP depths) against the reference's recurrent Gated DeltaNet on the model's weights."""
+def delta_net_case(depths: int, detach: bool, sparse: bool, form: str) -> dict:
+    """Layers "G-*-" + "/*-" per depth (Qwen3-Next's: linear-attention layers, full attention in
+    the MTP depths), in `form`, against the reference's recurrent Gated DeltaNet on the model's
+    weights."""
+    variant = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=2) if form == "gpt" else {}
     config = make_config(depths, detach=detach, mtp_sparse_loss=sparse, sparse_loss_chunk_size=SPARSE_CHUNK,
-                         **DELTA_NET_FIELDS)
+                         **DELTA_NET_FIELDS, **variant)
     torch.manual_seed(3000 + depths)
-    model = build_hybrid(config, VOCAB, DELTA_NET_SEQ, "G-*-" + "/*-" * depths)
+    if form == "gpt":
+        model = build_gpt(config, VOCAB, DELTA_NET_SEQ)
+    else:
+        model = build_hybrid(config, VOCAB, DELTA_NET_SEQ, "G-*-" + "/*-" * depths)
     slow_decay(model)
-    ref, names = delta_net_reference(model, depths, detach)
+    ref, names = delta_net_reference(model, depths, detach, form)
     input_ids, labels, mask, _ = long_padded_batch(depths)
     got = run_megatron(model, input_ids, labels, mask, None)
     _, main_ce, per_depth = ref.losses(input_ids, labels, mask, None)
@@ -174,15 +186,16 @@ def delta_net_case(depths: int, detach: bool, sparse: bool) -> dict:
     return errors
 
 
-def delta_net() -> dict:
-    """D in {1, 2} x isolation off/on (sparse MTP loss with isolation, dense without)."""
+def delta_net(form: str = "hybrid") -> dict:
+    """D in {1, 2} x isolation off/on (sparse MTP loss with isolation, dense without), in `form`
+    ("hybrid" or "gpt": FORMS)."""
     results = {}
     with model_parallel():
         for depths in (1, 2):
             for detach in (False, True):
                 name = f"D{depths}_{'isolated' if detach else 'attached'}"
                 try:
-                    results[name] = delta_net_case(depths, detach, sparse=detach)
+                    results[name] = delta_net_case(depths, detach, sparse=detach, form=form)
                 except Exception as error:  # noqa: BLE001 - reported to the test, which fails
                     import traceback
 

@@ -6,14 +6,16 @@ split over the expert-tensor-parallel group (ETP) and replicated over the expert
 group (their gradients reduced there), not over the dense data-parallel group. Everything else is
 as in full_grads: TP shards joined in TP order, each TP replica and each pipeline stage's copy
 one entry, taken from (expert-)data-parallel rank 0. With SwiGLU (gated_linear_unit) a
-column-parallel fc1 shard holds [gate shard; up shard]: the full weight is [all gates; all ups].
+column-parallel fc1 shard holds [gate shard; up shard]: the full weight is [all gates; all ups];
+a Gated DeltaNet's input projection and convolution are joined section by section likewise
+(full_grads.shard_sections).
 """
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from tests.bodies.full_grads import global_name
+from tests.bodies.full_grads import global_name, shard_sections
 
 
 def expert_global_name(name: str, ep_rank: int, local_experts: int) -> str:
@@ -24,11 +26,13 @@ def expert_global_name(name: str, ep_rank: int, local_experts: int) -> str:
     return ".".join(parts)
 
 
-def _join(name: str, shards: list, dim: int, glu: bool):
-    if glu and name.endswith("linear_fc1.weight") and dim == 0:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=dim)
+def _join(shards: list, dim: int, split):
+    """The full tensor of TP / ETP shards: rank after rank (split True), or each shard made of
+    sections of these sizes (a list), every rank's first section, then every rank's second, ..."""
+    if split is True:
+        return torch.cat(shards, dim=dim)
+    parts = [shard.split(split, dim=dim) for shard in shards]
+    return torch.cat([part[k] for k in range(len(split)) for part in parts], dim=dim)
 
 
 def gathered_full_grads_and_buffers(chunks, config) -> tuple[dict, dict]:
@@ -40,13 +44,19 @@ def gathered_full_grads_and_buffers(chunks, config) -> tuple[dict, dict]:
                   tp=parallel_state.get_tensor_model_parallel_rank(),
                   edp=parallel_state.get_expert_data_parallel_rank(),
                   etp=parallel_state.get_expert_tensor_parallel_rank())
+    glu = bool(config.gated_linear_unit)
     pieces, buffers = [], []
     for chunk in chunks:
         module = chunk.module
+        sections = shard_sections(chunk)
         for name, param in module.named_parameters():
             expert = ".local_experts." in name
-            pieces.append((expert_global_name(global_name(module, name), ep_rank, local), expert,
-                           bool(getattr(param, "tensor_model_parallel", False)), getattr(param, "partition_dim", 0),
+            split, dim = bool(getattr(param, "tensor_model_parallel", False)), getattr(param, "partition_dim", 0)
+            if split and glu and name.endswith("linear_fc1.weight") and dim == 0:  # experts' and shared experts' too
+                split = [param.size(0) // 2] * 2
+            elif split:
+                split = sections.get(name, True)
+            pieces.append((expert_global_name(global_name(module, name), ep_rank, local), expert, split, dim,
                            param.main_grad.detach().float().cpu()))
         for name, buf in module.named_buffers():
             if name.endswith("expert_bias"):
@@ -64,8 +74,7 @@ def gathered_full_grads_and_buffers(chunks, config) -> tuple[dict, dict]:
             key = (name, coords["pp"], None if split else shard_rank)
             groups.setdefault(key, (split, dim, {}))[2][shard_rank] = grad
     full = {}
-    glu = bool(config.gated_linear_unit)
     for (name, _, _), (split, dim, shards) in sorted(groups.items(), key=lambda kv: str(kv[0])):
         ordered = [shards[r] for r in sorted(shards)]
-        full.setdefault(name, []).append(_join(name, ordered, dim, glu) if split else ordered[0])
+        full.setdefault(name, []).append(_join(ordered, dim, split) if split else ordered[0])
     return full, bias

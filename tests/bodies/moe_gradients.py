@@ -7,13 +7,17 @@ router losses of section 11) on the whole global batch and its expert-bias updat
 megatron step on one rank and compares. `layouts` (4 ranks) loads the same weights on each layout
 and compares every copy of every full gradient (experts gathered across EP, shards across TP and
 ETP) with the reference's and with the one-rank megatron run's, and every copy of every expert bias
-after the step with the reference's update.
+after the step with the reference's update. A hybrid setup's gradients are compared under the
+model's names (its mixer and MLP layers are the halves of a reference layer:
+tests.bodies.hybrid.reference_name), its Gated DeltaNet's decay slowed first
+(tests.bodies.hybrid.slow_decay).
 """
 
 import torch
 
 from megatron.core.fork import compat, router_losses
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
+from tests.bodies.hybrid import reference_name, slow_decay
 from tests.bodies.moe_full_grads import gathered_full_grads_and_buffers
 from tests.bodies.tiny_gpt import Setup, build, global_batch, reference_architecture, train_step
 from tests.harness.layout import model_parallel
@@ -86,9 +90,12 @@ def compare_bias(bias: dict, reference: dict) -> dict:
     return {"max_abs": worst, "missing": missing, "copies": sum(len(bias.get(n, [])) for n in reference)}
 
 
-def reference_model(setup: Setup, chunks, config) -> ReferenceMoEGPT:
+def reference_model(setup: Setup, chunks, config) -> tuple[ReferenceMoEGPT, dict]:
+    """The reference on the model's weights, and the model's name of each of its parameters and
+    buffers (a hybrid model's mixer and MLP layers are the halves of a reference layer)."""
     state = {k: v for k, v in chunks[0].module.state_dict().items()
              if not k.endswith("_extra_state") and not k.endswith("local_tokens_per_expert")}
+    names = {k: reference_name(k) if setup.hybrid else k for k in state}
     options = {f: getattr(setup, f) for f in MOE_FIELDS}
     options["moe_ffn_hidden_size"] = config.moe_ffn_hidden_size
     ref = ReferenceMoEGPT(setup.vocab_size, setup.hidden_size, setup.num_heads, setup.num_layers,
@@ -96,19 +103,21 @@ def reference_model(setup: Setup, chunks, config) -> ReferenceMoEGPT:
                           repeated=setup.mtp_use_repeated_layer, detach_heads=setup.mtp_detach_heads,
                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor,
                           mtp_inner_name=mtp_inner_layer_name(state), arch=reference_architecture(setup))
-    ref.load_state_dict(state, strict=True)
-    return ref
+    ref.load_state_dict({names[k]: v for k, v in state.items()}, strict=True)
+    return ref, {v: k for k, v in names.items()}
 
 
-def reference_grads(ref: ReferenceMoEGPT, setup: Setup, micro_batch: int):
-    """The reference's gradient of the step objective, its expert-bias update and its terms."""
+def reference_grads(ref: ReferenceMoEGPT, model_names: dict, setup: Setup, micro_batch: int):
+    """The reference's gradient of the step objective and its expert-bias update (by the model's
+    names), and its terms."""
     tokens, mask = global_batch(setup, 0)
     ref.zero_grad(set_to_none=True)
     objective, terms = ref.step_objective(tokens, mask, micro_batch)
     objective.backward()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+    grads = {model_names[n]: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
              for n, p in ref.named_parameters()}
-    return grads, ref.updated_expert_bias(), {k: float(v) for k, v in terms.items()}
+    bias = {model_names[n]: value for n, value in ref.updated_expert_bias().items()}
+    return grads, bias, {k: float(v) for k, v in terms.items()}
 
 
 def depth_router_losses(ref: ReferenceMoEGPT, setup: Setup, micro_batch: int) -> dict:
@@ -161,10 +170,12 @@ def reference(ckpt_root: str, setups: dict, breaks: list | None = None) -> dict:
             for module in chunks[0].module.modules():
                 if getattr(module, "expert_bias", None) is not None:  # a bias that changes the routing
                     module.expert_bias.copy_(0.05 * torch.randn(module.expert_bias.shape, generator=gen))
+            if setup.arch == "delta_net":
+                slow_decay(chunks[0].module)  # (tests.bodies.hybrid: a decay whose gradient the kernel resolves)
             save_checkpoint(f"{ckpt_root}/{name}", chunks)
-            ref = reference_model(setup, chunks, config)
+            ref, model_names = reference_model(setup, chunks, config)
             for mb in ((1, 2) if uses_aux_loss(kwargs) else (setup.micro_batch,)):
-                grads, bias, terms = reference_grads(ref, setup, mb)
+                grads, bias, terms = reference_grads(ref, model_names, setup, mb)
                 depth_losses = depth_router_losses(ref, setup, mb)
                 torch.save({"grads": grads, "bias": bias, "depth_router_losses": depth_losses},
                            f"{ckpt_root}/{name}-mb{mb}-reference.pt")

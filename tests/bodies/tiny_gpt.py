@@ -66,7 +66,8 @@ class Setup:
 # The architectures MTP models use (issue 27), as TransformerConfig fields for Setup.arch:
 # Qwen3's attention (q/k RMSNorm) with Qwen3-Next's output gate; DeepSeek-V3's multi-latent
 # attention (q- and kv-LoRA, YaRN, q/k RMSNorm); Qwen3-Next's Gated DeltaNet (a hybrid setup's
-# first layer "G", needs SwiGLU, whose convolution and gate use SiLU).
+# first layer "G", needs SwiGLU, whose convolution and gate use SiLU), and the same layers as a
+# GPTModel (--experimental-attention-variant gated_delta_net: every second layer full attention).
 ARCHITECTURES = {
     "": {},
     "qk_rmsnorm_gate": dict(qk_layernorm=True, normalization="RMSNorm", attention_output_gate=True),
@@ -78,19 +79,26 @@ ARCHITECTURES = {
                       linear_value_head_dim=8, linear_conv_kernel_dim=4, normalization="RMSNorm",
                       gated_linear_unit=True),
 }
+ARCHITECTURES["delta_net_gpt"] = dict(ARCHITECTURES["delta_net"], experimental_attention_variant="gated_delta_net",
+                                      linear_attention_freq=2)
 
 
 def reference_architecture(setup: Setup):
     """The plain-PyTorch reference's Architecture (tests/reference/gpt_mtp.py) of the setup's
     attention (the MLPs are the setup's own: dense, or MoE by tests/reference/moe.py)."""
-    from tests.reference.gpt_mtp import Architecture, Latent
+    from tests.reference.gpt_mtp import Architecture, DeltaNet, Latent
 
+    net = ARCHITECTURES["delta_net"]
     return {
         "": Architecture(),
         "qk_rmsnorm_gate": Architecture("RMSNorm", qk_norm=True, output_gate=True),
         # (q-LoRA, kv-LoRA, q/k head, rope head, v head); YaRN: (factor, original context, beta_fast, beta_slow,
         # mscale, mscale_all_dim), upstream's beta defaults
         "mla_yarn": Architecture("RMSNorm", qk_norm=True, latent=Latent(16, 8, 8, 8, 8, yarn=(4.0, 4096, 32, 1, 1.0, 0.5))),
+        # the first layer's mixer is the Gated DeltaNet (hybrid_layer_pattern)
+        "delta_net": Architecture("RMSNorm", swiglu=True, linear_layers=frozenset({0}), delta_net=DeltaNet(
+            net["linear_num_key_heads"], net["linear_num_value_heads"], net["linear_key_head_dim"],
+            net["linear_value_head_dim"], net["linear_conv_kernel_dim"])),
     }[setup.arch]
 
 
@@ -109,13 +117,16 @@ def architecture_config(setup: Setup):
 
 def hybrid_layer_pattern(setup: Setup, stages: int) -> str:
     """The setup's network as upstream's hybrid pattern, its layers split evenly over `stages`
-    (with Gated DeltaNet, the first layer's mixer is one, "G")."""
+    (with Gated DeltaNet, the first layer's mixer is one, "G"; with experts every MLP, the MTP
+    depths' too, is an MoE layer "E", as in Qwen3-Next)."""
     per_stage, rest = divmod(setup.num_layers, stages)
     assert rest == 0, "a hybrid setup's layers split evenly over the pipeline stages"
-    pattern = "|".join(["*-" * per_stage] * stages)
+    assert not setup.num_moe_experts or setup.moe_layer_freq == 1, "a hybrid setup's MLPs are all MoE or all dense"
+    layer = "*E" if setup.num_moe_experts else "*-"
+    pattern = "|".join([layer * per_stage] * stages)
     if setup.arch == "delta_net":
         pattern = "G" + pattern[1:]
-    return pattern + "/*-" * setup.mtp_num_layers
+    return pattern + f"/{layer}" * setup.mtp_num_layers
 
 
 def moe_config_kwargs(setup: Setup) -> dict:
@@ -152,6 +163,10 @@ def build(setup: Setup, vpp: int | None = None):
     stages = parallel_state.get_pipeline_model_parallel_world_size() * (vpp or 1)
     pattern = hybrid_layer_pattern(setup, stages) if setup.hybrid else None
     config_class, arch_fields = architecture_config(setup)
+    moe_fields = moe_config_kwargs(setup)
+    # (Gated DeltaNet's SwiGLU is both an architecture field and an MoE one: they must agree)
+    clash = sorted(k for k in moe_fields.keys() & arch_fields.keys() if moe_fields[k] != arch_fields[k])
+    assert not clash, f"the setup's MoE fields contradict its architecture's: {clash}"
     config = config_class(
         num_layers=setup.num_layers * (2 if setup.hybrid else 1),  # a hybrid layer is half a GPT layer
         hidden_size=setup.hidden_size,
@@ -170,8 +185,7 @@ def build(setup: Setup, vpp: int | None = None):
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         virtual_pipeline_model_parallel_size=vpp,
         calculate_per_token_loss=True,
-        **moe_config_kwargs(setup),
-        **arch_fields,
+        **moe_fields | arch_fields,
     )
     chunks = build_model(config, setup.vocab_size, setup.seq_length,
                          use_distributed_optimizer=setup.distributed_optimizer,

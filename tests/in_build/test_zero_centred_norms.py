@@ -1,5 +1,5 @@
 """Zero-centred gamma (--apply-layernorm-1p) with megatron-core's torch norms, on each build: the
-0.19.2 series builds it (patch 0044: (1 + w), w started at zero, the torch module's names and
+0.19.2 series builds it (patch 0045: (1 + w), w started at zero, the torch module's names and
 sequence-parallel marks); 0.16.1's norms still assert it away, and its specs refuse it in one line."""
 
 import pytest

@@ -138,13 +138,53 @@ def refuse_gated_delta_net_head_split(config) -> None:
                             f"all-to-all): use a multiple of TP x CP = {tp * cp}")
 
 
+def local_self_attention_spec(config) -> ModuleSpec:
+    """The full-attention layers' attention of upstream's experimental-variant block (its
+    Transformer Engine layer's) from megatron-core's local GPT layer: its input norm apart."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    layer = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                     multi_latent_attention=config.multi_latent_attention,
+                                     normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
+    attention = layer.submodules.self_attention
+    attention.metainfo["fuse_input_layernorm"] = False
+    return attention
+
+
+def name_norms_as_fused(layer_specs) -> None:
+    """Give each local TransformerLayer spec (in place) the checkpoint names of Transformer
+    Engine's fused layers: where TE fuses a norm into the next projection (attention's
+    linear_qkv, Gated DeltaNet's in_proj, a dense MLP's linear_fc1), its checkpoints name the
+    norm after that projection, and the local layers keep the norm apart under the same name, as
+    upstream's local GPT layer does (MLA's and MoE's norms are not fused: their names are their own)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+
+    fused_into = {SelfAttention: "self_attention.linear_qkv.layer_norm_",
+                  GatedDeltaNet: "self_attention.in_proj.layer_norm_", MLP: "mlp.linear_fc1.layer_norm_"}
+    for spec in layer_specs:
+        sub = spec.submodules
+        names = {f"{norm}.": fused_into[_built_class(module)]
+                 for norm, module in (("input_layernorm", sub.self_attention), ("pre_mlp_layernorm", sub.mlp))
+                 if getattr(sub, norm) is not IdentityOp and _built_class(module) in fused_into}
+        sub.sharded_state_dict_keys_map = {**names, **sub.sharded_state_dict_keys_map}
+
+
+def _built_class(spec):
+    """The class a submodule spec builds: a ModuleSpec's module, or the class whose method a
+    builder partial binds (0.19.2's MLP builders, `MLP.as_mlp_submodule`)."""
+    if isinstance(spec, ModuleSpec):
+        return spec.module
+    return getattr(getattr(spec, "func", None), "__self__", None)
+
+
 def _upstream_gpt_specs(config, vp_stage, layer_spec):
     use_te = config.transformer_impl == "transformer_engine"
     variant = getattr(config, "experimental_attention_variant", None)  # (0.19.2's field)
-    if variant is not None and not use_te:
-        raise SpecError(f"--experimental-attention-variant {variant} is built with "
-                        "Transformer Engine only (its local layers are not carried); on CPU use the attention "
-                        "variants of the local specs")
+    if variant not in (None, "gated_delta_net") and not use_te:
+        raise SpecError(f"--experimental-attention-variant {variant} is built with Transformer Engine only here "
+                        "(this build carries the local layers of gated_delta_net)")
     try:
         from megatron.training.models.gpt import GPTModelConfig, default_layer_spec, mtp_block_spec
     except ImportError:  # 0.16.1: megatron-core's spec functions, as that release's gpt_builders.py calls them
@@ -181,8 +221,29 @@ def _upstream_gpt_specs(config, vp_stage, layer_spec):
               if f.init and f.name != "transformer" and hasattr(config, f.name)}
     model_config = GPTModelConfig(transformer=config, transformer_layer_spec=layer_spec, **shared)
     decoder = layer_spec if layer_spec is not None else default_layer_spec(model_config, vp_stage)
-    mtp = mtp_block_spec(model_config, decoder, vp_stage=vp_stage) if config.mtp_num_layers else None
-    return decoder, mtp
+    if variant is None or layer_spec is not None:
+        mtp = mtp_block_spec(model_config, decoder, vp_stage=vp_stage) if config.mtp_num_layers else None
+        return decoder, mtp
+    return decoder, _experimental_variant_mtp_spec(config, decoder, vp_stage)
+
+
+def _experimental_variant_mtp_spec(config, decoder, vp_stage):
+    """The MTP block of an experimental-variant GPT as Megatron-LM's gpt_builders.py builds it
+    (0.19.2's megatron.training.models.gpt asserts on the variant): its layer the whole
+    decoder's last layer spec, on every pipeline layout. The local layers get Transformer
+    Engine's checkpoint names (`name_norms_as_fused`)."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_layer_with_experimental_attention_variant_spec,
+    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    use_te = config.transformer_impl == "transformer_engine"
+    last = get_transformer_layer_with_experimental_attention_variant_spec(config)[-1] if config.mtp_num_layers else None
+    if not use_te:
+        name_norms_as_fused(decoder.layer_specs + ([last] if last is not None else []))
+    if last is None:
+        return None
+    return get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)
 
 
 def gpt_specs(config, vp_stage=None, layer_spec=None, core_attention=SDPACoreAttention):
