@@ -108,6 +108,7 @@ def run_import(args) -> int:
         global_tensors = {k: v for k, v in global_tensors.items()
                           if not k.startswith("mtp.layers.") or int(k.split(".")[2]) < wanted}
         depths = wanted
+    mapping.check_mtp_layer(cfg, wanted)
     if args.mtp_use_repeated_layer:
         if not wanted:
             raise ServingError("--mtp-use-repeated-layer needs MTP depths")
@@ -165,6 +166,7 @@ def run_export(args) -> int:
     if cfg.mtp_num_layers and layout and not present:
         raise ServingError(f"{directory}: the arguments name {cfg.mtp_num_layers} MTP depths but the checkpoint "
                            "holds no MTP tensors")
+    mapping.check_mtp_layer(cfg, cfg.mtp_num_layers if layout else 0)
     hf = mapping.megatron_to_hf(tensors, cfg, layout)
     expected = mapping.hf_shapes(cfg, layout, cfg.mtp_num_layers)
     if sorted(hf) != sorted(expected):

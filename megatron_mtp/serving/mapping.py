@@ -271,6 +271,14 @@ def mtp_sparse(cfg: ModelConfig) -> bool:
     return sparse_layers(cfg)[-1]
 
 
+def check_mtp_layer(cfg: ModelConfig, depths: int) -> None:
+    """An MTP depth's inner layer is built as the last decoder layer; Qwen3-Next's (its engines')
+    is a full-attention layer, so the last decoder layer must be one."""
+    if depths and linear_layers(cfg)[-1]:
+        raise ServingError(f"{depths} MTP depths on a model whose last layer is Gated DeltaNet: megatron-core builds "
+                           "each depth's layer as the decoder's last, Qwen3-Next's MTP layer is full attention")
+
+
 # Qwen3-Next's MTP tensors shared by all its depths (megatron-core suffix, Hugging Face name).
 QWEN3_NEXT_MTP = [("enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
                   ("hnorm.weight", "mtp.pre_fc_norm_hidden.weight"), ("eh_proj.weight", "mtp.fc.weight"),
