@@ -99,16 +99,16 @@ def run_import(args) -> int:
         raise ServingError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be >= 1")
     cfg = ModelConfig.from_hf(config, pad_to=args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
     layout, depths = mapping.detect_mtp(tensors, cfg)
-    global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
-    cfg.shift_originals = mapping.shift_originals(tensors, cfg)
     wanted = depths if args.mtp_num_layers is None else args.mtp_num_layers
     if wanted < 0:
         raise ServingError("--mtp-num-layers must be >= 0")
+    mapping.check_mtp_layer(cfg, wanted)
+    global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
+    cfg.shift_originals = mapping.shift_originals(tensors, cfg)
     if wanted < depths:  # drop the deeper depths
         global_tensors = {k: v for k, v in global_tensors.items()
                           if not k.startswith("mtp.layers.") or int(k.split(".")[2]) < wanted}
         depths = wanted
-    mapping.check_mtp_layer(cfg, wanted)
     if args.mtp_use_repeated_layer:
         if not wanted:
             raise ServingError("--mtp-use-repeated-layer needs MTP depths")
