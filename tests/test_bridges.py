@@ -29,9 +29,9 @@ one process).
   recompute's tokens and draft logits (relative 1e-5); eval_speculative.py runs on it. It refuses
   the Qwen3-Next import in one line (the cache holds no Gated DeltaNet state), as the Runner
   refuses its forward from a later position.
-- The trainer loads the DeepSeek-V3 import with the flags the import wrote, at EP = 2, and trains
-  its MTP depths with the backbone frozen: every backbone tensor after training is the
-  imported one, bit for bit (matrix tier).
+- The trainer loads the Qwen3-Next import (one rank) and the DeepSeek-V3 import (EP = 2, matrix tier)
+  with the flags the import wrote, and trains their MTP depths with the backbone frozen: every
+  backbone tensor after training is the imported one, bit for bit.
 """
 
 import pytest
@@ -178,16 +178,19 @@ def test_decoding_mla_over_the_kv_cache_equals_a_whole_sequence_recompute(result
     assert entry["eval_speculative"]["status"] in (0, None), entry["eval_speculative"]
 
 
-@pytest.mark.matrix
 @pytest.mark.slow
-def test_the_trainer_trains_heads_on_the_deepseek_v3_import_with_its_backbone_frozen(results):
-    part(results, "deepseek_v3")
-    imported = results["root"] / "deepseek-v3-mg"
-    trained = results["root"] / "deepseek-v3-trained"
+@pytest.mark.parametrize("family, ranks, layout", [
+    pytest.param("deepseek_v3", 2, ("--expert-model-parallel-size", "2"), marks=pytest.mark.matrix),
+    ("qwen3_next", 1, ())])
+def test_the_trainer_trains_heads_on_the_import_with_its_backbone_frozen(results, family, ranks, layout):
+    part(results, family)
+    name = family.replace("_", "-")
+    imported = results["root"] / f"{name}-mg"
+    trained = results["root"] / f"{name}-trained"
     flags = (imported / "megatron_flags.txt").read_text().split()
-    run = train(2, *TINY, *flags, "--load", str(imported), "--finetune", "--freeze-backbone", "--mtp-detach-heads",
-                "--expert-model-parallel-size", "2", "--train-iters", "2", "--lr", "3e-3", "--save", str(trained),
-                "--save-interval", "2", timeout=400)
+    run = train(ranks, *TINY, *flags, "--load", str(imported), "--finetune", "--freeze-backbone", "--mtp-detach-heads",
+                *layout, "--train-iters", "2", "--lr", "3e-3", "--save", str(trained), "--save-interval", "2",
+                timeout=400)
     assert sorted(run.iterations) == [1, 2] and "mtp_2 loss" in run.iterations[2], run.tail()
     compared = launch("tests.bodies.bridges:frozen", 1, {"imported": str(imported), "trained": str(trained)},
                       timeout=300)[0]
