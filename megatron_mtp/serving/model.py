@@ -1,4 +1,5 @@
-"""megatron-core's GPTModel (the trainer's local specs with SDPA attention, dense or MoE) in one process.
+"""megatron-core's GPTModel (the trainer's local specs with SDPA attention; dense, MoE, with Gated DeltaNet
+layers) in one process.
 
 A checkpoint saved at any TP / PP / VPP layout is read into it through megatron-core's dist
 checkpointing (the resharding is upstream's); its forward is run piece by piece, as
