@@ -160,6 +160,7 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(results, c
     ("mtp on a last Gated DeltaNet layer", "last layer is Gated DeltaNet"),
     ("value heads not grouped by key head", "linear_num_value_heads 3"), ("no shared expert", "shared expert"),
     ("attention biases", "attention_bias"), ("depths with their own fc", "--mtp-layout none"),
+    ("another family's MTP layout", "--mtp-layout qwen3_next"),
     ("eval_speculative", "recurrent state")])
 def test_what_the_qwen3_next_bridge_cannot_carry_is_refused_in_one_line(results, case, words):
     entry = part(results, "qwen3_next_refusals")[case]

@@ -160,9 +160,7 @@ def run_export(args) -> int:
         cfg.as_architecture(args.architecture)
     default = mapping.default_mtp_layout(cfg)
     layout = None if args.mtp_layout == "none" else args.mtp_layout or (default if cfg.mtp_num_layers else None)
-    if layout and (layout == "qwen3_next") != (default == "qwen3_next"):
-        raise ServingError(f"--mtp-layout {layout}: the model is {cfg.family}-shaped, whose MTP depths its engines "
-                           f"read in {default}'s layout; use --mtp-layout {default}")
+    mapping.check_mtp_layout(cfg, layout)
     if cfg.moe and layout == "mimo":
         raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "
                            f"{cfg.family}-shaped; use --mtp-layout deepseek_v3")

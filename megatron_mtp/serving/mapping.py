@@ -381,6 +381,7 @@ def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
     if len(found) > 1:
         raise ServingError(f"the checkpoint holds MTP depths in {' and '.join(layout for layout, _ in found)}'s layouts")
     layout, depths = (found[0][0], max(found[0][1]) + 1) if found else (None, 0)
+    check_mtp_layout(cfg, layout)
     if cfg.mtp_num_layers and depths and cfg.mtp_num_layers != depths:
         raise ServingError(f"config.json: {cfg.mtp_num_layers} MTP depths (num_nextn_predict_layers or "
                            f"mtp_num_hidden_layers), but the tensors hold {depths}")
@@ -395,6 +396,14 @@ def default_mtp_layout(cfg: ModelConfig) -> str:
     if cfg.family in GATED_DELTA_NET_FAMILIES:
         return "qwen3_next"
     return "deepseek_v3" if cfg.moe else "mimo"
+
+
+def check_mtp_layout(cfg: ModelConfig, layout: str | None) -> None:
+    """Qwen3-Next's MTP layout is its family's alone (its norms scale by 1 + w, the others' by w)."""
+    default = default_mtp_layout(cfg)
+    if layout and (layout == "qwen3_next") != (default == "qwen3_next"):
+        raise ServingError(f"MTP depths in {layout}'s layout on a {cfg.family}-shaped model, whose engines read them "
+                           f"in {default}'s (--mtp-layout {default})")
 
 
 def check_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: int) -> None:

@@ -343,7 +343,8 @@ def qwen3_next_refusals(root: Path) -> dict:
     """What the Qwen3-Next bridge cannot carry, each one line with nothing written: configs (MTP
     depths on a last Gated DeltaNet layer, value heads not grouped by key head, no shared expert,
     attention biases), an export of MTP depths with their own fc (a third depth added at import,
-    newly initialized) in Qwen3-Next's layout, which holds one; and decoding it: eval_speculative
+    newly initialized) in Qwen3-Next's layout, which holds one, and in DeepSeek-V3's layout (whose
+    norms scale by w); and decoding it: eval_speculative
     refuses, the Runner refuses a forward from a later position."""
     import eval_speculative
 
@@ -360,6 +361,10 @@ def qwen3_next_refusals(root: Path) -> dict:
     out["depths with their own fc"] = {"import": imported[0], "status": status, "written":
                                        (root / "qwen3-next-d3-back").exists(),
                                        "stderr": [line for line in stderr.splitlines() if line.strip()]}
+    status, stderr = _convert("export", str(root / "qwen3-next-mg"), str(root / "qwen3-next-ds"),
+                              "--mtp-layout", "deepseek_v3")
+    out["another family's MTP layout"] = {"status": status, "written": (root / "qwen3-next-ds").exists(),
+                                          "stderr": [line for line in stderr.splitlines() if line.strip()]}
     err = io.StringIO()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         try:
