@@ -471,10 +471,9 @@ def shift_originals(tensors: dict, cfg: ModelConfig) -> dict:
     and back bit for bit in fp32 (w - 1 rounds below 0.5), by name: the import keeps them in the
     checkpoint's arguments, and an export writes them where the weight is unchanged."""
     out = {}
-    for i, linear in enumerate(linear_layers(cfg)):
-        name = f"model.layers.{i}.{SHIFTED[1]}"
-        original = tensors[name].float() if linear else None
-        if linear and not torch.equal((original - 1) + 1, original):
+    for name in (f"model.layers.{i}.{SHIFTED[1]}" for i, linear in enumerate(linear_layers(cfg)) if linear):
+        original = tensors[name].float()
+        if not torch.equal((original - 1) + 1, original):
             out[name] = original.tolist()
     return out
 

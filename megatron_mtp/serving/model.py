@@ -108,7 +108,8 @@ def architecture_fields(args) -> dict:
     """A trainer checkpoint's MoE, multi-latent attention and Qwen3-Next options (ARCHITECTURE_FIELDS)
     as the trainer's TransformerConfig took them, at one rank and without CUDA kernels; {} without
     any."""
-    if not any(getattr(args, name, None) for name in ("num_experts", *ARCHITECTURE_FIELDS[1:])):
+    if not any(getattr(args, name, None) for name in ("num_experts", "multi_latent_attention", "attention_output_gate",
+                                                      "layernorm_zero_centered_gamma", "experimental_attention_variant")):
         return {}
     import dataclasses
 
