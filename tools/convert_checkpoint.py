@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 / MiMo / Qwen3 / Qwen3-MoE / DeepSeek-V3 /
-GLM-4.5 backbones and their MTP heads.
+GLM-4.5 / Qwen3-Next backbones and their MTP heads.
 
     # a Hugging Face model into the trainer (draft heads for an existing model)
     tools/convert_checkpoint.py import HF_DIR OUT_DIR [--mtp-num-layers D] [--tensor-model-parallel-size T]
@@ -8,16 +8,21 @@ GLM-4.5 backbones and their MTP heads.
         --freeze-backbone --mtp-detach-heads ...
 
     # a trainer checkpoint (any TP / PP / VPP layout) to Hugging Face, MTP depths in MiMo's layout
-    tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout mimo|deepseek_v3|none]
+    tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout mimo|deepseek_v3|qwen3_next|none]
         [--architecture llama|qwen2|mimo|qwen3] [--dtype fp32|bf16] [--tokenizer DIR]
 
 import reads config.json and safetensors (model.safetensors, or shards with
 model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM, MiMoForCausalLM (Qwen2
 with model.mtp_layers), Qwen3ForCausalLM (q/k norms: --qk-layernorm), Qwen3MoeForCausalLM (and its
 experts), DeepseekV3ForCausalLM (multi-latent attention with YaRN, sigmoid-routed experts with
-an expert bias, groups and a shared expert behind dense first layers) or Glm4MoeForCausalLM
-(GLM-4.5: QKV biases, q/k norms, partial rotary, DeepSeek-V3's experts), and MTP depths when
-present (MiMo's model.mtp_layers.{i}.*, or DeepSeek-V3's model.layers.{L+k}.*); it writes a torch_dist release checkpoint that
+an expert bias, groups and a shared expert behind dense first layers), Glm4MoeForCausalLM
+(GLM-4.5: QKV biases, q/k norms, partial rotary, DeepSeek-V3's experts) or Qwen3NextForCausalLM
+(GPTModel with --experimental-attention-variant gated_delta_net: Gated DeltaNet layers, gated
+attention with q/k norms and partial rotary, (1 + w) norms, experts with a gated shared expert;
+the Gated DeltaNet output norm shifted by one, its fp32 values below 0.5, which the shift rounds,
+kept in the checkpoint's arguments for the export), and MTP depths when present (MiMo's
+model.mtp_layers.{i}.*, DeepSeek-V3's model.layers.{L+k}.*, or Qwen3-Next's mtp.layers.{k}.* with
+its one mtp.fc and set of norms, on a last full-attention layer); it writes a torch_dist release checkpoint that
 pretrain_gpt_mtp.py --load DIR --finetune loads at any PP layout and at the tensor-parallel
 size given (the vocabulary is padded as the trainer pads it there), and the model flags that
 build it, dropout included (OUT_DIR/megatron_flags.txt, also printed).
@@ -28,11 +33,16 @@ export writes the backbone as Llama (Qwen2 when the model has QKV biases, Qwen3 
 norms; MiMo when it was imported
 from MiMo, or with --architecture mimo, so that vLLM and SGLang pick their MiMo MTP model; Qwen3-MoE
 with experts and q/k norms, DeepSeek-V3 with multi-latent attention and experts, GLM-4.5 with
-sigmoid-routed experts without it): config.json,
+sigmoid-routed experts without it, Qwen3-Next with Gated DeltaNet layers): config.json,
 model.safetensors, the tokenizer's files when --tokenizer is given; the MTP depths in MiMo's
-layout (default; DeepSeek-V3's for the MoE families) or DeepSeek-V3's (with the copies of the output weight and embedding that
-its loaders read), num_nextn_predict_layers in config.json. A checkpoint trained with
+layout (default; DeepSeek-V3's for the MoE families, Qwen3-Next's for Qwen3-Next), DeepSeek-V3's
+(with the copies of the output weight and embedding that its loaders read) or Qwen3-Next's (its
+depths' fc and norms must be the same: the layout holds one), num_nextn_predict_layers in
+config.json (and Qwen3-Next's mtp_num_hidden_layers). A checkpoint trained with
 --mtp-use-repeated-layer is written as D identical depths (one per depth it was trained at).
+Checked (tests/test_serving.py, tests/test_bridges.py): the import's logits equal transformers'
+(fp32, relative 1e-5; measured <= 8e-7), the MTP depths equal the engines' MTP forward, import then
+export gives the original tensors bit for bit, and transformers loads the export.
 
 Both write into a temporary sibling directory renamed into place when complete. Bad input
 is one line, `convert_checkpoint.py: error: ...`, exit status 2, and nothing written.
@@ -75,9 +85,10 @@ def parse(argv):
     exp.add_argument("source", help="trainer checkpoint: the --save directory (its tracker names the iteration) "
                                     "or an iter_NNNNNNN / release directory")
     exp.add_argument("output", help="new (or empty) directory for the Hugging Face checkpoint")
-    exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "none"], default=None,
+    exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "qwen3_next", "none"], default=None,
                      help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths, "
-                          "deepseek_v3 for a mixture-of-experts model; none: the backbone only)")
+                          "deepseek_v3 for a mixture-of-experts model, qwen3_next for Qwen3-Next; none: the "
+                          "backbone only)")
     exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3"], default=None,
                      help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases, "
                           "Qwen3 with q/k norms, Llama without either); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
@@ -98,10 +109,12 @@ def run_import(args) -> int:
         raise ServingError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be >= 1")
     cfg = ModelConfig.from_hf(config, pad_to=args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
     layout, depths = mapping.detect_mtp(tensors, cfg)
-    global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
     wanted = depths if args.mtp_num_layers is None else args.mtp_num_layers
     if wanted < 0:
         raise ServingError("--mtp-num-layers must be >= 0")
+    mapping.check_mtp_layer(cfg, wanted)
+    global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
+    cfg.shift_originals = mapping.shift_originals(tensors, cfg)
     if wanted < depths:  # drop the deeper depths
         global_tensors = {k: v for k, v in global_tensors.items()
                           if not k.startswith("mtp.layers.") or int(k.split(".")[2]) < wanted}
@@ -145,8 +158,9 @@ def run_export(args) -> int:
     tensors = local_names(tensors, cfg.num_layers)  # the model's names, whatever layout saved them
     if args.architecture:
         cfg.as_architecture(args.architecture)
-    default = "deepseek_v3" if cfg.moe else "mimo"  # MiMo's MTP layers are Qwen2's, not MoE
+    default = mapping.default_mtp_layout(cfg)
     layout = None if args.mtp_layout == "none" else args.mtp_layout or (default if cfg.mtp_num_layers else None)
+    mapping.check_mtp_layout(cfg, layout)
     if cfg.moe and layout == "mimo":
         raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "
                            f"{cfg.family}-shaped; use --mtp-layout deepseek_v3")
@@ -160,6 +174,7 @@ def run_export(args) -> int:
     if cfg.mtp_num_layers and layout and not present:
         raise ServingError(f"{directory}: the arguments name {cfg.mtp_num_layers} MTP depths but the checkpoint "
                            "holds no MTP tensors")
+    mapping.check_mtp_layer(cfg, cfg.mtp_num_layers if layout else 0)
     hf = mapping.megatron_to_hf(tensors, cfg, layout)
     expected = mapping.hf_shapes(cfg, layout, cfg.mtp_num_layers)
     if sorted(hf) != sorted(expected):

@@ -2,10 +2,11 @@
 (tools/convert_checkpoint.py) and speculative decoding with the heads as drafts
 (tools/eval_speculative.py).
 
-- config: the model description both sides share (Llama / Qwen2 with MTP depths), read from
-  a Hugging Face config.json or from a trainer checkpoint's arguments, written to both.
+- config: the model description both sides share (the families it names, with MTP depths), read
+  from a Hugging Face config.json or from a trainer checkpoint's arguments, written to both.
 - mapping: tensor names and layouts between megatron-core's global checkpoint tensors and
-  Hugging Face's (fused QKV per query group, [gate; up], MTP in MiMo's or DeepSeek-V3's layout).
+  Hugging Face's (fused QKV per query group, [gate; up], Gated DeltaNet's in_proj sections, MTP in
+  MiMo's, DeepSeek-V3's or Qwen3-Next's layout).
 - files: reading and writing Hugging Face directories and megatron-core dist checkpoints.
 - model: megatron-core's GPTModel in one process (any saved TP / PP / VPP layout is read
   through dist checkpointing), its main-head and per-depth MTP forward over a KV cache.

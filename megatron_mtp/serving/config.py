@@ -1,8 +1,10 @@
 """The model both sides describe: a Llama, Qwen2 or Qwen3 decoder (GQA, RMSNorm, SwiGLU, RoPE;
 Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm), Qwen3-MoE (Qwen3's attention, softmax-routed
 experts), DeepSeek-V3 (multi-latent attention with YaRN, sigmoid-routed experts with an
-expert bias, group-limited routing and a shared expert, dense first layers) or GLM-4.5 (GQA
-with QKV biases, optional q/k norms and partial rotary, DeepSeek-V3's experts), with D MTP depths,
+expert bias, group-limited routing and a shared expert, dense first layers), GLM-4.5 (GQA
+with QKV biases, optional q/k norms and partial rotary, DeepSeek-V3's experts) or Qwen3-Next
+(Gated DeltaNet layers among gated full-attention ones with q/k norms and partial rotary, (1 + w)
+RMSNorms, Qwen3-MoE's experts beside a sigmoid-gated shared expert), with D MTP depths,
 read from a Hugging Face config.json or from a trainer checkpoint's arguments, and written back
 to either (config.json, the trainer's flags, the arguments a checkpoint holds).
 """
@@ -17,11 +19,16 @@ from megatron_mtp.serving import ServingError
 # is what makes vLLM and SGLang serve those depths (their MiMo MTP models).
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
-            "Glm4MoeForCausalLM": "glm4_moe"}
+            "Glm4MoeForCausalLM": "glm4_moe", "Qwen3NextForCausalLM": "qwen3_next"}
 ARCHITECTURES = {family: architecture for architecture, family in FAMILIES.items()}
 QKV_BIAS_FAMILIES = ("qwen2", "mimo")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # an RMSNorm of each head's query and key (megatron-core's --qk-layernorm)
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next")
+# Qwen3-Next: megatron-core's GPTModel with --experimental-attention-variant gated_delta_net (as
+# Megatron-Bridge builds it), every norm zero-centred (--apply-layernorm-1p: transformers' (1 + w)
+# RMSNorms), an output gate per attention head (--attention-output-gate), q/k norms, Qwen3-MoE's
+# routing with a shared expert gated by a sigmoid (--moe-shared-expert-gate).
+GATED_DELTA_NET_FAMILIES = ("qwen3_next",)
 # DeepSeek-V3's routing (sigmoid scores with an expert bias, groups, a shared expert, a scaling factor)
 SIGMOID_ROUTED_FAMILIES = ("deepseek_v3", "glm4_moe")
 # megatron-core's MLA takes YaRN's original context and correction range from MLATransformerConfig's
@@ -33,7 +40,8 @@ LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_m
 
 @dataclass
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3" | "qwen3_moe" | "deepseek_v3" | "glm4_moe"
+    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3" | "qwen3_moe" | "deepseek_v3" | "glm4_moe" |
+    # "qwen3_next"
     vocab_size: int  # the tokenizer's vocabulary (Hugging Face's vocab_size)
     padded_vocab_size: int  # rows of megatron-core's embedding and output layer
     hidden_size: int
@@ -55,12 +63,28 @@ class ModelConfig:
     attention_dropout: float = 0.0  # Llama's and Qwen2's; neither has hidden dropout
     # Mixture of experts: {"experts", "topk", "ffn" (per expert), "shared_ffn" (0: none), "layers" (1 for
     # each MoE decoder layer, 0 for a dense one), "score" ("softmax" | "sigmoid"), "normalize" (the
-    # top-k probabilities sum to 1), "expert_bias", "groups", "group_topk", "scaling"}.
+    # top-k probabilities sum to 1), "expert_bias", "groups", "group_topk", "scaling", "shared_gate" (the
+    # shared expert's output scaled by a sigmoid of its own linear gate)}.
     moe: dict | None = None
     # Multi-latent attention: {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
     # "v_head_dim"} (DeepSeek-V3's names).
     mla: dict | None = None
+    # Gated DeltaNet: {"layers" (1 for each Gated DeltaNet layer, 0 for a full-attention one: megatron-core's
+    # linear attention pattern), "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    # "linear_num_key_heads", "linear_num_value_heads"} (megatron-core's names).
+    gdn: dict | None = None
     extra: dict = field(default_factory=dict)  # bos/eos ids etc., carried through
+    # The Hugging Face values of shifted norms that fp32 cannot carry through the shift and back
+    # (mapping.shift_originals), by name: an export of the unchanged weights writes them again.
+    shift_originals: dict = field(default_factory=dict)
+
+    @property
+    def attention_output_gate(self) -> bool:
+        return self.family in GATED_DELTA_NET_FAMILIES
+
+    @property
+    def layernorm_zero_centered_gamma(self) -> bool:
+        return self.family in GATED_DELTA_NET_FAMILIES
 
     # ------------------------------------------------------------------ Hugging Face
 
@@ -94,6 +118,8 @@ class ModelConfig:
                 values.update(num_query_groups=heads, head_dim=values["mla"]["qk_nope_head_dim"], qk_layernorm=True)
             if family == "glm4_moe":
                 values.update(qkv_bias=bool(config.get("attention_bias")), qk_layernorm=bool(config.get("use_qk_norm")))
+            if family in GATED_DELTA_NET_FAMILIES:
+                values.update(gdn=_gdn_from_hf(config, values["num_layers"]), qk_layernorm=True)
         except (KeyError, TypeError) as missing:
             name = missing.args[0] if isinstance(missing, KeyError) else "a number where it has null"
             raise ServingError(f"config.json has no {name!r}") from None
@@ -102,7 +128,8 @@ class ModelConfig:
             raise ServingError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
         if family == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
             raise ServingError("config.json: Llama attention_bias / mlp_bias are not supported")
-        if family in ("qwen3", "qwen3_moe", "deepseek_v3") and (config.get("attention_bias") or config.get("mlp_bias")):
+        if family in ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next") and (config.get("attention_bias") or
+                                                                          config.get("mlp_bias")):
             raise ServingError(f"config.json: {ARCHITECTURES[family]} attention_bias is not supported")
         if family == "deepseek_v3" and config.get("rope_interleave", True) is not True:
             raise ServingError("config.json: DeepSeek-V3 with rope_interleave false is not supported (its "
@@ -120,12 +147,16 @@ class ModelConfig:
             scaling = parameters
         values["rope_theta"] = float(theta)
         values["rope_scaling"] = _rope_scaling(scaling, yarn=family == "deepseek_v3")
+        # transformers' Qwen3-Next rotates a quarter of each head when config.json does not say
+        default = 0.25 if family in GATED_DELTA_NET_FAMILIES else 1.0
         values["rotary_percent"] = float(parameters.get("partial_rotary_factor",
-                                                        config.get("partial_rotary_factor", 1.0)))
-        if values["rotary_percent"] != 1.0 and family != "glm4_moe":
+                                                        config.get("partial_rotary_factor", default)))
+        if values["rotary_percent"] != 1.0 and family not in ("glm4_moe", *GATED_DELTA_NET_FAMILIES):
             raise ServingError(f"config.json: partial_rotary_factor {values['rotary_percent']} (only GLM-4.5's "
-                               "rotary is partial here)")
-        values["mtp_num_layers"] = int(config.get("num_nextn_predict_layers") or 0)
+                               "and Qwen3-Next's rotary is partial here)")
+        # Qwen3-Next's own key is mtp_num_hidden_layers (Megatron-Bridge reads it too); vLLM's num_nextn_predict_layers
+        values["mtp_num_layers"] = int(config.get("num_nextn_predict_layers") or config.get("mtp_num_hidden_layers")
+                                       or 0)
         values["extra"] = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
         values["attention_dropout"] = float(config.get("attention_dropout") or 0.0)
         return cls(**values)
@@ -149,17 +180,28 @@ class ModelConfig:
         elif self.family in ("qwen3", "qwen3_moe"):
             config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
                           max_window_layers=self.num_layers)
-            if self.moe:
-                moe = self.moe
-                config.update(num_experts=moe["experts"], num_experts_per_tok=moe["topk"],
-                              moe_intermediate_size=moe["ffn"], norm_topk_prob=moe["normalize"], decoder_sparse_step=1,
-                              mlp_only_layers=[i for i, sparse in enumerate(moe["layers"]) if not sparse],
-                              output_router_logits=False, router_aux_loss_coef=0.0)
+        elif self.family in GATED_DELTA_NET_FAMILIES:
+            gdn = self.gdn
+            config.update({name: value for name, value in gdn.items() if name != "layers"})  # the same names
+            config.update(attention_bias=False, partial_rotary_factor=self.rotary_percent,
+                          layer_types=["linear_attention" if x else "full_attention" for x in gdn["layers"]],
+                          shared_expert_intermediate_size=self.moe["shared_ffn"])
+            interval = _full_attention_interval(gdn["layers"])
+            if interval:  # the key of Qwen3-Next's published config.json, which vLLM and SGLang read
+                config["full_attention_interval"] = interval
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+        if self.family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES) and self.moe:
+            moe = self.moe
+            config.update(num_experts=moe["experts"], num_experts_per_tok=moe["topk"],
+                          moe_intermediate_size=moe["ffn"], norm_topk_prob=moe["normalize"], decoder_sparse_step=1,
+                          mlp_only_layers=[i for i, sparse in enumerate(moe["layers"]) if not sparse],
+                          output_router_logits=False, router_aux_loss_coef=0.0)
         config.update(self.extra)
         if mtp_layout and self.mtp_num_layers:
             config["num_nextn_predict_layers"] = self.mtp_num_layers
+            if self.family in GATED_DELTA_NET_FAMILIES:
+                config["mtp_num_hidden_layers"] = self.mtp_num_layers
         return config
 
     def _sigmoid_routed_hf(self, dtype: str, mtp_layout: str | None) -> dict:
@@ -199,7 +241,7 @@ class ModelConfig:
     @classmethod
     def from_megatron_args(cls, args) -> "ModelConfig":
         """A trainer checkpoint's arguments; refused (one line) unless the model is Llama-, Qwen2-,
-        Qwen3- (q/k norms without QKV biases), Qwen3-MoE-, DeepSeek-V3- or GLM-4.5-shaped."""
+        Qwen3- (q/k norms without QKV biases), Qwen3-MoE-, DeepSeek-V3-, GLM-4.5- or Qwen3-Next-shaped."""
         def get(name, default=None):
             return getattr(args, name, default)
 
@@ -210,23 +252,25 @@ class ModelConfig:
             problems.append("no --swiglu (needs SwiGLU)")
         if get("add_bias_linear", True):
             problems.append("linear biases (needs --disable-bias-linear)")
+        gdn = _gdn_from_args(get, problems)
         sigmoid_routed = bool(get("num_experts")) and get("moe_router_score_function") == "sigmoid"
-        partial = get("rotary_percent", 1.0) != 1.0 and sigmoid_routed and not get("multi_latent_attention")
+        partial = get("rotary_percent", 1.0) != 1.0 and (sigmoid_routed or gdn) and not get("multi_latent_attention")
         if get("position_embedding_type") != "rope" or (get("rotary_percent", 1.0) != 1.0 and not partial) or \
                 get("rotary_interleaved"):
-            problems.append("positions other than full, non-interleaved RoPE (partial: GLM-4.5's)")
+            problems.append("positions other than full, non-interleaved RoPE (partial: GLM-4.5's and Qwen3-Next's)")
         if get("qk_layernorm") and get("add_qkv_bias") and not sigmoid_routed:
             problems.append("--qk-layernorm with --add-qkv-bias (Qwen3 has q/k norms, Qwen2 QKV biases; both: "
                             "GLM-4.5, with its experts)")
-        for flag in ("qk_l2_norm", "layernorm_zero_centered_gamma", "apply_layernorm_1p", "squared_relu",
-                     "attention_output_gate", "experimental_attention_variant"):
+        # (1 + w) norms and gated attention are Qwen3-Next's, beside its Gated DeltaNet layers
+        for flag in ("qk_l2_norm", "apply_layernorm_1p", "squared_relu",
+                     *(() if gdn else ("layernorm_zero_centered_gamma", "attention_output_gate"))):
             if get(flag):
                 problems.append(f"--{flag.replace('_', '-')}")
         mla = _mla_from_args(get, problems)
-        moe = _moe_from_args(get, problems, mla is not None)
+        moe = _moe_from_args(get, problems, mla is not None, gdn is not None)
         if problems:
-            raise ServingError("the checkpoint's model is not Llama-, Qwen2-, Qwen3-, Qwen3-MoE-, DeepSeek-V3- or "
-                               "GLM-4.5-shaped, it has " + ", ".join(problems))
+            raise ServingError("the checkpoint's model is not Llama-, Qwen2-, Qwen3-, Qwen3-MoE-, DeepSeek-V3-, "
+                               "GLM-4.5- or Qwen3-Next-shaped, it has " + ", ".join(problems))
         heads = get("num_attention_heads")
         groups = get("num_query_groups") if get("group_query_attention") else heads
         scaling = None
@@ -247,7 +291,8 @@ class ModelConfig:
             vocab_size = max(vocab_size, min(eod + 1, int(get("padded_vocab_size"))))
         family = "qwen2" if get("add_qkv_bias") else "qwen3" if get("qk_layernorm") else "llama"
         if moe is not None:
-            family = "deepseek_v3" if mla is not None else "glm4_moe" if moe["score"] == "sigmoid" else "qwen3_moe"
+            family = "deepseek_v3" if mla is not None else "glm4_moe" if moe["score"] == "sigmoid" else \
+                "qwen3_next" if gdn else "qwen3_moe"
         if family == "qwen2" and get("serving_family") == "mimo":  # imported from MiMo: exported as MiMo
             family = "mimo"
         return cls(
@@ -262,7 +307,8 @@ class ModelConfig:
             qk_layernorm=bool(get("qk_layernorm")), rotary_percent=float(get("rotary_percent", 1.0)),
             rope_scaling=scaling, mtp_num_layers=int(get("mtp_num_layers") or 0),
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
-            attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla,
+            attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla, gdn=gdn,
+            shift_originals=dict(get("serving_shift_originals") or {}),
         )
 
     def as_architecture(self, name: str) -> None:
@@ -303,8 +349,18 @@ class ModelConfig:
             mtp_use_repeated_layer=self.mtp_repeated, attention_dropout=self.attention_dropout, hidden_dropout=0.0,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1, world_size=1, data_parallel_size=1, serving_extra=dict(self.extra),
-            serving_family=self.family, **self._moe_mla_args(),
+            serving_family=self.family, serving_shift_originals=dict(self.shift_originals),
+            layernorm_zero_centered_gamma=self.layernorm_zero_centered_gamma,
+            attention_output_gate=self.attention_output_gate, **self._moe_mla_args(), **self._gdn_args(),
         )
+
+    def _gdn_args(self) -> dict:
+        """Gated DeltaNet's arguments, as megatron.training names them."""
+        if not self.gdn:
+            return {"experimental_attention_variant": None}
+        return {"experimental_attention_variant": "gated_delta_net",
+                "linear_attention_freq": _full_attention_interval(self.gdn["layers"]) or list(self.gdn["layers"]),
+                **{k: v for k, v in self.gdn.items() if k != "layers"}}
 
     def _moe_mla_args(self) -> dict:
         """The experts' and multi-latent attention's arguments, as megatron.training names them."""
@@ -315,6 +371,7 @@ class ModelConfig:
                         moe_shared_expert_intermediate_size=moe["shared_ffn"] or None,
                         moe_layer_freq=list(moe["layers"]), moe_router_score_function=moe["score"],
                         moe_router_pre_softmax=moe["score"] == "softmax" and not moe["normalize"],
+                        moe_shared_expert_gate=moe["shared_gate"],
                         moe_router_enable_expert_bias=moe["expert_bias"], moe_router_num_groups=moe["groups"],
                         moe_router_group_topk=moe["group_topk"], moe_router_topk_scaling_factor=moe["scaling"],
                         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
@@ -345,6 +402,17 @@ class ModelConfig:
             flags.append("--add-qkv-bias")
         if self.qk_layernorm:
             flags.append("--qk-layernorm")
+        if self.attention_output_gate:
+            flags.append("--attention-output-gate")
+        if self.layernorm_zero_centered_gamma:
+            flags.append("--apply-layernorm-1p")
+        if self.gdn:
+            args = self._gdn_args()
+            pattern = args.pop("linear_attention_freq")
+            flags += ["--experimental-attention-variant", args.pop("experimental_attention_variant"),
+                      "--linear-attention-freq", pattern if isinstance(pattern, int) else _pattern(pattern)]
+            for name, value in args.items():
+                flags += ["--" + name.replace("_", "-"), value]
         if self.rotary_percent != 1.0:
             flags += ["--rotary-percent", _number(self.rotary_percent)]
         if not self.tied:
@@ -375,12 +443,14 @@ class ModelConfig:
         if self.moe:
             moe = self.moe
             flags += ["--num-experts", moe["experts"], "--moe-router-topk", moe["topk"], "--moe-ffn-hidden-size",
-                      moe["ffn"], "--moe-layer-freq", "[" + ",".join(str(x) for x in moe["layers"]) + "]",
+                      moe["ffn"], "--moe-layer-freq", _pattern(moe["layers"]),
                       "--moe-router-score-function", moe["score"], "--moe-router-load-balancing-type", "none"]
             if moe["score"] == "softmax" and not moe["normalize"]:
                 flags.append("--moe-router-pre-softmax")
             if moe["shared_ffn"]:
                 flags += ["--moe-shared-expert-intermediate-size", moe["shared_ffn"]]
+            if moe["shared_gate"]:
+                flags.append("--moe-shared-expert-gate")
             if moe["expert_bias"]:
                 flags.append("--moe-router-enable-expert-bias")
             if moe["groups"]:
@@ -395,6 +465,20 @@ class ModelConfig:
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _pattern(layers: list) -> str:
+    """A per-layer 0/1 list as Megatron-LM's --moe-layer-freq / --linear-attention-freq read it."""
+    return "[" + ",".join(str(x) for x in layers) + "]"
+
+
+def _full_attention_interval(layers: list) -> int | None:
+    """N when every N-th layer is full attention and the others Gated DeltaNet (megatron-core's
+    --linear-attention-freq N, Qwen3-Next's full_attention_interval), else None."""
+    for interval in range(1, len(layers) + 1):
+        if list(layers) == [int((i + 1) % interval != 0) for i in range(len(layers))]:
+            return interval
+    return None
 
 
 def _rope_scaling(scaling: dict | None, yarn: bool = False) -> dict | None:
@@ -452,13 +536,16 @@ def _mla_from_args(get, problems: list) -> dict | None:
             "v_head_dim": get("v_head_dim")}
 
 
-def _moe_from_args(get, problems: list, mla: bool) -> dict | None:
+def _moe_from_args(get, problems: list, mla: bool, gdn: bool) -> dict | None:
     """The experts of a trainer checkpoint's arguments, or None; refused where no Hugging Face
-    family (Qwen3-MoE with q/k norms, DeepSeek-V3 with multi-latent attention) routes the same."""
+    family (Qwen3-MoE with q/k norms, DeepSeek-V3 with multi-latent attention, Qwen3-Next with
+    Gated DeltaNet) routes the same."""
     experts = get("num_experts")
     if not experts:
         if mla:
             problems.append("multi-latent attention without experts (DeepSeek-V3 is MoE)")
+        if gdn:
+            problems.append("Gated DeltaNet without experts (Qwen3-Next is MoE)")
         return None
     layers, topk = get("moe_layer_freq", 1), int(get("moe_router_topk"))
     layers = (list(layers) if isinstance(layers, (list, tuple))
@@ -468,10 +555,21 @@ def _moe_from_args(get, problems: list, mla: bool) -> dict | None:
                shared_ffn=int(get("moe_shared_expert_intermediate_size") or 0), layers=layers, score=score,
                normalize=score == "sigmoid" or not get("moe_router_pre_softmax"),
                expert_bias=bool(get("moe_router_enable_expert_bias")), groups=groups,
-               group_topk=get("moe_router_group_topk"), scaling=get("moe_router_topk_scaling_factor"))
-    for flag in ("moe_expert_capacity_factor", "moe_shared_expert_gate", "moe_latent_size"):
+               group_topk=get("moe_router_group_topk"), scaling=get("moe_router_topk_scaling_factor"),
+               shared_gate=bool(get("moe_shared_expert_gate")))
+    for flag in ("moe_expert_capacity_factor", "moe_latent_size"):
         if get(flag):
             problems.append(f"--{flag.replace('_', '-')}")
+    if gdn:
+        if score != "softmax" or moe["expert_bias"] or groups or moe["scaling"] not in (None, 1.0):
+            problems.append("experts routed otherwise than Qwen3-Next's (softmax scores, no expert bias, groups or "
+                            "scaling factor)")
+        if not moe["shared_ffn"] or not moe["shared_gate"]:
+            problems.append("Gated DeltaNet without a shared expert and --moe-shared-expert-gate (Qwen3-Next has "
+                            "both)")
+        return moe
+    if moe["shared_gate"]:
+        problems.append("--moe-shared-expert-gate without Gated DeltaNet (Qwen3-Next's)")
     if not mla and score == "softmax":
         if not get("qk_layernorm"):
             problems.append("experts without --qk-layernorm (Qwen3-MoE has q/k norms)")
@@ -496,14 +594,23 @@ def _moe_from_args(get, problems: list, mla: bool) -> dict | None:
 
 
 def _moe_from_hf(family: str, config: dict, num_layers: int) -> dict:
-    """The experts of a Qwen3-MoE or DeepSeek-V3 config.json, as megatron-core routes them."""
-    if family == "qwen3_moe":
+    """The experts of a Qwen3-MoE, Qwen3-Next, DeepSeek-V3 or GLM-4.5 config.json, as megatron-core
+    routes them."""
+    if family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES):
         experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
         step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or [])
-        return dict(experts=experts, topk=int(config["num_experts_per_tok"]), ffn=int(config["moe_intermediate_size"]),
-                    shared_ffn=0, score="softmax", normalize=bool(config.get("norm_topk_prob", False)),
-                    expert_bias=False, groups=None, group_topk=None, scaling=None,
-                    layers=[int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(num_layers)])
+        moe = dict(experts=experts, topk=int(config["num_experts_per_tok"]), ffn=int(config["moe_intermediate_size"]),
+                   shared_ffn=0, score="softmax", normalize=bool(config.get("norm_topk_prob", False)),
+                   expert_bias=False, groups=None, group_topk=None, scaling=None, shared_gate=False,
+                   layers=[int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(num_layers)])
+        if family in GATED_DELTA_NET_FAMILIES:
+            # transformers' Qwen3-Next builds its shared expert and the expert's sigmoid gate in every MoE layer
+            moe.update(shared_ffn=int(config["shared_expert_intermediate_size"]), shared_gate=True,
+                       normalize=bool(config.get("norm_topk_prob", True)))
+            if not experts or not moe["shared_ffn"]:
+                raise ServingError("config.json: Qwen3-Next without experts or without a shared expert "
+                                   "(num_experts, shared_expert_intermediate_size) is not supported")
+        return moe
     name = {"deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5"}[family]
     experts, topk = int(config["n_routed_experts"]), int(config["num_experts_per_tok"])
     groups, group_topk = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
@@ -526,4 +633,48 @@ def _moe_from_hf(family: str, config: dict, num_layers: int) -> dict:
                 shared_ffn=int(config["n_shared_experts"]) * int(config["moe_intermediate_size"]), score="sigmoid",
                 normalize=True, expert_bias=True, groups=groups if groups > 1 else None,
                 group_topk=group_topk if groups > 1 else None, scaling=float(config.get("routed_scaling_factor", 1.0)),
-                layers=[int(i >= first_dense and i % frequency == 0) for i in range(num_layers)])
+                shared_gate=False, layers=[int(i >= first_dense and i % frequency == 0) for i in range(num_layers)])
+
+
+def _gdn_from_hf(config: dict, num_layers: int) -> dict:
+    """The Gated DeltaNet layers of a Qwen3-Next config.json: layer_types (transformers 5), else
+    every full_attention_interval-th layer full attention, as transformers derives it."""
+    interval = int(config.get("full_attention_interval") or 4)
+    types = config.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                          for i in range(num_layers)]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if len(types) != num_layers or unknown:
+        raise ServingError(f"config.json: layer_types {types} (needs num_hidden_layers {num_layers} of "
+                           "'linear_attention' and 'full_attention')")
+    gdn = {"layers": [int(kind == "linear_attention") for kind in types],
+           **{name: int(config[name]) for name in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                   "linear_value_head_dim", "linear_num_key_heads",
+                                                   "linear_num_value_heads")}}
+    if gdn["linear_num_value_heads"] % gdn["linear_num_key_heads"]:
+        raise ServingError(f"config.json: linear_num_value_heads {gdn['linear_num_value_heads']} is not a multiple "
+                           f"of linear_num_key_heads {gdn['linear_num_key_heads']}")
+    return gdn
+
+
+def _gdn_from_args(get, problems: list) -> dict | None:
+    """The Gated DeltaNet layers of a trainer checkpoint's arguments (Qwen3-Next's), or None."""
+    variant = get("experimental_attention_variant")
+    if not variant:
+        return None
+    if variant != "gated_delta_net":
+        problems.append(f"--experimental-attention-variant {variant}")
+        return None
+    for name, flag, what in (("attention_output_gate", "--attention-output-gate", "gated attention"),
+                             ("layernorm_zero_centered_gamma", "--apply-layernorm-1p", "(1 + w) norms"),
+                             ("qk_layernorm", "--qk-layernorm", "q/k norms")):
+        if not get(name):
+            problems.append(f"Gated DeltaNet without {flag} (Qwen3-Next has {what})")
+    frequency, num_layers = get("linear_attention_freq"), int(get("num_layers"))
+    if frequency is None:
+        problems.append("Gated DeltaNet without --linear-attention-freq")
+        return None
+    layers = (list(frequency) if isinstance(frequency, (list, tuple))
+              else [int((i + 1) % int(frequency) != 0) for i in range(num_layers)])
+    return {"layers": layers, **{name: int(get(name)) for name in (
+        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads")}}

@@ -8,12 +8,18 @@ them), per layer:
     decoder.layers.{i}.input_layernorm.weight, pre_mlp_layernorm.weight
     decoder.layers.{i}.self_attention.linear_qkv.weight [G*(R+2)*d, H]: per query group g, its R
                                                         query heads, then its key, then its value
+      with an output gate (Qwen3-Next): [G*(2R+2)*d, H], per group its R query heads, their R gates, key, value
+      Gated DeltaNet (Qwen3-Next's linear attention layers): self_attention.in_proj [2*Nk*dk + 2*Nv*dv + 2*Nv, H]
+      (all queries, keys, values, output gates z, betas, alphas; value head j belongs to key head j // (Nv/Nk)),
+      conv1d [2*Nk*dk + Nv*dv, 1, K] (queries, keys, values), A_log, dt_bias [Nv], out_norm [dv] (zero-centred
+      like every norm of the model: it scales by 1 + w), out_proj [H, Nv*dv]
       multi-latent attention: linear_q_down_proj, q_layernorm, linear_q_up_proj [heads*(n+r), q_rank]
       (per head its n no-position dims, then its r rotary dims), linear_kv_down_proj [kv_rank+r, H]
       (the latent, then the shared rotary key), kv_layernorm, linear_kv_up_proj [heads*(n+v), kv_rank]
     decoder.layers.{i}.mlp.linear_fc1.weight            [2F, H]: [gate; up]
       experts: mlp.router.weight [E, H], mlp.router.expert_bias [E],
-      mlp.experts.local_experts.{e}.linear_fc1 / fc2, mlp.shared_experts.linear_fc1 / fc2
+      mlp.experts.local_experts.{e}.linear_fc1 / fc2, mlp.shared_experts.linear_fc1 / fc2,
+      mlp.shared_experts.gate_weight [1, H] (the shared expert's sigmoid gate)
     decoder.final_layernorm.weight, output_layer.weight (untied)
     mtp.layers.{k}.{enorm, hnorm, eh_proj, mtp_model_layer.*, final_layernorm}
                                                         eh_proj's input is [embedding, hidden]
@@ -29,7 +35,18 @@ bias, mlp.shared_experts); the MTP depths in MiMo's layout
 [hidden, embedding], i.e. eh_proj with its halves swapped, final_layernorm) or DeepSeek-V3's
 (model.layers.{L+k}: enorm, hnorm, eh_proj over [embedding, hidden], shared_head.norm =
 final_layernorm, and the copies shared_head.head = the output weight, embed_tokens = the embedding).
-An MTP depth's inner layer is built as the last decoder layer (MoE when that one is).
+Qwen3-Next: its attention layers' q_proj holds per head its query then its output gate, its q_norm /
+k_norm are q_layernorm / k_layernorm; its Gated DeltaNet layers (linear_attn) hold in_proj_qkvz and
+in_proj_ba per key head (its queries, key, values and z of that key head's value heads; their betas,
+then alphas), which megatron-core's in_proj holds section by section; conv1d, A_log, dt_bias and
+out_proj are the same tensors; linear_attn.norm scales by w where megatron-core's out_norm scales
+by 1 + w, so it is shifted by one (the model's other norms are (1 + w) on both sides); the shared
+expert is mlp.shared_expert with mlp.shared_expert_gate. Its MTP depths (the engines' layout, as
+vLLM's and SGLang's Qwen3-Next MTP models read it): mtp.layers.{k} (a full-attention layer), and
+once for all depths mtp.pre_fc_norm_embedding = enorm, mtp.pre_fc_norm_hidden = hnorm, mtp.fc =
+eh_proj over [embedding, hidden], mtp.norm = final_layernorm; no copies of the embedding or head.
+An MTP depth's inner layer is built as the last decoder layer (MoE when that one is), with full
+attention.
 """
 
 import re
@@ -37,9 +54,9 @@ import re
 import torch
 
 from megatron_mtp.serving import ServingError
-from megatron_mtp.serving.config import ModelConfig
+from megatron_mtp.serving.config import GATED_DELTA_NET_FAMILIES, ModelConfig
 
-MTP_LAYOUTS = ("mimo", "deepseek_v3")
+MTP_LAYOUTS = ("mimo", "deepseek_v3", "qwen3_next")
 # Buffers some checkpoints carry that are recomputed from the config.
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -47,20 +64,68 @@ IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 # ---------------------------------------------------------------- one transformer layer
 
 def _qkv_split(weight: torch.Tensor, cfg: ModelConfig):
+    """linear_qkv -> q_proj (per head its query, then its output gate when the attention has one),
+    k_proj, v_proj."""
     groups, per_group, d = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
-    grouped = weight.reshape(groups, per_group + 2, d, *weight.shape[1:])
-    q = grouped[:, :per_group].reshape(groups * per_group * d, *weight.shape[1:])
-    k = grouped[:, per_group].reshape(groups * d, *weight.shape[1:])
-    v = grouped[:, per_group + 1].reshape(groups * d, *weight.shape[1:])
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    gates, rest = per_group if cfg.attention_output_gate else 0, weight.shape[1:]
+    grouped = weight.reshape(groups, per_group + gates + 2, d, *rest)
+    q = grouped[:, :per_group]
+    if gates:
+        q = torch.stack([q, grouped[:, per_group:per_group + gates]], 2)
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, grouped[:, -2], grouped[:, -1]))
 
 
 def _qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     groups, per_group, d = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
     rest = q.shape[1:]
-    fused = torch.cat([q.reshape(groups, per_group, d, *rest), k.reshape(groups, 1, d, *rest),
-                       v.reshape(groups, 1, d, *rest)], dim=1)
-    return fused.reshape(groups * (per_group + 2) * d, *rest).contiguous()
+    heads = q.reshape(groups, per_group, 2 if cfg.attention_output_gate else 1, d, *rest)
+    fused = torch.cat([heads[:, :, i] for i in range(heads.shape[2])]
+                      + [k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest)], dim=1)
+    return fused.reshape(-1, *rest).contiguous()
+
+
+def _key_heads(cfg: ModelConfig):
+    """Gated DeltaNet's key heads, key head size, value heads per key head, value head size."""
+    g = cfg.gdn
+    return (g["linear_num_key_heads"], g["linear_key_head_dim"],
+            g["linear_num_value_heads"] // g["linear_num_key_heads"], g["linear_value_head_dim"])
+
+
+def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig):
+    """megatron-core's in_proj (section by section) -> in_proj_qkvz and in_proj_ba (key head by key head)."""
+    heads, dk, per_head, dv = _key_heads(cfg)
+    q, k, v, z, b, a = torch.split(weight, [heads * dk, heads * dk, heads * per_head * dv, heads * per_head * dv,
+                                            heads * per_head, heads * per_head])
+
+    def by_key_head(*sections):
+        return torch.cat([t.reshape(heads, -1, weight.shape[1]) for t in sections], 1).reshape(-1, weight.shape[1])
+
+    return by_key_head(q, k, v, z).contiguous(), by_key_head(b, a).contiguous()
+
+
+def _in_proj_fuse(qkvz: torch.Tensor, ba: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    heads, dk, per_head, dv = _key_heads(cfg)
+    hidden = qkvz.shape[1]
+    q, k, v, z = torch.split(qkvz.reshape(heads, -1, hidden), [dk, dk, per_head * dv, per_head * dv], 1)
+    b, a = torch.split(ba.reshape(heads, -1, hidden), [per_head, per_head], 1)
+    return torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)]).contiguous()
+
+
+# Gated DeltaNet's gated output norm: transformers' linear_attn.norm scales by w (initialized to
+# ones), megatron-core's out_norm is zero-centred like every norm of the model and scales by 1 + w',
+# so w' = w - 1 (Megatron-Bridge shifts it so too). In fp32, w - 1 is exact for w >= 0.5 (Sterbenz's
+# lemma) and for any bf16 value above 2^-15, and then w' + 1 gives w back; below, w - 1 rounds:
+# shift_originals keeps those Hugging Face values for the export.
+SHIFTED = ("self_attention.out_norm.weight", "linear_attn.norm.weight")
+
+
+def _unshift(weight: torch.Tensor, original: list | None) -> torch.Tensor:
+    """w' + 1, and where the weight is still the import's w - 1, the original w bit for bit."""
+    value = weight + 1
+    if original is None:
+        return value
+    original = torch.tensor(original, dtype=weight.dtype).reshape(weight.shape)
+    return torch.where(original - 1 == weight, original, value)
 
 
 MLA_NAMES = [("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
@@ -69,6 +134,14 @@ MLA_NAMES = [("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.we
              ("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
              ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
              ("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight")]
+GDN_NAMES = [("self_attention.conv1d.weight", "linear_attn.conv1d.weight"),
+             ("self_attention.A_log", "linear_attn.A_log"), ("self_attention.dt_bias", "linear_attn.dt_bias"),
+             ("self_attention.out_proj.weight", "linear_attn.out_proj.weight")]
+
+
+def _shared_expert(cfg: ModelConfig) -> str:
+    """Hugging Face's prefix of the shared expert (Qwen3-Next's one, DeepSeek-V3's n_shared_experts fused)."""
+    return "mlp.shared_expert." if cfg.family in GATED_DELTA_NET_FAMILIES else "mlp.shared_experts."
 
 
 def _mlp_names(cfg: ModelConfig, sparse: bool) -> list:
@@ -76,79 +149,107 @@ def _mlp_names(cfg: ModelConfig, sparse: bool) -> list:
     if not sparse:
         return [("mlp.", "mlp.")]
     experts = [(f"mlp.experts.local_experts.{e}.", f"mlp.experts.{e}.") for e in range(cfg.moe["experts"])]
-    return experts + ([("mlp.shared_experts.", "mlp.shared_experts.")] if cfg.moe["shared_ffn"] else [])
+    return experts + ([("mlp.shared_experts.", _shared_expert(cfg))] if cfg.moe["shared_ffn"] else [])
 
 
-def _renamed(cfg: ModelConfig, sparse: bool) -> list:
+def _renamed(cfg: ModelConfig, sparse: bool, linear: bool) -> list:
     """(megatron-core suffix, Hugging Face suffix) of a layer's tensors that only change name (the
-    fused QKV and [gate; up] are split and joined)."""
+    fused QKV, Gated DeltaNet's in_proj, [gate; up] are split and joined, the shifted norm shifted);
+    `linear`: a Gated DeltaNet layer."""
     names = [("input_layernorm.weight", "input_layernorm.weight"),
-             ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
              ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight")]
-    if cfg.mla:
-        names += MLA_NAMES
-    elif cfg.qk_layernorm:
-        names += [("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-                  ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight")]
+    if linear:
+        names += GDN_NAMES
+    else:
+        names.append(("self_attention.linear_proj.weight", "self_attn.o_proj.weight"))
+        if cfg.mla:
+            names += MLA_NAMES
+        elif cfg.qk_layernorm:
+            names += [("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+                      ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight")]
     if sparse:
         names.append(("mlp.router.weight", "mlp.gate.weight"))
         if cfg.moe["expert_bias"]:
             names.append(("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"))
+        if cfg.moe["shared_gate"]:
+            names.append(("mlp.shared_experts.gate_weight", _shared_expert(cfg)[:-1] + "_gate.weight"))
     return names + [(ours + "linear_fc2.weight", hf + "down_proj.weight") for ours, hf in _mlp_names(cfg, sparse)]
 
 
-def _qkv_kinds(cfg: ModelConfig) -> tuple:
-    return () if cfg.mla else ("weight", "bias") if cfg.qkv_bias else ("weight",)
+def _qkv_kinds(cfg: ModelConfig, linear: bool) -> tuple:
+    return () if cfg.mla or linear else ("weight", "bias") if cfg.qkv_bias else ("weight",)
 
 
-def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False) -> dict:
+def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: bool = False,
+                shifted_original: list | None = None) -> dict:
     """One megatron-core layer's tensors (suffix -> tensor) as Hugging Face suffixes; `sparse`: its
-    MLP is the experts'."""
-    out = {hf: layer[ours] for ours, hf in _renamed(cfg, sparse)}
-    for kind in _qkv_kinds(cfg):
+    MLP is the experts'; `linear`: a Gated DeltaNet layer, whose shifted norm takes back
+    `shifted_original` where unchanged."""
+    out = {hf: layer[ours] for ours, hf in _renamed(cfg, sparse, linear)}
+    for kind in _qkv_kinds(cfg, linear):
         q, k, v = _qkv_split(layer[f"self_attention.linear_qkv.{kind}"], cfg)
         out.update({f"self_attn.q_proj.{kind}": q, f"self_attn.k_proj.{kind}": k, f"self_attn.v_proj.{kind}": v})
+    if linear:
+        qkvz, ba = _in_proj_split(layer["self_attention.in_proj.weight"], cfg)
+        out.update({"linear_attn.in_proj_qkvz.weight": qkvz, "linear_attn.in_proj_ba.weight": ba,
+                    SHIFTED[1]: _unshift(layer[SHIFTED[0]], shifted_original)})
     for ours, hf in _mlp_names(cfg, sparse):
         gate, up = torch.chunk(layer[ours + "linear_fc1.weight"], 2, dim=0)
         out.update({hf + "gate_proj.weight": gate.contiguous(), hf + "up_proj.weight": up.contiguous()})
     return out
 
 
-def layer_from_hf(layer: dict, cfg: ModelConfig, sparse: bool = False) -> dict:
-    out = {ours: layer[hf] for ours, hf in _renamed(cfg, sparse)}
-    for kind in _qkv_kinds(cfg):
+def layer_from_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: bool = False) -> dict:
+    out = {ours: layer[hf] for ours, hf in _renamed(cfg, sparse, linear)}
+    for kind in _qkv_kinds(cfg, linear):
         out[f"self_attention.linear_qkv.{kind}"] = _qkv_fuse(*(layer[f"self_attn.{x}_proj.{kind}"] for x in "qkv"), cfg)
+    if linear:
+        out["self_attention.in_proj.weight"] = _in_proj_fuse(layer["linear_attn.in_proj_qkvz.weight"],
+                                                             layer["linear_attn.in_proj_ba.weight"], cfg)
+        out[SHIFTED[0]] = layer[SHIFTED[1]] - 1
     for ours, hf in _mlp_names(cfg, sparse):
         out[ours + "linear_fc1.weight"] = torch.cat([layer[hf + "gate_proj.weight"], layer[hf + "up_proj.weight"]], 0)
     return out
 
 
-def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False) -> dict:
+def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False, linear: bool = False) -> dict:
     H, d = cfg.hidden_size, cfg.head_dim
-    if cfg.mla:
+    shapes = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+    if linear:
+        heads, dk, per_head, dv = _key_heads(cfg)
+        qk, v = heads * dk, heads * per_head * dv
+        shapes.update({"linear_attn.in_proj_qkvz.weight": (2 * qk + 2 * v, H),
+                       "linear_attn.in_proj_ba.weight": (2 * heads * per_head, H),
+                       "linear_attn.conv1d.weight": (2 * qk + v, 1, cfg.gdn["linear_conv_kernel_dim"]),
+                       "linear_attn.A_log": (heads * per_head,), "linear_attn.dt_bias": (heads * per_head,),
+                       "linear_attn.norm.weight": (dv,), "linear_attn.out_proj.weight": (H, v)})
+    elif cfg.mla:
         m, heads = cfg.mla, cfg.num_attention_heads
         rotary = m["qk_rope_head_dim"]
-        shapes = {"input_layernorm.weight": (H,), "self_attn.q_a_proj.weight": (m["q_lora_rank"], H),
-                  "self_attn.q_a_layernorm.weight": (m["q_lora_rank"],),
-                  "self_attn.q_b_proj.weight": (heads * (m["qk_nope_head_dim"] + rotary), m["q_lora_rank"]),
-                  "self_attn.kv_a_proj_with_mqa.weight": (m["kv_lora_rank"] + rotary, H),
-                  "self_attn.kv_a_layernorm.weight": (m["kv_lora_rank"],),
-                  "self_attn.kv_b_proj.weight": (heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]),
-                  "self_attn.o_proj.weight": (H, heads * m["v_head_dim"])}
+        shapes.update({"self_attn.q_a_proj.weight": (m["q_lora_rank"], H),
+                       "self_attn.q_a_layernorm.weight": (m["q_lora_rank"],),
+                       "self_attn.q_b_proj.weight": (heads * (m["qk_nope_head_dim"] + rotary), m["q_lora_rank"]),
+                       "self_attn.kv_a_proj_with_mqa.weight": (m["kv_lora_rank"] + rotary, H),
+                       "self_attn.kv_a_layernorm.weight": (m["kv_lora_rank"],),
+                       "self_attn.kv_b_proj.weight": (heads * (m["qk_nope_head_dim"] + m["v_head_dim"]),
+                                                      m["kv_lora_rank"]),
+                       "self_attn.o_proj.weight": (H, heads * m["v_head_dim"])})
     else:
         q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
-        shapes = {"input_layernorm.weight": (H,), "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-                  "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q)}
+        gated = 2 if cfg.attention_output_gate else 1  # each head's output gate beside its query
+        shapes.update({"self_attn.q_proj.weight": (gated * q, H), "self_attn.k_proj.weight": (kv, H),
+                       "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q)})
         if cfg.qkv_bias:
-            shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+            shapes.update({"self_attn.q_proj.bias": (gated * q,), "self_attn.k_proj.bias": (kv,),
                            "self_attn.v_proj.bias": (kv,)})
         if cfg.qk_layernorm:
             shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-    shapes["post_attention_layernorm.weight"] = (H,)
     if sparse:
         shapes["mlp.gate.weight"] = (cfg.moe["experts"], H)
         if cfg.moe["expert_bias"]:
             shapes["mlp.gate.e_score_correction_bias"] = (cfg.moe["experts"],)
+        if cfg.moe["shared_gate"]:
+            shapes[_shared_expert(cfg)[:-1] + "_gate.weight"] = (1, H)
     for ours, hf in _mlp_names(cfg, sparse):
         F = (cfg.ffn_hidden_size if not sparse else cfg.moe["shared_ffn"] if "shared" in ours else cfg.moe["ffn"])
         shapes.update({hf + "gate_proj.weight": (F, H), hf + "up_proj.weight": (F, H), hf + "down_proj.weight": (H, F)})
@@ -160,13 +261,33 @@ def sparse_layers(cfg: ModelConfig) -> list:
     return [bool(x) for x in cfg.moe["layers"]] if cfg.moe else [False] * cfg.num_layers
 
 
+def linear_layers(cfg: ModelConfig) -> list:
+    """Whether each decoder layer is a Gated DeltaNet layer (none without them)."""
+    return [bool(x) for x in cfg.gdn["layers"]] if cfg.gdn else [False] * cfg.num_layers
+
+
 def mtp_sparse(cfg: ModelConfig) -> bool:
     """An MTP depth's inner layer is built as the last decoder layer."""
     return sparse_layers(cfg)[-1]
 
 
+def check_mtp_layer(cfg: ModelConfig, depths: int) -> None:
+    """An MTP depth's inner layer is built as the last decoder layer; Qwen3-Next's (its engines')
+    is a full-attention layer, so the last decoder layer must be one."""
+    if depths and linear_layers(cfg)[-1]:
+        raise ServingError(f"{depths} MTP depths on a model whose last layer is Gated DeltaNet: megatron-core builds "
+                           "each depth's layer as the decoder's last, Qwen3-Next's MTP layer is full attention")
+
+
+# Qwen3-Next's MTP tensors shared by all its depths (megatron-core suffix, Hugging Face name).
+QWEN3_NEXT_MTP = [("enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+                  ("hnorm.weight", "mtp.pre_fc_norm_hidden.weight"), ("eh_proj.weight", "mtp.fc.weight"),
+                  ("final_layernorm.weight", "mtp.norm.weight")]
+
+
 def mtp_prefix(layout: str, cfg: ModelConfig, depth: int) -> str:
-    return f"model.mtp_layers.{depth}." if layout == "mimo" else f"model.layers.{cfg.num_layers + depth}."
+    return {"mimo": f"model.mtp_layers.{depth}.", "qwen3_next": f"mtp.layers.{depth}.",
+            "deepseek_v3": f"model.layers.{cfg.num_layers + depth}."}[layout]
 
 
 def hf_shapes(cfg: ModelConfig, mtp_layout: str | None, mtp_depths: int) -> dict:
@@ -175,14 +296,16 @@ def hf_shapes(cfg: ModelConfig, mtp_layout: str | None, mtp_depths: int) -> dict
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not cfg.tied:
         shapes["lm_head.weight"] = (V, H)
-    for i, sparse in enumerate(sparse_layers(cfg)):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_layer_shapes(cfg, sparse).items()})
+    for i, (sparse, linear) in enumerate(zip(sparse_layers(cfg), linear_layers(cfg))):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_layer_shapes(cfg, sparse, linear).items()})
     for depth in range(mtp_depths if mtp_layout else 0):
         prefix = mtp_prefix(mtp_layout, cfg, depth)
         shapes.update({prefix + k: s for k, s in hf_layer_shapes(cfg, mtp_sparse(cfg)).items()})
         if mtp_layout == "mimo":
             shapes.update({prefix + "token_layernorm.weight": (H,), prefix + "hidden_layernorm.weight": (H,),
                            prefix + "input_proj.weight": (H, 2 * H), prefix + "final_layernorm.weight": (H,)})
+        elif mtp_layout == "qwen3_next":
+            shapes.update({name: (H, 2 * H) if name == "mtp.fc.weight" else (H,) for _, name in QWEN3_NEXT_MTP})
         else:
             shapes.update({prefix + "enorm.weight": (H,), prefix + "hnorm.weight": (H,),
                            prefix + "eh_proj.weight": (H, 2 * H), prefix + "shared_head.norm.weight": (H,),
@@ -210,8 +333,9 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
     """megatron-core model tensors (state-dict names) -> Hugging Face tensors (MTP depths only
     with a layout)."""
     out = {"model.embed_tokens.weight": _unpad(tensors["embedding.word_embeddings.weight"], cfg)}
-    for i, sparse in enumerate(sparse_layers(cfg)):
-        layer = layer_to_hf(_inner(tensors, f"decoder.layers.{i}."), cfg, sparse)
+    for i, (sparse, linear) in enumerate(zip(sparse_layers(cfg), linear_layers(cfg))):
+        original = cfg.shift_originals.get(f"model.layers.{i}.{SHIFTED[1]}")
+        layer = layer_to_hf(_inner(tensors, f"decoder.layers.{i}."), cfg, sparse, linear, original)
         out.update({f"model.layers.{i}.{k}": v.contiguous() for k, v in layer.items()})
     out["model.norm.weight"] = tensors["decoder.final_layernorm.weight"]
     head = None if cfg.tied else _unpad(tensors["output_layer.weight"], cfg)
@@ -229,6 +353,13 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
             out[prefix + "hidden_layernorm.weight"] = tensors[source + "hnorm.weight"]
             out[prefix + "input_proj.weight"] = torch.cat([eh[:, H:], eh[:, :H]], 1).contiguous()  # [hidden, emb]
             out[prefix + "final_layernorm.weight"] = tensors[source + "final_layernorm.weight"]
+        elif mtp_layout == "qwen3_next":
+            for ours, name in QWEN3_NEXT_MTP:
+                if name in out and not torch.equal(out[name], tensors[source + ours]):
+                    raise ServingError(f"--mtp-layout qwen3_next holds one {name} for all MTP depths, and depth "
+                                       f"{depth + 1}'s {ours} differs from depth 1's: export with --mtp-layout none "
+                                       "(the backbone only), or train the depths as one --mtp-use-repeated-layer")
+                out[name] = tensors[source + ours]
         else:
             out[prefix + "enorm.weight"] = tensors[source + "enorm.weight"]
             out[prefix + "hnorm.weight"] = tensors[source + "hnorm.weight"]
@@ -242,20 +373,37 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
 
 def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
     """The MTP layout and depth count of a Hugging Face checkpoint's names."""
-    mimo = {int(m.group(1)) for n in names if (m := re.match(r"model\.mtp_layers\.(\d+)\.", n))}
-    deep = {int(m.group(1)) - cfg.num_layers for n in names
-            if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers}
-    if mimo and deep:
-        raise ServingError("the checkpoint holds MTP depths in both MiMo's and DeepSeek-V3's layout")
-    found = ("mimo", mimo) if mimo else ("deepseek_v3", deep) if deep else (None, set())
-    depths = max(found[1]) + 1 if found[1] else 0
+    layouts = {"mimo": {int(m.group(1)) for n in names if (m := re.match(r"model\.mtp_layers\.(\d+)\.", n))},
+               "deepseek_v3": {int(m.group(1)) - cfg.num_layers for n in names
+                               if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers},
+               "qwen3_next": {int(m.group(1)) for n in names if (m := re.match(r"mtp\.layers\.(\d+)\.", n))}}
+    found = [(layout, depths) for layout, depths in layouts.items() if depths]
+    if len(found) > 1:
+        raise ServingError(f"the checkpoint holds MTP depths in {' and '.join(layout for layout, _ in found)}'s layouts")
+    layout, depths = (found[0][0], max(found[0][1]) + 1) if found else (None, 0)
+    check_mtp_layout(cfg, layout)
     if cfg.mtp_num_layers and depths and cfg.mtp_num_layers != depths:
-        raise ServingError(f"config.json: num_nextn_predict_layers {cfg.mtp_num_layers}, but the tensors hold "
-                           f"{depths} MTP depths")
+        raise ServingError(f"config.json: {cfg.mtp_num_layers} MTP depths (num_nextn_predict_layers or "
+                           f"mtp_num_hidden_layers), but the tensors hold {depths}")
     if cfg.mtp_num_layers and not depths:
         # the tensors are missing: the name check says which
-        return ("deepseek_v3" if cfg.family == "deepseek_v3" else "mimo"), cfg.mtp_num_layers
-    return found[0], depths
+        return default_mtp_layout(cfg), cfg.mtp_num_layers
+    return layout, depths
+
+
+def default_mtp_layout(cfg: ModelConfig) -> str:
+    """The layout a family's engines read its MTP depths in (MiMo's layers are Qwen2 layers, not MoE)."""
+    if cfg.family in GATED_DELTA_NET_FAMILIES:
+        return "qwen3_next"
+    return "deepseek_v3" if cfg.moe else "mimo"
+
+
+def check_mtp_layout(cfg: ModelConfig, layout: str | None) -> None:
+    """Qwen3-Next's MTP layout is its family's alone (its norms scale by 1 + w, the others' by w)."""
+    default = default_mtp_layout(cfg)
+    if layout and (layout == "qwen3_next") != (default == "qwen3_next"):
+        raise ServingError(f"MTP depths in {layout}'s layout on a {cfg.family}-shaped model, whose engines read them "
+                           f"in {default}'s (--mtp-layout {default})")
 
 
 def check_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: int) -> None:
@@ -283,9 +431,9 @@ def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, dept
     check_hf(tensors, cfg, mtp_layout, depths)
     t = {k: v.float() for k, v in tensors.items() if not IGNORED_HF.match(k)}
     out = {"embedding.word_embeddings.weight": _pad(t["model.embed_tokens.weight"], cfg)}
-    for i, sparse in enumerate(sparse_layers(cfg)):
-        layer = layer_from_hf({k: t[f"model.layers.{i}.{k}"] for k in hf_layer_shapes(cfg, sparse)}, cfg, sparse)
-        out.update({f"decoder.layers.{i}.{k}": v for k, v in layer.items()})
+    for i, (sparse, linear) in enumerate(zip(sparse_layers(cfg), linear_layers(cfg))):
+        layer = {k: t[f"model.layers.{i}.{k}"] for k in hf_layer_shapes(cfg, sparse, linear)}
+        out.update({f"decoder.layers.{i}.{k}": v for k, v in layer_from_hf(layer, cfg, sparse, linear).items()})
     out["decoder.final_layernorm.weight"] = t["model.norm.weight"]
     if not cfg.tied:
         out["output_layer.weight"] = _pad(t["lm_head.weight"], cfg)
@@ -302,6 +450,8 @@ def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, dept
             out[target + "hnorm.weight"] = t[prefix + "hidden_layernorm.weight"]
             out[target + "eh_proj.weight"] = torch.cat([proj[:, H:], proj[:, :H]], 1)  # [emb, hidden]
             out[target + "final_layernorm.weight"] = t[prefix + "final_layernorm.weight"]
+        elif mtp_layout == "qwen3_next":
+            out.update({target + ours: t[name] for ours, name in QWEN3_NEXT_MTP})
         else:
             head = t["model.embed_tokens.weight"] if cfg.tied else t["lm_head.weight"]
             for copy, original in (("shared_head.head.weight", head),
@@ -314,6 +464,18 @@ def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, dept
             out[target + "eh_proj.weight"] = t[prefix + "eh_proj.weight"]
             out[target + "final_layernorm.weight"] = t[prefix + "shared_head.norm.weight"]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def shift_originals(tensors: dict, cfg: ModelConfig) -> dict:
+    """The Hugging Face values of the shifted norms (SHIFTED) that the shift does not carry there
+    and back bit for bit in fp32 (w - 1 rounds below 0.5), by name: the import keeps them in the
+    checkpoint's arguments, and an export writes them where the weight is unchanged."""
+    out = {}
+    for name in (f"model.layers.{i}.{SHIFTED[1]}" for i, linear in enumerate(linear_layers(cfg)) if linear):
+        original = tensors[name].float()
+        if not torch.equal((original - 1) + 1, original):
+            out[name] = original.tolist()
+    return out
 
 
 def collapse_repeated(tensors: dict, depths: int) -> dict:

@@ -1,4 +1,5 @@
-"""megatron-core's GPTModel (the trainer's local specs with SDPA attention, dense or MoE) in one process.
+"""megatron-core's GPTModel (the trainer's local specs with SDPA attention; dense, MoE, with Gated DeltaNet
+layers) in one process.
 
 A checkpoint saved at any TP / PP / VPP layout is read into it through megatron-core's dist
 checkpointing (the resharding is upstream's); its forward is run piece by piece, as
@@ -15,9 +16,14 @@ import torch
 
 from megatron_mtp.serving import ServingError
 
-# Flags under which the forward differs from what this module runs.
-UNSUPPORTED = ("apply_layernorm_1p", "layernorm_zero_centered_gamma", "squared_relu",
-               "experimental_attention_variant", "attention_output_gate")
+# Flags under which the forward differs from what this module builds.
+UNSUPPORTED = ("apply_layernorm_1p", "squared_relu")
+# Architecture options the trainer's TransformerConfig takes from its arguments (`architecture_fields`)
+# beside the experts' (moe_*) and multi-latent attention's: Qwen3-Next's.
+ARCHITECTURE_FIELDS = ("num_moe_experts", "multi_latent_attention", "attention_output_gate",
+                       "layernorm_zero_centered_gamma", "experimental_attention_variant", "linear_attention_freq",
+                       "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                       "linear_num_key_heads", "linear_num_value_heads")
 # How this module runs a model: one process, fp32, no CUDA kernels (the arguments a checkpoint holds
 # name the run that trained it).
 ONE_PROCESS = dict(
@@ -56,8 +62,8 @@ def setup(seed: int = 1234) -> None:
         initialize_model_parallel(1, 1, None, seed)
 
 
-def check_supported(args) -> None:
-    """A checkpoint whose forward differs from what this module runs is refused in one line."""
+def check_buildable(args) -> None:
+    """A checkpoint whose forward differs from what this module builds is refused in one line."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:
         raise ServingError(f"the checkpoint's model is a HybridModel (--hybrid-layer-pattern {pattern}), which this "
@@ -66,6 +72,20 @@ def check_supported(args) -> None:
         if getattr(args, flag, None):
             raise ServingError(f"the checkpoint's model has --{flag.replace('_', '-')} {getattr(args, flag)}, "
                                "which this tool does not run")
+
+
+def check_supported(args) -> None:
+    """A checkpoint the Runner cannot decode exactly is refused in one line: one it cannot build,
+    and one with Gated DeltaNet layers, whose recurrent state its cache does not hold."""
+    check_buildable(args)
+    if _recurrent(args):
+        raise ServingError("the checkpoint's model has Gated DeltaNet layers (--experimental-attention-variant "
+                           "gated_delta_net), whose recurrent state this tool's decoding does not carry (its cache "
+                           "holds attention's keys and values only), so it cannot decode them exactly")
+
+
+def _recurrent(config_or_args) -> bool:
+    return getattr(config_or_args, "experimental_attention_variant", None) == "gated_delta_net"
 
 
 def trained_config(args):
@@ -85,9 +105,11 @@ def trained_config(args):
 
 
 def architecture_fields(args) -> dict:
-    """A trainer checkpoint's MoE and multi-latent attention options as the trainer's
-    TransformerConfig took them, at one rank and without CUDA kernels; {} without either."""
-    if not getattr(args, "num_experts", None) and not getattr(args, "multi_latent_attention", False):
+    """A trainer checkpoint's MoE, multi-latent attention and Qwen3-Next options (ARCHITECTURE_FIELDS)
+    as the trainer's TransformerConfig took them, at one rank and without CUDA kernels; {} without
+    any."""
+    if not any(getattr(args, name, None) for name in ("num_experts", "multi_latent_attention", "attention_output_gate",
+                                                      "layernorm_zero_centered_gamma", "experimental_attention_variant")):
         return {}
     import dataclasses
 
@@ -96,7 +118,7 @@ def architecture_fields(args) -> dict:
     trained = trained_config(args)
     mla = {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
     fields = {f.name: getattr(trained, f.name) for f in dataclasses.fields(trained)
-              if f.name.startswith("moe_") or f.name in ("num_moe_experts", "multi_latent_attention") or f.name in mla}
+              if f.name.startswith("moe_") or f.name in ARCHITECTURE_FIELDS or f.name in mla}
     fields.update({name: False for name in MOE_KERNELS if name in fields})
     return fields
 
@@ -106,7 +128,7 @@ def transformer_config(args, mtp_num_layers=None):
 
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    check_supported(args)
+    check_buildable(args)
     heads = args.num_attention_heads
     swiglu = bool(getattr(args, "swiglu", False))
     depths = getattr(args, "mtp_num_layers", None) if mtp_num_layers is None else mtp_num_layers
@@ -155,11 +177,20 @@ def load(model, directory: str) -> None:
     model.load_state_dict(loaded["model"], strict=False)
 
 
+# Gated DeltaNet's tensors that upstream's sharded_state_dict saves section by section, a key each
+# (`<name>.<section>`), in the module's order.
+SECTIONS = {"self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+            "self_attention.conv1d.weight": ("query", "key", "value"),
+            "self_attention.conv1d.bias": ("query", "key", "value")}
+
+
 def local_names(global_tensors: dict, num_layers: int) -> dict:
     """A checkpoint's global tensors -> the model's state-dict names: stacked layers (a leading
     layer axis) and stacked experts (a leading expert axis) split, norms fused into the next
-    linear (as Transformer Engine names them in checkpoints) named as the local layers do."""
+    linear (as Transformer Engine names them in checkpoints) named as the local layers do,
+    Gated DeltaNet's sections joined."""
     renames = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+               ("self_attention.in_proj.layer_norm_weight", "input_layernorm.weight"),
                ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
                ("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight"),
                ("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight"))
@@ -183,6 +214,10 @@ def local_names(global_tensors: dict, num_layers: int) -> dict:
                     out[name.replace(".experts.experts.", f".experts.local_experts.{expert}.")] = tensor[expert]
             else:
                 out[name] = tensor
+    for name in [n for n in out if n.endswith(tuple(f"{base}.{parts[0]}" for base, parts in SECTIONS.items()))]:
+        base = name.rsplit(".", 1)[0]
+        parts = SECTIONS[next(b for b in SECTIONS if base.endswith(b))]
+        out[base] = torch.cat([out.pop(f"{base}.{part}") for part in parts])
     return out
 
 
@@ -224,7 +259,12 @@ class Runner:
     def _positions(self, stream, start: int, count: int):
         """The cache's positions `start` on, and multi-latent attention's rotary positions with them:
         MLA computes its own rotary embedding from position 0 at every forward (the other attentions
-        take `_rope`'s), so for this forward its rotary module counts from `start` (its `offset`)."""
+        take `_rope`'s), so for this forward its rotary module counts from `start` (its `offset`).
+        Gated DeltaNet layers would need their recurrent state at `start`, which is not kept: a model
+        with them runs whole sequences only (the teacher-forced forward)."""
+        if start and _recurrent(self.model.config):
+            raise ServingError(f"a forward from position {start} needs the Gated DeltaNet layers' recurrent state "
+                               "there, which the Runner does not keep (it runs such a model from position 0)")
         for rope in self.mla_ropes:
             rope.forward = functools.partial(type(rope).forward, rope, offset=start)
         try:

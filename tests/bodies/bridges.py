@@ -1,13 +1,16 @@
-"""Test bodies of tests/test_bridges.py: Hugging Face's MoE and multi-latent attention families
-through tools/convert_checkpoint.py (one process, megatron-core imported once).
+"""Test bodies of tests/test_bridges.py: Hugging Face's MoE, multi-latent attention and Gated
+DeltaNet families through tools/convert_checkpoint.py (one process, megatron-core imported once).
 
 References: the `transformers` classes installed here (Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
-Glm4MoeForCausalLM)
-on tiny random configs made here, with non-unit norms and a non-zero expert bias; for the
-DeepSeek-V3 and GLM-4.5 MTP depths, a forward written from DeepSeek-V3's MTP semantics (enorm of the next
-token's embedding, hnorm of the previous depth's hidden state, eh_proj over their concatenation,
-one decoder layer, shared_head.norm, shared_head.head) whose decoder layer is transformers'
-own (a one-layer DeepseekV3Model / Glm4MoeModel whose final norm is shared_head.norm).
+Glm4MoeForCausalLM, Qwen3NextForCausalLM) on tiny random configs made here, with non-unit norms,
+a non-zero expert bias and Gated DeltaNet's dt_bias away from one; for the MTP depths, a forward
+written from the engines' MTP semantics (the next token's embedding through enorm, the previous
+depth's hidden state through hnorm, a projection over their concatenation [embedding, hidden], one
+decoder layer, a final norm, the output layer) on the checkpoint's tensors in its layout: DeepSeek-V3's
+(GLM-4.5's: enorm, hnorm, eh_proj, shared_head.norm, shared_head.head per depth) or Qwen3-Next's
+(mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, mtp.norm for all depths, (1 + w)
+norms, the main model's embedding and head), whose decoder layer is transformers' own (a one-layer
+DeepseekV3Model / Glm4MoeModel / Qwen3NextModel whose final norm is the depth's).
 """
 
 import io
@@ -48,12 +51,17 @@ def _rel(a, b) -> float:
 
 
 def _randomize(model) -> None:
-    """Norms away from 1 and an expert bias away from 0, so a swapped or dropped one shows."""
+    """Norms away from their initialization (1, or 0 for (1 + w) norms), an expert bias away from 0
+    and Gated DeltaNet's dt_bias away from 1, so a swapped, dropped or unshifted one shows; Gated
+    DeltaNet's output norm ((w) in transformers, (1 + w) in megatron-core) also below 0.5, where
+    the shift by one rounds in fp32."""
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("norm.weight"):
                 tensor.normal_(1, 0.2)
-            elif name.endswith("e_score_correction_bias"):
+                if name.endswith("linear_attn.norm.weight"):
+                    tensor[:3] = torch.tensor([0.1, -0.3, 1e-3])
+            elif name.endswith(("e_score_correction_bias", "dt_bias")):
                 tensor.normal_(0, 0.1)
 
 
@@ -136,26 +144,68 @@ GLM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermedi
            rope_theta=1e6)
 
 
+# Qwen3-Next: Gated DeltaNet layers (2 key heads of 4 value heads: a key head's value heads interleave
+# in its checkpoints) beside a gated full-attention layer, 4 experts top-2 with a gated shared expert.
+QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, partial_rotary_factor=0.5,
+                  max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6)
+QWEN3_NEXT_LAYERS = ["linear_attention", "linear_attention", "full_attention"]  # full_attention_interval 3
+
+
 def _families():
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model, Glm4MoeConfig,
-                              Glm4MoeForCausalLM, Glm4MoeModel)
+                              Glm4MoeForCausalLM, Glm4MoeModel, Qwen3NextConfig, Qwen3NextForCausalLM,
+                              Qwen3NextModel)
 
     return {"deepseek-v3": (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model, DEEPSEEK),
-            "glm-4.5": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeModel, GLM)}
+            "glm-4.5": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeModel, GLM),
+            "qwen3-next": (Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3NextModel, QWEN3_NEXT)}
+
+
+def _config(name: str, part: str, **change):
+    """The config of the main model ("main", L layers, D MTP depths in config.json), of the model whose
+    layers L .. L + D - 1 are the depths' ("full"; full attention and MoE, as the depths' layers are),
+    or of one depth's layer alone ("depth"); `change` on top."""
+    config_class, _, _, values = _families()[name]
+    layers = {"main": L, "full": L + D, "depth": 1}[part]
+    values = dict(values, num_hidden_layers=layers)
+    if name == "qwen3-next":
+        values.update(layer_types=["full_attention"] if part == "depth" else
+                      (QWEN3_NEXT_LAYERS + ["full_attention"] * D)[:layers], mtp_num_hidden_layers=D if part == "main" else 0)
+    else:
+        values.update(num_nextn_predict_layers=D if part == "main" else 0, **({"first_k_dense_replace": 0}
+                                                                                if part == "depth" else {}))
+    return config_class(**dict(values, **change))
+
+
+def _mtp_layout(name: str, depth: int) -> dict:
+    """Where the checkpoint holds MTP depth `depth` (0-based): its layer's prefix, the names under
+    `root`, the embedding, enorm, hnorm, projection, final norm and output layer it reads, and the
+    norms' offset (1: Qwen3-Next's scale by 1 + w)."""
+    if name == "qwen3-next":  # one fc and set of norms for all depths; the main model's embedding and head
+        return dict(layer=f"mtp.layers.{depth}.", root="mtp.", embedding="model.embed_tokens.weight",
+                    enorm="mtp.pre_fc_norm_embedding.weight", hnorm="mtp.pre_fc_norm_hidden.weight",
+                    projection="mtp.fc.weight", norm="mtp.norm.weight", head="lm_head.weight", offset=1.0)
+    prefix = f"model.layers.{L + depth}."
+    return dict(layer=prefix, root=prefix, embedding=prefix + "embed_tokens.weight", enorm=prefix + "enorm.weight",
+                hnorm=prefix + "hnorm.weight", projection=prefix + "eh_proj.weight",
+                norm=prefix + "shared_head.norm.weight", head=prefix + "shared_head.head.weight", offset=0.0)
 
 
 def _checkpoint_with_mtp(root: Path, name: str):
-    """A model of L layers with D MTP depths in DeepSeek-V3's layout (GLM-4.5's too): the depths'
-    inner layers are layers L .. L + D - 1 of a transformers model of L + D layers (MoE, as their
-    MTP layers are), beside random enorm / hnorm / eh_proj / shared_head.norm and the copies of
-    the embedding and output weight the loaders read."""
+    """A model of L layers with D MTP depths in its family's layout: the depths' inner layers are
+    layers L .. L + D - 1 of a transformers model of L + D layers (MoE, as their MTP layers are),
+    beside random norms and projections and, in DeepSeek-V3's layout, the copies of the embedding
+    and output weight its loaders read."""
     from safetensors.torch import save_file
 
-    config_class, model_class, _, values = _families()[name]
+    _, model_class, _, values = _families()[name]
     torch.manual_seed(7)
-    full = model_class(config_class(num_hidden_layers=L + D, num_nextn_predict_layers=0, **values))
+    full = model_class(_config(name, "full"))
     _randomize(full)
-    model = model_class(config_class(num_hidden_layers=L, num_nextn_predict_layers=D, **values))
+    model = model_class(_config(name, "main"))
     mtp_layers = tuple(f"model.layers.{L + k}." for k in range(D))
     model.load_state_dict({k: v for k, v in full.state_dict().items() if not k.startswith(mtp_layers)})
     full.save_pretrained(root / f"{name}-full")  # the checkpoint's names (one tensor per expert)
@@ -163,13 +213,16 @@ def _checkpoint_with_mtp(root: Path, name: str):
     generator = torch.Generator().manual_seed(8)
     H = values["hidden_size"]
     for k in range(D):
-        prefix = f"model.layers.{L + k}."
-        tensors.update({prefix + "enorm.weight": 1 + 0.2 * torch.randn(H, generator=generator),
-                        prefix + "hnorm.weight": 1 + 0.2 * torch.randn(H, generator=generator),
-                        prefix + "eh_proj.weight": 0.1 * torch.randn(H, 2 * H, generator=generator),
-                        prefix + "shared_head.norm.weight": 1 + 0.2 * torch.randn(H, generator=generator),
-                        prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-                        prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+        layout = _mtp_layout(name, k)
+        for key in [n for n in tensors if n.startswith(mtp_layers[k])]:
+            tensors[layout["layer"] + key[len(mtp_layers[k]):]] = tensors.pop(key)
+        for key, value in ((layout["enorm"], 1 + 0.2 * torch.randn(H, generator=generator)),
+                           (layout["hnorm"], 1 + 0.2 * torch.randn(H, generator=generator)),
+                           (layout["projection"], 0.1 * torch.randn(H, 2 * H, generator=generator)),
+                           (layout["norm"], 1 + 0.2 * torch.randn(H, generator=generator)),
+                           (layout["head"], tensors["lm_head.weight"].clone()),
+                           (layout["embedding"], tensors["model.embed_tokens.weight"].clone())):
+            tensors.setdefault(key, value)
     model.save_pretrained(root / name)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / name / "model.safetensors"),
               metadata={"format": "pt"})
@@ -177,38 +230,38 @@ def _checkpoint_with_mtp(root: Path, name: str):
 
 
 def _mtp_forward(name: str, tensors: dict, full, depth: int, previous_hidden, next_tokens):
-    """DeepSeek-V3's MTP depth `depth` (0-based; GLM-4.5's is the same) on the Hugging Face
-    tensors: [b, s, h], [b, s] -> (hidden, logits)."""
-    config_class, _, base_class, values = _families()[name]
-    prefix, eps = f"model.layers.{L + depth}.", values["rms_norm_eps"]
+    """MTP depth `depth` (0-based) of the family's engines on the Hugging Face tensors:
+    [b, s, h], [b, s] -> (hidden, logits)."""
+    _, _, base_class, values = _families()[name]
+    layout, eps = _mtp_layout(name, depth), values["rms_norm_eps"]
 
     def rms_norm(x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (layout["offset"] + weight)
 
-    token = rms_norm(tensors[prefix + "embed_tokens.weight"][next_tokens], tensors[prefix + "enorm.weight"])
-    hidden = rms_norm(previous_hidden, tensors[prefix + "hnorm.weight"])
-    x = torch.cat([token, hidden], -1) @ tensors[prefix + "eh_proj.weight"].T
-    layer = base_class(config_class(**dict(values, num_hidden_layers=1, first_k_dense_replace=0))).eval()
+    token = rms_norm(tensors[layout["embedding"]][next_tokens], tensors[layout["enorm"]])
+    hidden = rms_norm(previous_hidden, tensors[layout["hnorm"]])
+    x = torch.cat([token, hidden], -1) @ tensors[layout["projection"]].T
+    layer = base_class(_config(name, "depth")).eval()
     layer.layers[0].load_state_dict(full.model.layers[L + depth].state_dict())
     with torch.no_grad():
-        layer.norm.weight.copy_(tensors[prefix + "shared_head.norm.weight"])
+        layer.norm.weight.copy_(tensors[layout["norm"]])
         out = layer(inputs_embeds=x).last_hidden_state
-    return out, out @ tensors[prefix + "shared_head.head.weight"].T
+    return out, out @ tensors[layout["head"]].T
 
 
 def _with_mtp(root: Path, name: str) -> dict:
     model, full, tensors = _checkpoint_with_mtp(root, name)
     out, per_depth = _import_export(root, name, model)
     with torch.no_grad():
-        hidden = model.eval()(TOKENS, output_hidden_states=True).hidden_states[-1]  # after model.norm
+        hidden = model.eval().model(TOKENS).last_hidden_state  # after model.norm
     out["depths"] = len(per_depth)
     for depth in range(min(D, len(per_depth))):
         k = depth + 1
         hidden = hidden[:, : TOKENS.shape[1] - k]
         hidden, logits = _mtp_forward(name, tensors, full, depth, hidden, TOKENS[:, k:])
         out[f"depth {k} logits"] = _rel(per_depth[depth], logits[..., :VOCAB])
-    back = _tensors(root / f"{name}-back")
-    out["mtp names"] = sorted(n[len(f"model.layers.{L}."):] for n in back if n.startswith(f"model.layers.{L}."))
+    back, prefix = _tensors(root / f"{name}-back"), _mtp_layout(name, 0)["root"]
+    out["mtp names"] = sorted(n[len(prefix):] for n in back if n.startswith(prefix))
     return out
 
 
@@ -226,28 +279,105 @@ def glm_4_5(root: Path) -> dict:
     return _with_mtp(root, "glm-4.5")
 
 
-def refusals(root: Path) -> dict:
-    """Configurations megatron-core would route or rotate otherwise: one line each, nothing written."""
-    from transformers import DeepseekV3Config
-
-    cases = {"norm_topk_prob false": dict(norm_topk_prob=False),
-             "top-k over groups not 2": dict(num_experts_per_tok=4, topk_group=1),
-             "rope not interleaved": dict(rope_interleave=False),
-             "yarn with another original context": dict(rope_scaling=dict(DEEPSEEK["rope_scaling"],
-                                                                          original_max_position_embeddings=2048))}
-    source = root / "deepseek-v3"
+def _refused(root: Path, name: str, cases: dict) -> dict:
+    """The import of `name`'s checkpoint under each case's change to its config.json: its exit
+    status, its error lines and whether it wrote anything."""
+    source, model_class = root / name, _families()[name][1]
     out = {}
-    for i, (name, change) in enumerate(cases.items()):
-        directory = root / f"refused-{i}"
+    for i, (case, change) in enumerate(cases.items()):
+        directory = root / f"refused-{name}-{i}"
         directory.mkdir()
         config = json.loads((source / "config.json").read_text())
-        config.update(DeepseekV3Config(**dict(DEEPSEEK, num_hidden_layers=L, **change)).to_dict())
-        config["architectures"] = ["DeepseekV3ForCausalLM"]
+        config.update(_config(name, "main", **change).to_dict(), architectures=[model_class.__name__])
         (directory / "config.json").write_text(json.dumps(config))
         (directory / "model.safetensors").symlink_to(source / "model.safetensors")
-        status, stderr = _convert("import", str(directory), str(root / f"refused-{i}-mg"))
-        out[name] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
-                     "written": (root / f"refused-{i}-mg").exists()}
+        status, stderr = _convert("import", str(directory), str(root / f"refused-{name}-{i}-mg"))
+        out[case] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
+                     "written": (root / f"refused-{name}-{i}-mg").exists()}
+    return out
+
+
+def refusals(root: Path) -> dict:
+    """Configurations megatron-core would route or rotate otherwise: one line each, nothing written."""
+    return _refused(root, "deepseek-v3", {
+        "norm_topk_prob false": dict(norm_topk_prob=False),
+        "top-k over groups not 2": dict(num_experts_per_tok=4, topk_group=1),
+        "rope not interleaved": dict(rope_interleave=False),
+        "yarn with another original context": dict(rope_scaling=dict(DEEPSEEK["rope_scaling"],
+                                                                     original_max_position_embeddings=2048))})
+
+
+def qwen3_next(root: Path) -> dict:
+    """Qwen3-Next: two Gated DeltaNet layers, then a gated full-attention layer with q/k norms and
+    rotary on half of each head, every layer's MLP 4 experts top-2 with normalized probabilities and
+    a shared expert behind its sigmoid gate, (1 + w) norms; two MTP depths in Qwen3-Next's layout
+    (their own layers, one fc and set of norms). Also: the shifted output norms' values below 0.5
+    that the import kept, and what an export without them would change."""
+    from megatron_mtp.serving import files, mapping
+    from megatron_mtp.serving.config import ModelConfig
+    from megatron_mtp.serving.model import local_names
+
+    out = _with_mtp(root, "qwen3-next")
+    args, tensors, _ = files.read_megatron(str(root / "qwen3-next-mg"))
+    cfg = ModelConfig.from_megatron_args(args)
+    out["shift originals"] = sorted(cfg.shift_originals)
+    cfg.shift_originals = {}
+    exported, original = mapping.megatron_to_hf(local_names(tensors, L), cfg, "qwen3_next"), _tensors(root / "qwen3-next")
+    out["differing without them"] = sorted(n for n in exported if not torch.equal(exported[n], original[n]))
+    return out
+
+
+def qwen3_next_layers(root: Path) -> dict:
+    """Qwen3-Next with layer types no interval describes (full attention first: megatron-core's
+    --linear-attention-freq as a list), a dense first layer and softmax before top-k; no MTP."""
+    torch.manual_seed(5)
+    model = _families()["qwen3-next"][1](_config(
+        "qwen3-next", "main", layer_types=["full_attention", "linear_attention", "full_attention"],
+        mlp_only_layers=[0], norm_topk_prob=False, mtp_num_hidden_layers=0))
+    _randomize(model)
+    model.save_pretrained(root / "qwen3-next-layers")
+    return _import_export(root, "qwen3-next-layers", model)[0]
+
+
+def qwen3_next_refusals(root: Path) -> dict:
+    """What the Qwen3-Next bridge cannot carry, each one line with nothing written: configs (MTP
+    depths on a last Gated DeltaNet layer, value heads not grouped by key head, no shared expert,
+    attention biases), an export of MTP depths with their own fc (a third depth added at import,
+    newly initialized) in Qwen3-Next's layout, which holds one, and in DeepSeek-V3's layout (whose
+    norms scale by w); and decoding it: eval_speculative
+    refuses, the Runner refuses a forward from a later position."""
+    import eval_speculative
+
+    from megatron_mtp.serving import ServingError
+
+    out = _refused(root, "qwen3-next", {
+        "mtp on a last Gated DeltaNet layer": dict(layer_types=["linear_attention", "full_attention",
+                                                                "linear_attention"]),
+        "value heads not grouped by key head": dict(linear_num_value_heads=3),
+        "no shared expert": dict(shared_expert_intermediate_size=0),
+        "attention biases": dict(attention_bias=True)})
+    imported = _convert("import", str(root / "qwen3-next"), str(root / "qwen3-next-d3"), "--mtp-num-layers", "3")
+    status, stderr = _convert("export", str(root / "qwen3-next-d3"), str(root / "qwen3-next-d3-back"))
+    out["depths with their own fc"] = {"import": imported[0], "status": status, "written":
+                                       (root / "qwen3-next-d3-back").exists(),
+                                       "stderr": [line for line in stderr.splitlines() if line.strip()]}
+    status, stderr = _convert("export", str(root / "qwen3-next-mg"), str(root / "qwen3-next-ds"),
+                              "--mtp-layout", "deepseek_v3")
+    out["another family's MTP layout"] = {"status": status, "written": (root / "qwen3-next-ds").exists(),
+                                          "stderr": [line for line in stderr.splitlines() if line.strip()]}
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        try:
+            status = eval_speculative.main([str(root / "qwen3-next-mg"), "--num-prompts", "1", "--new-tokens", "4"])
+        except SystemExit as exit_:
+            status = exit_.code
+    out["eval_speculative"] = {"status": status, "stderr": [line for line in err.getvalue().splitlines() if line.strip()]}
+    runner = _runner(root / "qwen3-next-mg")
+    try:
+        runner.main(TOKENS[:, 8:12], start=8)
+        out["runner"] = None
+    except ServingError as error:
+        out["runner"] = str(error)
     return out
 
 
@@ -290,7 +420,8 @@ def check(root: str) -> dict:
     warnings.filterwarnings("ignore")
     results = {}
     for name, part in (("qwen3_moe", qwen3_moe), ("deepseek_v3", deepseek_v3), ("glm_4_5", glm_4_5),
-                       ("refusals", refusals), ("mla_decoding", mla_decoding)):
+                       ("refusals", refusals), ("mla_decoding", mla_decoding), ("qwen3_next", qwen3_next),
+                       ("qwen3_next_layers", qwen3_next_layers), ("qwen3_next_refusals", qwen3_next_refusals)):
         try:
             results[name] = part(Path(root))
         except Exception:
