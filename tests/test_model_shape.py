@@ -3,7 +3,8 @@
 A checkpoint of one architecture loaded into a model of another must be refused naming the
 fields, not load the tensors both share: the attention's output gate, Gated DeltaNet's
 heads, head sizes and convolution (issue 27), for HybridModel's `G` layers and GPTModel's
-experimental gated_delta_net layers, and the norms' kind and zero-centred gamma are compared;
+experimental gated_delta_net layers, the norms' kind and zero-centred gamma, and the shared
+expert's gate are compared;
 a shape saved before those fields were
 recorded is compared without them.
 """
@@ -67,3 +68,12 @@ def test_zero_centred_gamma_and_the_norm_are_a_shape():
     saved = {field: value for field, value in shape().items()
              if field not in ("normalization", "layernorm_zero_centered_gamma")}  # saved before they were recorded
     check_same_shape(saved, shape(layernorm_zero_centered_gamma=True))
+
+
+def test_the_shared_experts_gate_is_a_shape():
+    moe = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32)
+    message = refusal(shape(**moe, moe_shared_expert_gate=True), shape(**moe))
+    assert "moe_shared_expert_gate: checkpoint True, model False" in message, message
+    saved = {field: value for field, value in shape(**moe).items() if field != "moe_shared_expert_gate"}
+    check_same_shape(saved, shape(**moe, moe_shared_expert_gate=True))  # saved before it was recorded
+    assert "moe_shared_expert_gate" not in shape()  # without experts it is not recorded

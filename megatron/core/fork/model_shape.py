@@ -13,7 +13,8 @@ norms and multi-latent attention with its ranks and head sizes (a model without 
 would load the others and drop them without a word), the attention's output gate,
 Gated DeltaNet's heads, head sizes and convolution (HybridModel's `G` layers or GPTModel's
 experimental gated_delta_net layers), and the norms' kind and zero-centred gamma (the same
-tensors read as w or as 1 + w).
+tensors read as w or as 1 + w), and the shared expert's gate (a model without one would load the
+rest and drop it).
 """
 
 from megatron.core.fork import compat
@@ -37,6 +38,8 @@ GATE_AND_LINEAR_ATTENTION_FIELDS = ("attention_output_gate", "experimental_atten
                                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 # (1 + w) or w: the same tensors, another model (a checkpoint of the other kind would load silently)
 NORM_FIELDS = ("normalization", "layernorm_zero_centered_gamma")
+# the shared expert's sigmoid gate (Qwen3-Next's): a parameter of its own, recorded after the other MoE fields
+SHARED_EXPERT_GATE_FIELDS = ("moe_shared_expert_gate",)
 # What a finetune may change: MTP depths added to, or dropped from, a pretrained backbone.
 MTP_FIELDS = ("mtp_num_layers", "mtp_use_repeated_layer")
 
@@ -66,6 +69,7 @@ def config_shape(config, hybrid_layer_pattern: str | None = None) -> dict:
     if experts:
         shape["moe_ffn_hidden_size"] = config.moe_ffn_hidden_size
         shape["moe_shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
+        shape["moe_shared_expert_gate"] = bool(getattr(config, "moe_shared_expert_gate", False))
         frequency = config.moe_layer_freq
         shape["moe_layers"] = (list(frequency) if isinstance(frequency, (list, tuple))
                                else [int(layer % frequency == 0) for layer in range(config.num_layers)])
@@ -89,13 +93,15 @@ def model_shape(model) -> dict:
 
 def check_same_shape(saved: dict, current: dict, finetune: bool = False) -> None:
     """Raise ValueError naming every field where the checkpoint and the model differ (a shape
-    saved before the experts, the attention's fields, the output gate and linear attention's
-    fields, or the norms' were recorded is compared without them; with `finetune`, the MTP
+    saved before the experts, the shared expert's gate, the attention's fields, the output gate
+    and linear attention's fields, or the norms' were recorded is compared without them; with `finetune`, the MTP
     depths may differ)."""
     if finetune:
         saved = dict(saved, **{field: current.get(field) for field in MTP_FIELDS})
     if "num_moe_experts" not in saved:
         current = {field: value for field, value in current.items() if field not in MOE_FIELDS}
+    if "moe_shared_expert_gate" not in saved:
+        current = {field: value for field, value in current.items() if field not in SHARED_EXPERT_GATE_FIELDS}
     if "qk_layernorm" not in saved:
         current = {field: value for field, value in current.items() if field not in ATTENTION_FIELDS}
     if "layernorm_zero_centered_gamma" not in saved:
