@@ -45,9 +45,11 @@ def pipeline(tmp_path_factory):
           "--mtp-detach-heads", "--mtp-num-layers", "2", "--tensor-model-parallel-size", "2",
           "--pipeline-model-parallel-size", "2", "--train-iters", "4",
           "--lr", "3e-3", "--save", str(root / "trained"), "--save-interval", "4", timeout=400)
-    # an MoE checkpoint (D = 1), which eval_speculative.py runs, and a HybridModel one, which it refuses
+    # an MoE checkpoint (D = 1) with Qwen3-Next's attention (an output gate, q/k norms, zero-centred norms),
+    # which eval_speculative.py runs over its KV cache, and a HybridModel one, which it refuses
     train(1, *TINY, "--num-experts", "2", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-          "--disable-bias-linear", "--mtp-num-layers", "1", "--train-iters", "1", "--save", str(root / "trained-moe"),
+          "--disable-bias-linear", "--attention-output-gate", "--qk-layernorm", "--normalization", "RMSNorm",
+          "--apply-layernorm-1p", "--mtp-num-layers", "1", "--train-iters", "1", "--save", str(root / "trained-moe"),
           "--save-interval", "1", timeout=300)
     train(1, *TINY, "--hybrid-layer-pattern", "*-*-/*-", "--train-iters", "1", "--save", str(root / "trained-hybrid"),
           "--save-interval", "1", timeout=300)

@@ -19,8 +19,7 @@ an expert bias, groups and a shared expert behind dense first layers), Glm4MoeFo
 (GLM-4.5: QKV biases, q/k norms, partial rotary, DeepSeek-V3's experts) or Qwen3NextForCausalLM
 (GPTModel with --experimental-attention-variant gated_delta_net: Gated DeltaNet layers, gated
 attention with q/k norms and partial rotary, (1 + w) norms, experts with a gated shared expert;
-the Gated DeltaNet output norm shifted by one, its fp32 values below 0.5, which the shift rounds,
-kept in the checkpoint's arguments for the export), and MTP depths when present (MiMo's
+the Gated DeltaNet output norm shifted by one), and MTP depths when present (MiMo's
 model.mtp_layers.{i}.*, DeepSeek-V3's model.layers.{L+k}.*, or Qwen3-Next's mtp.layers.{k}.* with
 its one mtp.fc and set of norms, on a last full-attention layer); it writes a torch_dist release checkpoint that
 pretrain_gpt_mtp.py --load DIR --finetune loads at any PP layout and at the tensor-parallel
@@ -114,7 +113,6 @@ def run_import(args) -> int:
         raise ServingError("--mtp-num-layers must be >= 0")
     mapping.check_mtp_layer(cfg, wanted)
     global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
-    cfg.shift_originals = mapping.shift_originals(tensors, cfg)
     if wanted < depths:  # drop the deeper depths
         global_tensors = {k: v for k, v in global_tensors.items()
                           if not k.startswith("mtp.layers.") or int(k.split(".")[2]) < wanted}

@@ -74,9 +74,6 @@ class ModelConfig:
     # "linear_num_key_heads", "linear_num_value_heads"} (megatron-core's names).
     gdn: dict | None = None
     extra: dict = field(default_factory=dict)  # bos/eos ids etc., carried through
-    # The Hugging Face values of shifted norms that fp32 cannot carry through the shift and back
-    # (mapping.shift_originals), by name: an export of the unchanged weights writes them again.
-    shift_originals: dict = field(default_factory=dict)
 
     @property
     def attention_output_gate(self) -> bool:
@@ -262,10 +259,11 @@ class ModelConfig:
             problems.append("--qk-layernorm with --add-qkv-bias (Qwen3 has q/k norms, Qwen2 QKV biases; both: "
                             "GLM-4.5, with its experts)")
         # (1 + w) norms and gated attention are Qwen3-Next's, beside its Gated DeltaNet layers
-        for flag in ("qk_l2_norm", "apply_layernorm_1p", "squared_relu",
-                     *(() if gdn else ("layernorm_zero_centered_gamma", "attention_output_gate"))):
-            if get(flag):
-                problems.append(f"--{flag.replace('_', '-')}")
+        for field_name in ("qk_l2_norm", "apply_layernorm_1p", "squared_relu",
+                           *(() if gdn else ("layernorm_zero_centered_gamma", "attention_output_gate"))):
+            if get(field_name):  # (0.19.2's --apply-layernorm-1p sets layernorm_zero_centered_gamma)
+                problems.append({"layernorm_zero_centered_gamma": "--apply-layernorm-1p"}.get(
+                    field_name, f"--{field_name.replace('_', '-')}"))
         mla = _mla_from_args(get, problems)
         moe = _moe_from_args(get, problems, mla is not None, gdn is not None)
         if problems:
@@ -308,7 +306,6 @@ class ModelConfig:
             rope_scaling=scaling, mtp_num_layers=int(get("mtp_num_layers") or 0),
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
             attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla, gdn=gdn,
-            shift_originals=dict(get("serving_shift_originals") or {}),
         )
 
     def as_architecture(self, name: str) -> None:
@@ -349,7 +346,7 @@ class ModelConfig:
             mtp_use_repeated_layer=self.mtp_repeated, attention_dropout=self.attention_dropout, hidden_dropout=0.0,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1, world_size=1, data_parallel_size=1, serving_extra=dict(self.extra),
-            serving_family=self.family, serving_shift_originals=dict(self.shift_originals),
+            serving_family=self.family,
             layernorm_zero_centered_gamma=self.layernorm_zero_centered_gamma,
             attention_output_gate=self.attention_output_gate, **self._moe_mla_args(), **self._gdn_args(),
         )
@@ -472,13 +469,15 @@ def _pattern(layers: list) -> str:
     return "[" + ",".join(str(x) for x in layers) + "]"
 
 
+def _interval_pattern(interval: int, num_layers: int) -> list:
+    """Every interval-th layer full attention (0), the others Gated DeltaNet (1): megatron-core's
+    --linear-attention-freq N, Qwen3-Next's full_attention_interval."""
+    return [int((i + 1) % interval != 0) for i in range(num_layers)]
+
+
 def _full_attention_interval(layers: list) -> int | None:
-    """N when every N-th layer is full attention and the others Gated DeltaNet (megatron-core's
-    --linear-attention-freq N, Qwen3-Next's full_attention_interval), else None."""
-    for interval in range(1, len(layers) + 1):
-        if list(layers) == [int((i + 1) % interval != 0) for i in range(len(layers))]:
-            return interval
-    return None
+    """N when the Gated DeltaNet layers are `_interval_pattern(N)`, else None."""
+    return next((n for n in range(1, len(layers) + 1) if list(layers) == _interval_pattern(n, len(layers))), None)
 
 
 def _rope_scaling(scaling: dict | None, yarn: bool = False) -> dict | None:
@@ -640,8 +639,8 @@ def _gdn_from_hf(config: dict, num_layers: int) -> dict:
     """The Gated DeltaNet layers of a Qwen3-Next config.json: layer_types (transformers 5), else
     every full_attention_interval-th layer full attention, as transformers derives it."""
     interval = int(config.get("full_attention_interval") or 4)
-    types = config.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                          for i in range(num_layers)]
+    types = config.get("layer_types") or ["linear_attention" if linear else "full_attention"
+                                          for linear in _interval_pattern(interval, num_layers)]
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if len(types) != num_layers or unknown:
         raise ServingError(f"config.json: layer_types {types} (needs num_hidden_layers {num_layers} of "
@@ -674,7 +673,7 @@ def _gdn_from_args(get, problems: list) -> dict | None:
         problems.append("Gated DeltaNet without --linear-attention-freq")
         return None
     layers = (list(frequency) if isinstance(frequency, (list, tuple))
-              else [int((i + 1) % int(frequency) != 0) for i in range(num_layers)])
+              else _interval_pattern(int(frequency), num_layers))
     return {"layers": layers, **{name: int(get(name)) for name in (
         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
         "linear_num_value_heads")}}

@@ -113,19 +113,11 @@ def _in_proj_fuse(qkvz: torch.Tensor, ba: torch.Tensor, cfg: ModelConfig) -> tor
 
 # Gated DeltaNet's gated output norm: transformers' linear_attn.norm scales by w (initialized to
 # ones), megatron-core's out_norm is zero-centred like every norm of the model and scales by 1 + w',
-# so w' = w - 1 (Megatron-Bridge shifts it so too). In fp32, w - 1 is exact for w >= 0.5 (Sterbenz's
-# lemma) and for any bf16 value above 2^-15, and then w' + 1 gives w back; below, w - 1 rounds:
-# shift_originals keeps those Hugging Face values for the export.
-SHIFTED = ("self_attention.out_norm.weight", "linear_attn.norm.weight")
-
-
-def _unshift(weight: torch.Tensor, original: list | None) -> torch.Tensor:
-    """w' + 1, and where the weight is still the import's w - 1, the original w bit for bit."""
-    value = weight + 1
-    if original is None:
-        return value
-    original = torch.tensor(original, dtype=weight.dtype).reshape(weight.shape)
-    return torch.where(original - 1 == weight, original, value)
+# so the import writes w' = w - 1 and the export w' + 1, the scale the model computes with
+# (Megatron-Bridge shifts it so too). Both give w back bit for bit for every bf16 w with
+# |w| >= 2^-16 and every fp32 w in [0.5, 2^24) (Sterbenz's lemma); fp32 cannot hold w - 1 for a
+# smaller fp32 w, which comes back within half an ulp of w - 1 (<= 2^-24).
+GATED_NORM, HF_GATED_NORM = "self_attention.out_norm.weight", "linear_attn.norm.weight"
 
 
 MLA_NAMES = [("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
@@ -180,11 +172,9 @@ def _qkv_kinds(cfg: ModelConfig, linear: bool) -> tuple:
     return () if cfg.mla or linear else ("weight", "bias") if cfg.qkv_bias else ("weight",)
 
 
-def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: bool = False,
-                shifted_original: list | None = None) -> dict:
+def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: bool = False) -> dict:
     """One megatron-core layer's tensors (suffix -> tensor) as Hugging Face suffixes; `sparse`: its
-    MLP is the experts'; `linear`: a Gated DeltaNet layer, whose shifted norm takes back
-    `shifted_original` where unchanged."""
+    MLP is the experts'; `linear`: a Gated DeltaNet layer."""
     out = {hf: layer[ours] for ours, hf in _renamed(cfg, sparse, linear)}
     for kind in _qkv_kinds(cfg, linear):
         q, k, v = _qkv_split(layer[f"self_attention.linear_qkv.{kind}"], cfg)
@@ -192,7 +182,7 @@ def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: boo
     if linear:
         qkvz, ba = _in_proj_split(layer["self_attention.in_proj.weight"], cfg)
         out.update({"linear_attn.in_proj_qkvz.weight": qkvz, "linear_attn.in_proj_ba.weight": ba,
-                    SHIFTED[1]: _unshift(layer[SHIFTED[0]], shifted_original)})
+                    HF_GATED_NORM: layer[GATED_NORM] + 1})
     for ours, hf in _mlp_names(cfg, sparse):
         gate, up = torch.chunk(layer[ours + "linear_fc1.weight"], 2, dim=0)
         out.update({hf + "gate_proj.weight": gate.contiguous(), hf + "up_proj.weight": up.contiguous()})
@@ -206,7 +196,7 @@ def layer_from_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: b
     if linear:
         out["self_attention.in_proj.weight"] = _in_proj_fuse(layer["linear_attn.in_proj_qkvz.weight"],
                                                              layer["linear_attn.in_proj_ba.weight"], cfg)
-        out[SHIFTED[0]] = layer[SHIFTED[1]] - 1
+        out[GATED_NORM] = layer[HF_GATED_NORM] - 1
     for ours, hf in _mlp_names(cfg, sparse):
         out[ours + "linear_fc1.weight"] = torch.cat([layer[hf + "gate_proj.weight"], layer[hf + "up_proj.weight"]], 0)
     return out
@@ -334,8 +324,7 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
     with a layout)."""
     out = {"model.embed_tokens.weight": _unpad(tensors["embedding.word_embeddings.weight"], cfg)}
     for i, (sparse, linear) in enumerate(zip(sparse_layers(cfg), linear_layers(cfg))):
-        original = cfg.shift_originals.get(f"model.layers.{i}.{SHIFTED[1]}")
-        layer = layer_to_hf(_inner(tensors, f"decoder.layers.{i}."), cfg, sparse, linear, original)
+        layer = layer_to_hf(_inner(tensors, f"decoder.layers.{i}."), cfg, sparse, linear)
         out.update({f"model.layers.{i}.{k}": v.contiguous() for k, v in layer.items()})
     out["model.norm.weight"] = tensors["decoder.final_layernorm.weight"]
     head = None if cfg.tied else _unpad(tensors["output_layer.weight"], cfg)
@@ -464,18 +453,6 @@ def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, dept
             out[target + "eh_proj.weight"] = t[prefix + "eh_proj.weight"]
             out[target + "final_layernorm.weight"] = t[prefix + "shared_head.norm.weight"]
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def shift_originals(tensors: dict, cfg: ModelConfig) -> dict:
-    """The Hugging Face values of the shifted norms (SHIFTED) that the shift does not carry there
-    and back bit for bit in fp32 (w - 1 rounds below 0.5), by name: the import keeps them in the
-    checkpoint's arguments, and an export writes them where the weight is unchanged."""
-    out = {}
-    for name in (f"model.layers.{i}.{SHIFTED[1]}" for i, linear in enumerate(linear_layers(cfg)) if linear):
-        original = tensors[name].float()
-        if not torch.equal((original - 1) + 1, original):
-            out[name] = original.tolist()
-    return out
 
 
 def collapse_repeated(tensors: dict, depths: int) -> dict:

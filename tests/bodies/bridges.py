@@ -95,6 +95,11 @@ def _import_export(root: Path, name: str, model, *export_flags: str) -> dict:
     original, back = _tensors(root / name), _tensors(root / f"{name}-back")
     out["names only one side"] = sorted(set(original) ^ set(back))
     out["differing"] = sorted(n for n in set(original) & set(back) if not torch.equal(original[n], back[n]))
+    # (a shifted norm exports the scale the model computes with: fp32 cannot hold w - 1 for w < 0.5)
+    out["differing as the model computes them"] = [n for n in out["differing"]
+                                                    if torch.equal(back[n], (original[n] - 1) + 1)]
+    out["differing at w >= 0.5"] = [n for n in out["differing"]
+                                    if bool(((original[n] != back[n]) & (original[n] >= 0.5)).any())]
     out["tensors"] = len(back)
     reloaded = AutoModelForCausalLM.from_pretrained(str(root / f"{name}-back"), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -311,32 +316,48 @@ def qwen3_next(root: Path) -> dict:
     """Qwen3-Next: two Gated DeltaNet layers, then a gated full-attention layer with q/k norms and
     rotary on half of each head, every layer's MLP 4 experts top-2 with normalized probabilities and
     a shared expert behind its sigmoid gate, (1 + w) norms; two MTP depths in Qwen3-Next's layout
-    (their own layers, one fc and set of norms). Also: the shifted output norms' values below 0.5
-    that the import kept, and what an export without them would change."""
-    from megatron_mtp.serving import files, mapping
+    (their own layers, one fc and set of norms). Also the layers and rotary share a published
+    config.json gives (full_attention_interval, no layer_types or partial_rotary_factor)."""
     from megatron_mtp.serving.config import ModelConfig
-    from megatron_mtp.serving.model import local_names
 
     out = _with_mtp(root, "qwen3-next")
-    args, tensors, _ = files.read_megatron(str(root / "qwen3-next-mg"))
-    cfg = ModelConfig.from_megatron_args(args)
-    out["shift originals"] = sorted(cfg.shift_originals)
-    cfg.shift_originals = {}
-    exported, original = mapping.megatron_to_hf(local_names(tensors, L), cfg, "qwen3_next"), _tensors(root / "qwen3-next")
-    out["differing without them"] = sorted(n for n in exported if not torch.equal(exported[n], original[n]))
+    config = json.loads((root / "qwen3-next" / "config.json").read_text())
+    published = {k: v for k, v in config.items() if k not in ("layer_types", "partial_rotary_factor")}
+    published["rope_parameters"] = {k: v for k, v in (config.get("rope_parameters") or {}).items()
+                                    if k != "partial_rotary_factor"}  # (where transformers 5 writes it too)
+    cfg = ModelConfig.from_hf(dict(published, full_attention_interval=3), pad_to=128)
+    out["published config"] = {"layers": cfg.gdn["layers"], "rotary_percent": cfg.rotary_percent}
     return out
 
 
-def qwen3_next_layers(root: Path) -> dict:
-    """Qwen3-Next with layer types no interval describes (full attention first: megatron-core's
-    --linear-attention-freq as a list), a dense first layer and softmax before top-k; no MTP."""
+def _qwen3_next_layers_model():
     torch.manual_seed(5)
     model = _families()["qwen3-next"][1](_config(
         "qwen3-next", "main", layer_types=["full_attention", "linear_attention", "full_attention"],
         mlp_only_layers=[0], norm_topk_prob=False, mtp_num_hidden_layers=0))
     _randomize(model)
+    return model
+
+
+def qwen3_next_layers(root: Path) -> dict:
+    """Qwen3-Next with layer types no interval describes (full attention first: megatron-core's
+    --linear-attention-freq as a list), a dense first layer and softmax before top-k; no MTP."""
+    model = _qwen3_next_layers_model()
     model.save_pretrained(root / "qwen3-next-layers")
     return _import_export(root, "qwen3-next-layers", model)[0]
+
+
+def qwen3_next_bf16(root: Path) -> dict:
+    """The same model saved in bf16, as published checkpoints are, and exported in bf16 (its logits
+    against the fp32 model with the same bf16 weights and fp32 buffers: the rotary frequencies)."""
+    import copy
+
+    model = _qwen3_next_layers_model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16))
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(root / "qwen3-next-bf16")
+    return _import_export(root, "qwen3-next-bf16", model, "--dtype", "bf16")[0]
 
 
 def qwen3_next_refusals(root: Path) -> dict:
@@ -421,7 +442,8 @@ def check(root: str) -> dict:
     results = {}
     for name, part in (("qwen3_moe", qwen3_moe), ("deepseek_v3", deepseek_v3), ("glm_4_5", glm_4_5),
                        ("refusals", refusals), ("mla_decoding", mla_decoding), ("qwen3_next", qwen3_next),
-                       ("qwen3_next_layers", qwen3_next_layers), ("qwen3_next_refusals", qwen3_next_refusals)):
+                       ("qwen3_next_layers", qwen3_next_layers), ("qwen3_next_bf16", qwen3_next_bf16),
+                       ("qwen3_next_refusals", qwen3_next_refusals)):
         try:
             results[name] = part(Path(root))
         except Exception:

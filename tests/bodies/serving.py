@@ -426,7 +426,8 @@ def eval_refusals(root: str) -> dict:
 def kv_cache(root: str, names=("trained", "qwen-mg", "trained-moe")) -> dict:
     """Speculative and greedy decoding over the KV cache against tests/reference/speculative.py's
     whole-sequence recompute, on the checkpoints `names` under `root` (here the trained checkpoint,
-    the imported random Qwen2 (its second depth new) and the MoE checkpoint; tests/bodies/bridges.py's
+    the imported random Qwen2 (its second depth new) and the MoE checkpoint with an output gate, q/k
+    norms and zero-centred norms; tests/bodies/bridges.py's
     DeepSeek-V3 import, multi-latent attention): the same outputs, and every draft's logits (each
     depth call's last position, in order) within float32 round-off."""
     from megatron_mtp.serving import speculative
