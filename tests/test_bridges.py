@@ -55,6 +55,12 @@ def part(results, name):
     return result
 
 
+def entry(results, family, name=None):
+    """A part's result, or one of its models' (`name`)."""
+    result = part(results, family)
+    return result[name] if name else result
+
+
 def _round_trip(entry):
     assert entry["import"][0] == 0 and entry["export"][0] == 0, (entry["import"], entry["export"])
     assert entry["logits"] <= PARITY, entry["logits"]
@@ -119,12 +125,13 @@ def test_the_shifted_output_norm_round_trips_below_one_half(results):
     assert not entry["differing"], entry["differing"]
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm_4_5", "qwen3_next"])
-def test_mtp_depths_compute_the_engines_mtp_forward(results, family):
-    entry = part(results, family)
-    assert entry["depths"] == 2, entry
+@pytest.mark.parametrize("family, name", [("deepseek_v3", None), ("glm_4_5", None), ("qwen3_next", None),
+                                          ("qwen3_5", "qwen3.5"), ("qwen3_5", "qwen3.5-moe")])
+def test_mtp_depths_compute_the_engines_mtp_forward(results, family, name):
+    depths = entry(results, family, name)
+    assert depths["depths"] == 2, depths
     for depth in (1, 2):
-        assert entry[f"depth {depth} logits"] <= PARITY, (depth, entry[f"depth {depth} logits"])
+        assert depths[f"depth {depth} logits"] <= PARITY, (depth, depths[f"depth {depth} logits"])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_4_5"])
@@ -138,13 +145,54 @@ def test_mtp_layer_has_the_loaders_names(results, family):
             "mlp.shared_experts.gate_proj.weight"} <= names, sorted(names)
 
 
-def test_qwen3_next_mtp_layer_has_the_loaders_names(results):
-    names = set(part(results, "qwen3_next")["mtp names"])
+@pytest.mark.parametrize("family, name", [("qwen3_next", None), ("qwen3_5", "qwen3.5-moe")])
+def test_qwen3_next_mtp_layer_has_the_loaders_names(results, family, name):
+    names = set(entry(results, family, name)["mtp names"])
     shared = {"fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"}
     layer = {f"layers.{k}.{name}" for k in (0, 1) for name in (
         "self_attn.q_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.weight",
         "mlp.experts.3.down_proj.weight", "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert_gate.weight")}
     assert shared | layer <= names and not {n for n in names if n.startswith("embed") or "head" in n}, sorted(names)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-moe"])
+def test_qwen3_5_imports_with_transformers_logits_and_exports_bit_for_bit(results, name):
+    model = entry(results, "qwen3_5", name)
+    _round_trip(model)
+    config, flags = model["config"], model["flags"]
+    architecture, model_type = {"qwen3.5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+                                "qwen3.5-moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")}[name]
+    assert config["architectures"] == [architecture] and config["model_type"] == model_type, config
+    assert config["mtp_num_hidden_layers"] == 2 and "norm_topk_prob" not in config, config
+    assert ("--moe-shared-expert-gate" in flags) == (name == "qwen3.5-moe"), flags
+    assert flags[flags.index("--linear-attention-freq") + 1] == "3", flags
+
+
+def test_qwen3_5_moe_exports_as_qwen3_next_on_request(results):
+    """The trainer's arguments are the same for both; --architecture qwen3_next stores Qwen3-Next's form."""
+    export = entry(results, "qwen3_5", "as qwen3_next")
+    assert export["status"] == 0 and export["config"]["architectures"] == ["Qwen3NextForCausalLM"], export
+    assert export["logits"] <= PARITY, export["logits"]
+
+
+def test_the_qwen3_5_vlm_form_imports_its_language_model(results):
+    vlm = part(results, "qwen3_5_vlm")
+    assert vlm["transformers' logits"] <= PARITY, vlm  # the wrapped form is the one transformers loads
+    assert vlm["import"][0] == 0 and vlm["same as text-only"] and vlm["logits"] <= PARITY, vlm
+    assert vlm["export"][0] == 0 and not vlm["names only one side"] and not vlm["differing"], vlm
+    assert vlm["config"]["architectures"] == ["Qwen3_5ForCausalLM"], vlm["config"]
+
+
+@pytest.mark.parametrize("family, case, words", [
+    ("qwen3_5_vlm", "no text_config", "without a text_config"),
+    ("qwen3_5_refusals", "attention biases", "attention_bias"),
+    ("qwen3_5_refusals", "dense layers as qwen3_5_moe", "experts in every layer"),
+    ("qwen3_5_refusals", "qwen3.5 as qwen3", "Qwen3_5ForCausalLM-shaped"),
+    ("qwen3_5_refusals", "qwen3.5 as qwen3_next", "Qwen3_5ForCausalLM-shaped")])
+def test_what_the_qwen3_5_bridge_cannot_carry_is_refused_in_one_line(results, family, case, words):
+    refused = entry(results, family, case)
+    assert refused["status"] == 2 and len(refused["stderr"]) == 1 and words in refused["stderr"][0], refused
+    assert not refused["written"], refused
 
 
 @pytest.mark.parametrize("case, words", [

@@ -89,10 +89,12 @@ def parse(argv):
                      help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths, "
                           "deepseek_v3 for a mixture-of-experts model, qwen3_next for Qwen3-Next; none: the "
                           "backbone only)")
-    exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3"], default=None,
+    exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3", "qwen3_next", "qwen3_5_moe"],
+                     default=None,
                      help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases, "
-                          "Qwen3 with q/k norms, Llama without either); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
-                          "MTP depths as MiMo's")
+                          "Qwen3 with q/k norms, Llama without either, Qwen3-Next with Gated DeltaNet and experts); "
+                          "mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the MTP depths as MiMo's; "
+                          "qwen3_next and qwen3_5_moe are the same model, stored otherwise")
     exp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     exp.add_argument("--tokenizer", help="tokenizer directory (or file) whose files are copied beside the model")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
@@ -105,6 +107,7 @@ def run_import(args) -> int:
 
     out = files.check_output(args.output)
     config, tensors = files.read_hf(args.source)
+    config, tensors, vision = mapping.unwrap_vlm(config, tensors)
     if args.make_vocab_size_divisible_by < 1 or args.tensor_model_parallel_size < 1:
         raise ServingError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be >= 1")
     cfg = ModelConfig.from_hf(config, pad_to=args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
@@ -136,7 +139,9 @@ def run_import(args) -> int:
     print(f"{PROG}: imported {cfg.family} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary "
           f"{cfg.vocab_size} padded to {cfg.padded_vocab_size}, {'tied' if cfg.tied else 'untied'} embeddings"
           f"{', MTP depths ' + str(depths) + ' from ' + layout + ' layout' if depths else ''}"
-          f"{', new MTP depths ' + str(new_depths) + ' initialized' if new_depths else ''}) into {out}")
+          f"{', new MTP depths ' + str(new_depths) + ' initialized' if new_depths else ''}"
+          f"{'; the language model alone, the vision tower (' + str(vision) + ' tensors) left out' if vision else ''}"
+          f") into {out}")
     print(f"{PROG}: model flags for tensor-parallel size {args.tensor_model_parallel_size} (also in "
           f"{out / files.FLAGS_FILE}; another size pads the vocabulary otherwise: import again with "
           f"--tensor-model-parallel-size): {' '.join(flags)}")

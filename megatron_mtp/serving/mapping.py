@@ -54,7 +54,7 @@ import re
 import torch
 
 from megatron_mtp.serving import ServingError
-from megatron_mtp.serving.config import GATED_DELTA_NET_FAMILIES, ModelConfig
+from megatron_mtp.serving.config import GATED_DELTA_NET_FAMILIES, VLM_WRAPPERS, ModelConfig
 
 MTP_LAYOUTS = ("mimo", "deepseek_v3", "qwen3_next")
 # Buffers some checkpoints carry that are recomputed from the config.
@@ -91,20 +91,38 @@ def _key_heads(cfg: ModelConfig):
             g["linear_num_value_heads"] // g["linear_num_key_heads"], g["linear_value_head_dim"])
 
 
-def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig):
-    """megatron-core's in_proj (section by section) -> in_proj_qkvz and in_proj_ba (key head by key head)."""
+def _in_proj_sections(cfg: ModelConfig) -> list:
+    """The rows of megatron-core's in_proj: queries, keys, values, z, betas, alphas."""
     heads, dk, per_head, dv = _key_heads(cfg)
-    q, k, v, z, b, a = torch.split(weight, [heads * dk, heads * dk, heads * per_head * dv, heads * per_head * dv,
-                                            heads * per_head, heads * per_head])
+    return [heads * dk, heads * dk, heads * per_head * dv, heads * per_head * dv, heads * per_head, heads * per_head]
+
+
+def _in_proj_names(cfg: ModelConfig) -> list:
+    """Hugging Face's Gated DeltaNet input projections: Qwen3-Next's two per key head, Qwen3.5's four
+    section by section (in_proj_qkv's rows all queries, keys, values: megatron-core's first three)."""
+    if cfg.family == "qwen3_next":
+        return ["linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"]
+    return [f"linear_attn.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+
+
+def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig) -> list:
+    """megatron-core's in_proj (section by section) -> Hugging Face's (_in_proj_names)."""
+    heads = cfg.gdn["linear_num_key_heads"]
+    q, k, v, z, b, a = torch.split(weight, _in_proj_sections(cfg))
+    if cfg.family != "qwen3_next":
+        return [torch.cat([q, k, v]).contiguous(), z.contiguous(), b.contiguous(), a.contiguous()]
 
     def by_key_head(*sections):
         return torch.cat([t.reshape(heads, -1, weight.shape[1]) for t in sections], 1).reshape(-1, weight.shape[1])
 
-    return by_key_head(q, k, v, z).contiguous(), by_key_head(b, a).contiguous()
+    return [by_key_head(q, k, v, z).contiguous(), by_key_head(b, a).contiguous()]
 
 
-def _in_proj_fuse(qkvz: torch.Tensor, ba: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _in_proj_fuse(parts: list, cfg: ModelConfig) -> torch.Tensor:
+    if cfg.family != "qwen3_next":
+        return torch.cat(parts).contiguous()
     heads, dk, per_head, dv = _key_heads(cfg)
+    qkvz, ba = parts
     hidden = qkvz.shape[1]
     q, k, v, z = torch.split(qkvz.reshape(heads, -1, hidden), [dk, dk, per_head * dv, per_head * dv], 1)
     b, a = torch.split(ba.reshape(heads, -1, hidden), [per_head, per_head], 1)
@@ -190,9 +208,8 @@ def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: boo
         q, k, v = _qkv_split(layer[f"self_attention.linear_qkv.{kind}"], cfg)
         out.update({f"self_attn.q_proj.{kind}": q, f"self_attn.k_proj.{kind}": k, f"self_attn.v_proj.{kind}": v})
     if linear:
-        qkvz, ba = _in_proj_split(layer["self_attention.in_proj.weight"], cfg)
-        out.update({"linear_attn.in_proj_qkvz.weight": qkvz, "linear_attn.in_proj_ba.weight": ba,
-                    SHIFTED[1]: _unshift(layer[SHIFTED[0]], shifted_original)})
+        out.update(zip(_in_proj_names(cfg), _in_proj_split(layer["self_attention.in_proj.weight"], cfg)))
+        out[SHIFTED[1]] = _unshift(layer[SHIFTED[0]], shifted_original)
     for ours, hf in _mlp_names(cfg, sparse):
         gate, up = torch.chunk(layer[ours + "linear_fc1.weight"], 2, dim=0)
         out.update({hf + "gate_proj.weight": gate.contiguous(), hf + "up_proj.weight": up.contiguous()})
@@ -204,8 +221,7 @@ def layer_from_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: b
     for kind in _qkv_kinds(cfg, linear):
         out[f"self_attention.linear_qkv.{kind}"] = _qkv_fuse(*(layer[f"self_attn.{x}_proj.{kind}"] for x in "qkv"), cfg)
     if linear:
-        out["self_attention.in_proj.weight"] = _in_proj_fuse(layer["linear_attn.in_proj_qkvz.weight"],
-                                                             layer["linear_attn.in_proj_ba.weight"], cfg)
+        out["self_attention.in_proj.weight"] = _in_proj_fuse([layer[name] for name in _in_proj_names(cfg)], cfg)
         out[SHIFTED[0]] = layer[SHIFTED[1]] - 1
     for ours, hf in _mlp_names(cfg, sparse):
         out[ours + "linear_fc1.weight"] = torch.cat([layer[hf + "gate_proj.weight"], layer[hf + "up_proj.weight"]], 0)
@@ -218,9 +234,10 @@ def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False, linear: bool = False
     if linear:
         heads, dk, per_head, dv = _key_heads(cfg)
         qk, v = heads * dk, heads * per_head * dv
-        shapes.update({"linear_attn.in_proj_qkvz.weight": (2 * qk + 2 * v, H),
-                       "linear_attn.in_proj_ba.weight": (2 * heads * per_head, H),
-                       "linear_attn.conv1d.weight": (2 * qk + v, 1, cfg.gdn["linear_conv_kernel_dim"]),
+        rows = _in_proj_sections(cfg)
+        rows = [sum(rows[:4]), sum(rows[4:])] if cfg.family == "qwen3_next" else [sum(rows[:3]), *rows[3:]]
+        shapes.update({name: (n, H) for name, n in zip(_in_proj_names(cfg), rows)})
+        shapes.update({"linear_attn.conv1d.weight": (2 * qk + v, 1, cfg.gdn["linear_conv_kernel_dim"]),
                        "linear_attn.A_log": (heads * per_head,), "linear_attn.dt_bias": (heads * per_head,),
                        "linear_attn.norm.weight": (dv,), "linear_attn.out_proj.weight": (H, v)})
     elif cfg.mla:
@@ -369,6 +386,28 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
                                                        else out["model.embed_tokens.weight"]).clone()
             out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
     return out
+
+
+def unwrap_vlm(config: dict, tensors: dict) -> tuple[dict, dict, int]:
+    """A Qwen3.5 VLM checkpoint (Qwen3_5ForConditionalGeneration: model.language_model.*, lm_head and
+    mtp.* beside the vision tower model.visual.*, the language model's config.json nested in
+    text_config) as its text-only CausalLM's: (config, tensors, the vision tower's tensors left out).
+    The trainer trains the language model alone; another checkpoint is returned as it is."""
+    wrapper = next((a for a in config.get("architectures") or [] if a in VLM_WRAPPERS), None)
+    if wrapper is None:
+        return config, tensors, 0
+    if not isinstance(config.get("text_config"), dict):
+        raise ServingError(f"config.json: {wrapper} without a text_config (the language model's config)")
+    text = dict(config["text_config"], architectures=[VLM_WRAPPERS[wrapper]])
+    # the wrapper ties its lm_head by its own config; its ids are the tokenizer's
+    text.update({k: config[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+                 if k in config and (k == "tie_word_embeddings" or k not in text)})
+    prefix, vision = "model.language_model.", "model.visual."
+    if not any(name.startswith(prefix) for name in tensors):
+        raise ServingError(f"config.json names {wrapper}, but no tensor is under {prefix}")
+    out = {("model." + name[len(prefix):] if name.startswith(prefix) else name): value
+           for name, value in tensors.items() if not name.startswith(vision)}
+    return text, out, len(tensors) - len(out)
 
 
 def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
