@@ -143,8 +143,8 @@ class ModelConfig:
             raise ServingError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
         if family == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
             raise ServingError("config.json: Llama attention_bias / mlp_bias are not supported")
-        if family in ("qwen3", "qwen3_moe", "deepseek_v3", *GATED_DELTA_NET_FAMILIES) and (config.get("attention_bias") or
-                                                                          config.get("mlp_bias")):
+        if family in ("qwen3", "qwen3_moe", "deepseek_v3", *GATED_DELTA_NET_FAMILIES) and (
+                config.get("attention_bias") or config.get("mlp_bias")):
             raise ServingError(f"config.json: {ARCHITECTURES[family]} attention_bias is not supported")
         if family == "deepseek_v3" and config.get("rope_interleave", True) is not True:
             raise ServingError("config.json: DeepSeek-V3 with rope_interleave false is not supported (its "
@@ -262,7 +262,8 @@ class ModelConfig:
     @classmethod
     def from_megatron_args(cls, args) -> "ModelConfig":
         """A trainer checkpoint's arguments; refused (one line) unless the model is Llama-, Qwen2-,
-        Qwen3- (q/k norms without QKV biases), Qwen3-MoE-, DeepSeek-V3-, GLM-4.5-, Qwen3-Next- or Qwen3.5-shaped."""
+        Qwen3- (q/k norms without QKV biases), Qwen3-MoE-, DeepSeek-V3-, GLM-4.5-, Qwen3-Next- or
+        Qwen3.5-shaped."""
         def get(name, default=None):
             return getattr(args, name, default)
 

@@ -45,6 +45,9 @@ expert is mlp.shared_expert with mlp.shared_expert_gate. Its MTP depths (the eng
 vLLM's and SGLang's Qwen3-Next MTP models read it): mtp.layers.{k} (a full-attention layer), and
 once for all depths mtp.pre_fc_norm_embedding = enorm, mtp.pre_fc_norm_hidden = hnorm, mtp.fc =
 eh_proj over [embedding, hidden], mtp.norm = final_layernorm; no copies of the embedding or head.
+Qwen3.5: Qwen3-Next's names, but its Gated DeltaNet layers hold in_proj_qkv (all queries, keys,
+values), in_proj_z, in_proj_b, in_proj_a: megatron-core's in_proj sections as they are; the same
+MTP layout. Its published checkpoints are the VLM's (unwrap_vlm).
 An MTP depth's inner layer is built as the last decoder layer (MoE when that one is), with full
 attention.
 """
@@ -289,11 +292,12 @@ def mtp_sparse(cfg: ModelConfig) -> bool:
 
 
 def check_mtp_layer(cfg: ModelConfig, depths: int) -> None:
-    """An MTP depth's inner layer is built as the last decoder layer; Qwen3-Next's (its engines')
-    is a full-attention layer, so the last decoder layer must be one."""
+    """An MTP depth's inner layer is built as the last decoder layer; Qwen3-Next's and Qwen3.5's (their
+    engines') is a full-attention layer, so the last decoder layer must be one."""
     if depths and linear_layers(cfg)[-1]:
         raise ServingError(f"{depths} MTP depths on a model whose last layer is Gated DeltaNet: megatron-core builds "
-                           "each depth's layer as the decoder's last, Qwen3-Next's MTP layer is full attention")
+                           "each depth's layer as the decoder's last, Qwen3-Next's and Qwen3.5's MTP layer is full "
+                           "attention")
 
 
 # Qwen3-Next's MTP tensors shared by all its depths (megatron-core suffix, Hugging Face name).

@@ -2,15 +2,17 @@
 DeltaNet families through tools/convert_checkpoint.py (one process, megatron-core imported once).
 
 References: the `transformers` classes installed here (Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
-Glm4MoeForCausalLM, Qwen3NextForCausalLM) on tiny random configs made here, with non-unit norms,
+Glm4MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) on tiny
+random configs made here, with non-unit norms,
 a non-zero expert bias and Gated DeltaNet's dt_bias away from one; for the MTP depths, a forward
 written from the engines' MTP semantics (the next token's embedding through enorm, the previous
 depth's hidden state through hnorm, a projection over their concatenation [embedding, hidden], one
 decoder layer, a final norm, the output layer) on the checkpoint's tensors in its layout: DeepSeek-V3's
 (GLM-4.5's: enorm, hnorm, eh_proj, shared_head.norm, shared_head.head per depth) or Qwen3-Next's
-(mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, mtp.norm for all depths, (1 + w)
-norms, the main model's embedding and head), whose decoder layer is transformers' own (a one-layer
-DeepseekV3Model / Glm4MoeModel / Qwen3NextModel whose final norm is the depth's).
+(Qwen3.5's too: mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, mtp.norm for all
+depths, (1 + w) norms, the main model's embedding and head), whose decoder layer is transformers'
+own (a one-layer DeepseekV3Model / Glm4MoeModel / Qwen3NextModel / Qwen3_5TextModel /
+Qwen3_5MoeTextModel whose final norm is the depth's).
 """
 
 import io
