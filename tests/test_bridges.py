@@ -37,8 +37,8 @@ one process).
   recompute's tokens and draft logits (relative 1e-5); eval_speculative.py runs on it. It refuses
   the Qwen3-Next import in one line (the cache holds no Gated DeltaNet state), as the Runner
   refuses its forward from a later position.
-- The trainer loads the Qwen3-Next import (one rank) and the DeepSeek-V3 import (EP = 2, matrix tier)
-  with the flags the import wrote, and trains their MTP depths with the backbone frozen: every
+- The trainer loads the Qwen3-Next and dense Qwen3.5 imports (one rank) and the DeepSeek-V3 import
+  (EP = 2, matrix tier) with the flags the import wrote, and trains their MTP depths with the backbone frozen: every
   backbone tensor after training is the imported one, bit for bit.
 """
 
@@ -236,12 +236,11 @@ def test_decoding_mla_over_the_kv_cache_equals_a_whole_sequence_recompute(result
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, ranks, layout", [
-    pytest.param("deepseek_v3", 2, ("--expert-model-parallel-size", "2"), marks=pytest.mark.matrix),
-    ("qwen3_next", 1, ())])
-def test_the_trainer_trains_heads_on_the_import_with_its_backbone_frozen(results, family, ranks, layout):
+@pytest.mark.parametrize("family, name, ranks, layout", [
+    pytest.param("deepseek_v3", "deepseek-v3", 2, ("--expert-model-parallel-size", "2"), marks=pytest.mark.matrix),
+    ("qwen3_next", "qwen3-next", 1, ()), ("qwen3_5", "qwen3.5", 1, ())])
+def test_the_trainer_trains_heads_on_the_import_with_its_backbone_frozen(results, family, name, ranks, layout):
     part(results, family)
-    name = family.replace("_", "-")
     imported = results["root"] / f"{name}-mg"
     trained = results["root"] / f"{name}-trained"
     flags = (imported / "megatron_flags.txt").read_text().split()
