@@ -187,6 +187,7 @@ def test_the_qwen3_5_vlm_form_imports_its_language_model(results):
     vlm = part(results, "qwen3_5_vlm")
     assert vlm["transformers' logits"] <= PARITY, vlm  # the wrapped form is the one transformers loads
     assert vlm["import"][0] == 0 and vlm["same as text-only"] and vlm["logits"] <= PARITY, vlm
+    assert "the vision tower (2 tensors) left out" in vlm["printed"], vlm["printed"]
     assert vlm["export"][0] == 0 and not vlm["names only one side"] and not vlm["differing"], vlm
     assert vlm["config"]["architectures"] == ["Qwen3_5ForCausalLM"], vlm["config"]
 

@@ -36,11 +36,12 @@ GQA = ["self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.wei
        "self_attn.o_proj.weight"]
 
 
-def _convert(*argv: str) -> tuple[int, str]:
+def _convert(*argv: str, printed: io.StringIO | None = None) -> tuple[int, str]:
+    """The converter's exit status and error output; its output into `printed` if given."""
     import convert_checkpoint
 
     err = io.StringIO()
-    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+    with redirect_stdout(printed or io.StringIO()), redirect_stderr(err):
         try:
             status = convert_checkpoint.main(list(argv))
         except SystemExit as exit_:
@@ -408,15 +409,18 @@ def qwen3_5_vlm(root: Path) -> dict:
     """The dense Qwen3.5 checkpoint in its published VLM form: transformers' Qwen3_5ForCausalLM
     loads it (the form is the published one); the import takes its language model and MTP depths
     (the same model as the text-only import, bit for bit) and leaves the vision tower out; the export
-    is the text-only checkpoint, bit for bit. Without text_config it is refused."""
+    is the text-only checkpoint, bit for bit; its output line says what it left out. Without
+    text_config it is refused."""
     from transformers import AutoModelForCausalLM
 
     directory = _wrap_vlm(root, "qwen3.5")
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(str(root / "qwen3.5"), dtype=torch.float32).eval()(TOKENS)
         wrapped = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()(TOKENS)
+    printed = io.StringIO()
     out = {"transformers' logits": _rel(wrapped.logits, expected.logits),
-           "import": _convert("import", str(directory), str(root / "qwen3.5-vlm-mg"))}
+           "import": _convert("import", str(directory), str(root / "qwen3.5-vlm-mg"), printed=printed),
+           "printed": printed.getvalue().splitlines()[0]}
     main, per_depth = _runner(root / "qwen3.5-vlm-mg").teacher_forced(TOKENS)
     text_main, text_depths = _runner(root / "qwen3.5-mg").teacher_forced(TOKENS)
     out["same as text-only"] = torch.equal(main, text_main) and all(map(torch.equal, per_depth, text_depths))
