@@ -402,10 +402,12 @@ def unwrap_vlm(config: dict, tensors: dict) -> tuple[dict, dict, int]:
         return config, tensors, 0
     if not isinstance(config.get("text_config"), dict):
         raise ServingError(f"config.json: {wrapper} without a text_config (the language model's config)")
-    text = dict(config["text_config"], architectures=[VLM_WRAPPERS[wrapper]])
-    # the wrapper ties its lm_head by its own config; its ids are the tokenizer's
-    text.update({k: config[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-                 if k in config and (k == "tie_word_embeddings" or k not in text)})
+    # transformers' wrapper ties its lm_head by its own tie_word_embeddings (false when absent), not
+    # text_config's; the token ids text_config lacks are the wrapper's
+    text = dict(config["text_config"], architectures=[VLM_WRAPPERS[wrapper]],
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+    text.update({k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                 if k in config and k not in text})
     prefix, vision = "model.language_model.", "model.visual."
     if not any(name.startswith(prefix) for name in tensors):
         raise ServingError(f"config.json names {wrapper}, but no tensor is under {prefix}")
