@@ -100,20 +100,26 @@ def _in_proj_sections(cfg: ModelConfig) -> list:
     return [heads * dk, heads * dk, heads * per_head * dv, heads * per_head * dv, heads * per_head, heads * per_head]
 
 
+def _per_key_head(cfg: ModelConfig) -> bool:
+    """Whether Hugging Face's Gated DeltaNet input projections are Qwen3-Next's two, grouped per key
+    head, rather than Qwen3.5's four, section by section."""
+    return cfg.family == "qwen3_next"
+
+
 def _in_proj_names(cfg: ModelConfig) -> list:
     """Hugging Face's Gated DeltaNet input projections: Qwen3-Next's two per key head, Qwen3.5's four
     section by section (in_proj_qkv's rows all queries, keys, values: megatron-core's first three)."""
-    if cfg.family == "qwen3_next":
+    if _per_key_head(cfg):
         return ["linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"]
     return [f"linear_attn.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
 
 
 def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig) -> list:
     """megatron-core's in_proj (section by section) -> Hugging Face's (_in_proj_names)."""
-    heads = cfg.gdn["linear_num_key_heads"]
     q, k, v, z, b, a = torch.split(weight, _in_proj_sections(cfg))
-    if cfg.family != "qwen3_next":
+    if not _per_key_head(cfg):
         return [torch.cat([q, k, v]).contiguous(), z.contiguous(), b.contiguous(), a.contiguous()]
+    heads = cfg.gdn["linear_num_key_heads"]
 
     def by_key_head(*sections):
         return torch.cat([t.reshape(heads, -1, weight.shape[1]) for t in sections], 1).reshape(-1, weight.shape[1])
@@ -122,7 +128,7 @@ def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig) -> list:
 
 
 def _in_proj_fuse(parts: list, cfg: ModelConfig) -> torch.Tensor:
-    if cfg.family != "qwen3_next":
+    if not _per_key_head(cfg):
         return torch.cat(parts).contiguous()
     heads, dk, per_head, dv = _key_heads(cfg)
     qkvz, ba = parts
@@ -238,7 +244,7 @@ def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False, linear: bool = False
         heads, dk, per_head, dv = _key_heads(cfg)
         qk, v = heads * dk, heads * per_head * dv
         rows = _in_proj_sections(cfg)
-        rows = [sum(rows[:4]), sum(rows[4:])] if cfg.family == "qwen3_next" else [sum(rows[:3]), *rows[3:]]
+        rows = [sum(rows[:4]), sum(rows[4:])] if _per_key_head(cfg) else [sum(rows[:3]), *rows[3:]]
         shapes.update({name: (n, H) for name, n in zip(_in_proj_names(cfg), rows)})
         shapes.update({"linear_attn.conv1d.weight": (2 * qk + v, 1, cfg.gdn["linear_conv_kernel_dim"]),
                        "linear_attn.A_log": (heads * per_head,), "linear_attn.dt_bias": (heads * per_head,),
