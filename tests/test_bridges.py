@@ -1,5 +1,5 @@
 """Hugging Face bridges for the MoE, multi-latent attention and Gated DeltaNet families (issue 27):
-tools/convert_checkpoint.py on Qwen3-MoE, DeepSeek-V3, GLM-4.5 and Qwen3-Next against the
+tools/convert_checkpoint.py on Qwen3-MoE, DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 against the
 `transformers` classes installed here, on tiny random configs made locally (tests/bodies/bridges.py,
 one process).
 
@@ -12,25 +12,33 @@ one process).
   gated_delta_net) with Gated DeltaNet layers of 2 key heads over 4 value heads, gated attention
   with q/k norms and rotary on half of each head, (1 + w) norms, experts beside a gated shared
   expert, its layers every third full attention, and in another order (a list pattern) with a
-  dense first layer and softmax before top-k.
-- The two MTP depths of DeepSeek-V3 and GLM-4.5, in DeepSeek-V3's layout, and of Qwen3-Next, in its
-  own (mtp.layers.{k}, one mtp.fc and set of norms), equal a forward written from the engines' MTP
+  dense first layer and softmax before top-k; Qwen3.5 with Qwen3-Next's shapes, dense and with
+  experts in every layer (Gated DeltaNet's in_proj_qkv / _z / _b / _a, the multimodal rotary's
+  sections at text positions).
+- The two MTP depths of DeepSeek-V3 and GLM-4.5, in DeepSeek-V3's layout, and of Qwen3-Next and
+  Qwen3.5 (dense and MoE), in Qwen3-Next's (mtp.layers.{k}, one mtp.fc and set of norms), equal a forward written from the engines' MTP
   semantics on the Hugging Face tensors (relative 1e-5).
 - Import then export gives the original tensors bit for bit (the MTP depths and the copies its
   loaders read included; Qwen3-Next's Gated DeltaNet output norm, shifted by one, below 0.5 too),
-  the config the loaders read, and transformers loads the export with the same logits.
+  the config the loaders read, and transformers loads the export with the same logits; the
+  Qwen3.5-MoE import also as Qwen3-Next (--architecture qwen3_next).
+- Qwen3.5's published VLM form (written here: text_config, model.language_model.*, a vision
+  tower; transformers' Qwen3_5ForCausalLM loads it with the original's logits) imports as the
+  text-only checkpoint does, bit for bit, and exports as the text-only checkpoint, bit for bit.
 - What megatron-core would compute otherwise is refused in one line with nothing written:
   unnormalized sigmoid top-k, group scores over other than 2 experts, DeepSeek-V3 weights without
   interleaved rotary pairs, YaRN with another original context; Qwen3-Next's MTP depths on a last
   Gated DeltaNet layer, value heads not grouped by key head, no shared expert, attention biases,
-  and MTP depths with their own fc exported in its layout (which holds one).
+  and MTP depths with their own fc exported in its layout (which holds one); Qwen3.5's attention
+  biases, a VLM config without text_config, a model with dense layers or softmax before top-k
+  exported as Qwen3.5-MoE, a Qwen3.5 exported as another family.
 - Decoding the DeepSeek-V3 import over the KV cache (multi-latent attention's rotary positions
   counted from each forward's first position), speculative and greedy, gives the whole-sequence
   recompute's tokens and draft logits (relative 1e-5); eval_speculative.py runs on it. It refuses
   the Qwen3-Next import in one line (the cache holds no Gated DeltaNet state), as the Runner
   refuses its forward from a later position.
-- The trainer loads the Qwen3-Next import (one rank) and the DeepSeek-V3 import (EP = 2, matrix tier)
-  with the flags the import wrote, and trains their MTP depths with the backbone frozen: every
+- The trainer loads the Qwen3-Next and dense Qwen3.5 imports (one rank) and the DeepSeek-V3 import
+  (EP = 2, matrix tier) with the flags the import wrote, and trains their MTP depths with the backbone frozen: every
   backbone tensor after training is the imported one, bit for bit.
 """
 
@@ -39,7 +47,7 @@ import pytest
 from tests.harness.launcher import launch
 from tests.harness.trainer import TINY, train
 
-PARITY = 1e-5  # relative, fp32 (measured <= 8e-7: Qwen3-Next's)
+PARITY = 1e-5  # relative, fp32 (measured <= 8.7e-7: Qwen3.5's)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +61,12 @@ def part(results, name):
     if set(result) == {"error"}:
         pytest.fail(f"{name}:\n{result['error']}", pytrace=False)
     return result
+
+
+def entry(results, family, name=None):
+    """A part's result, or one of its models' (`name`)."""
+    result = part(results, family)
+    return result[name] if name else result
 
 
 def _round_trip(entry, shifted=()):
@@ -71,6 +85,7 @@ def _round_trip(entry, shifted=()):
 # Gated DeltaNet's output norm, (w) in transformers, (1 + w') in megatron-core: each model's Gated DeltaNet layers
 SHIFTED = {"qwen3_next": ["model.layers.0.linear_attn.norm.weight", "model.layers.1.linear_attn.norm.weight"],
            "qwen3_next_layers": ["model.layers.1.linear_attn.norm.weight"]}
+SHIFTED["qwen3.5"] = SHIFTED["qwen3.5-moe"] = SHIFTED["qwen3_next"]
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-moe-pre-softmax"])
@@ -134,12 +149,13 @@ def test_the_shifted_output_norm_exports_the_scale_the_model_computes_with(resul
     assert bf16["config"]["torch_dtype" if "torch_dtype" in bf16["config"] else "dtype"] == "bfloat16", bf16["config"]
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm_4_5", "qwen3_next"])
-def test_mtp_depths_compute_the_engines_mtp_forward(results, family):
-    entry = part(results, family)
-    assert entry["depths"] == 2, entry
+@pytest.mark.parametrize("family, name", [("deepseek_v3", None), ("glm_4_5", None), ("qwen3_next", None),
+                                          ("qwen3_5", "qwen3.5"), ("qwen3_5", "qwen3.5-moe")])
+def test_mtp_depths_compute_the_engines_mtp_forward(results, family, name):
+    depths = entry(results, family, name)
+    assert depths["depths"] == 2, depths
     for depth in (1, 2):
-        assert entry[f"depth {depth} logits"] <= PARITY, (depth, entry[f"depth {depth} logits"])
+        assert depths[f"depth {depth} logits"] <= PARITY, (depth, depths[f"depth {depth} logits"])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_4_5"])
@@ -153,13 +169,57 @@ def test_mtp_layer_has_the_loaders_names(results, family):
             "mlp.shared_experts.gate_proj.weight"} <= names, sorted(names)
 
 
-def test_qwen3_next_mtp_layer_has_the_loaders_names(results):
-    names = set(part(results, "qwen3_next")["mtp names"])
+@pytest.mark.parametrize("family, name", [("qwen3_next", None), ("qwen3_5", "qwen3.5-moe")])
+def test_qwen3_next_mtp_layer_has_the_loaders_names(results, family, name):
+    names = set(entry(results, family, name)["mtp names"])
     shared = {"fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"}
     layer = {f"layers.{k}.{name}" for k in (0, 1) for name in (
         "self_attn.q_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.weight",
         "mlp.experts.3.down_proj.weight", "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert_gate.weight")}
     assert shared | layer <= names and not {n for n in names if n.startswith("embed") or "head" in n}, sorted(names)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-moe"])
+def test_qwen3_5_imports_with_transformers_logits_and_exports_bit_for_bit(results, name):
+    model = entry(results, "qwen3_5", name)
+    _round_trip(model, SHIFTED[name])
+    config, flags = model["config"], model["flags"]
+    architecture, model_type = {"qwen3.5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+                                "qwen3.5-moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")}[name]
+    assert config["architectures"] == [architecture] and config["model_type"] == model_type, config
+    assert config["mtp_num_hidden_layers"] == 2 and "norm_topk_prob" not in config, config
+    assert ("--moe-shared-expert-gate" in flags) == (name == "qwen3.5-moe"), flags
+    assert flags[flags.index("--linear-attention-freq") + 1] == "3", flags
+
+
+def test_qwen3_5_moe_exports_as_qwen3_next_on_request(results):
+    """The trainer's arguments are the same for both; --architecture qwen3_next stores Qwen3-Next's form."""
+    export = entry(results, "qwen3_5", "as qwen3_next")
+    assert export["status"] == 0 and export["config"]["architectures"] == ["Qwen3NextForCausalLM"], export
+    assert export["logits"] <= PARITY, export["logits"]
+
+
+def test_the_qwen3_5_vlm_form_imports_its_language_model(results):
+    vlm = part(results, "qwen3_5_vlm")
+    assert vlm["transformers' logits"] <= PARITY, vlm  # the wrapped form is the one transformers loads
+    assert vlm["import"][0] == 0 and vlm["same as text-only"] and vlm["logits"] <= PARITY, vlm
+    assert "the vision tower (2 tensors) left out" in vlm["printed"], vlm["printed"]
+    assert vlm["export"][0] == 0 and not vlm["names only one side"], vlm
+    assert set(vlm["differing"]) <= set(SHIFTED["qwen3.5"]) and not vlm["differing at w >= 0.5"], vlm
+    assert vlm["differing"] == vlm["differing as the model computes them"], vlm
+    assert vlm["config"]["architectures"] == ["Qwen3_5ForCausalLM"], vlm["config"]
+
+
+@pytest.mark.parametrize("family, case, words", [
+    ("qwen3_5_vlm", "no text_config", "without a text_config"),
+    ("qwen3_5_refusals", "attention biases", "attention_bias"),
+    ("qwen3_5_refusals", "dense layers as qwen3_5_moe", "experts in every layer"),
+    ("qwen3_5_refusals", "qwen3.5 as qwen3", "Qwen3_5ForCausalLM-shaped"),
+    ("qwen3_5_refusals", "qwen3.5 as qwen3_next", "Qwen3_5ForCausalLM-shaped")])
+def test_what_the_qwen3_5_bridge_cannot_carry_is_refused_in_one_line(results, family, case, words):
+    refused = entry(results, family, case)
+    assert refused["status"] == 2 and len(refused["stderr"]) == 1 and words in refused["stderr"][0], refused
+    assert not refused["written"], refused
 
 
 @pytest.mark.parametrize("case, words", [
@@ -195,12 +255,11 @@ def test_decoding_mla_over_the_kv_cache_equals_a_whole_sequence_recompute(result
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, ranks, layout", [
-    pytest.param("deepseek_v3", 2, ("--expert-model-parallel-size", "2"), marks=pytest.mark.matrix),
-    ("qwen3_next", 1, ())])
-def test_the_trainer_trains_heads_on_the_import_with_its_backbone_frozen(results, family, ranks, layout):
+@pytest.mark.parametrize("family, name, ranks, layout", [
+    pytest.param("deepseek_v3", "deepseek-v3", 2, ("--expert-model-parallel-size", "2"), marks=pytest.mark.matrix),
+    ("qwen3_next", "qwen3-next", 1, ()), ("qwen3_5", "qwen3.5", 1, ())])
+def test_the_trainer_trains_heads_on_the_import_with_its_backbone_frozen(results, family, name, ranks, layout):
     part(results, family)
-    name = family.replace("_", "-")
     imported = results["root"] / f"{name}-mg"
     trained = results["root"] / f"{name}-trained"
     flags = (imported / "megatron_flags.txt").read_text().split()

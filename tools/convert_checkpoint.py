@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 / MiMo / Qwen3 / Qwen3-MoE / DeepSeek-V3 /
-GLM-4.5 / Qwen3-Next backbones and their MTP heads.
+GLM-4.5 / Qwen3-Next / Qwen3.5 backbones and their MTP heads.
 
     # a Hugging Face model into the trainer (draft heads for an existing model)
     tools/convert_checkpoint.py import HF_DIR OUT_DIR [--mtp-num-layers D] [--tensor-model-parallel-size T]
@@ -9,7 +9,7 @@ GLM-4.5 / Qwen3-Next backbones and their MTP heads.
 
     # a trainer checkpoint (any TP / PP / VPP layout) to Hugging Face, MTP depths in MiMo's layout
     tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout mimo|deepseek_v3|qwen3_next|none]
-        [--architecture llama|qwen2|mimo|qwen3] [--dtype fp32|bf16] [--tokenizer DIR]
+        [--architecture llama|qwen2|mimo|qwen3|qwen3_next|qwen3_5_moe] [--dtype fp32|bf16] [--tokenizer DIR]
 
 import reads config.json and safetensors (model.safetensors, or shards with
 model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM, MiMoForCausalLM (Qwen2
@@ -19,12 +19,16 @@ an expert bias, groups and a shared expert behind dense first layers), Glm4MoeFo
 (GLM-4.5: QKV biases, q/k norms, partial rotary, DeepSeek-V3's experts) or Qwen3NextForCausalLM
 (GPTModel with --experimental-attention-variant gated_delta_net: Gated DeltaNet layers, gated
 attention with q/k norms and partial rotary, (1 + w) norms, experts with a gated shared expert;
-the Gated DeltaNet output norm shifted by one), and MTP depths when present (MiMo's
-model.mtp_layers.{i}.*, DeepSeek-V3's model.layers.{L+k}.*, or Qwen3-Next's mtp.layers.{k}.* with
-its one mtp.fc and set of norms, on a last full-attention layer); it writes a torch_dist release checkpoint that
-pretrain_gpt_mtp.py --load DIR --finetune loads at any PP layout and at the tensor-parallel
-size given (the vocabulary is padded as the trainer pads it there), and the model flags that
-build it, dropout included (OUT_DIR/megatron_flags.txt, also printed).
+the Gated DeltaNet output norm shifted by one), Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM
+(Qwen3.5: the same model, dense or with experts in every layer, its Gated DeltaNet input
+projections in_proj_qkv / _z / _b / _a; the published Qwen3_5ForConditionalGeneration and
+Qwen3_5MoeForConditionalGeneration: their text_config and language model, with the MTP depths,
+the vision tower left out and said so), and MTP depths when present (MiMo's
+model.mtp_layers.{i}.*, DeepSeek-V3's model.layers.{L+k}.*, or Qwen3-Next's and Qwen3.5's
+mtp.layers.{k}.* with its one mtp.fc and set of norms, on a last full-attention layer); it writes
+a torch_dist release checkpoint that pretrain_gpt_mtp.py --load DIR --finetune loads at any PP
+layout and at the tensor-parallel size given (the vocabulary is padded as the trainer pads it
+there), and the model flags that build it, dropout included (OUT_DIR/megatron_flags.txt, also printed).
 --mtp-num-layers D adds MTP depths the Hugging Face checkpoint does not have, initialized as
 megatron-core initializes them (seeded by --seed).
 
@@ -32,16 +36,19 @@ export writes the backbone as Llama (Qwen2 when the model has QKV biases, Qwen3 
 norms; MiMo when it was imported
 from MiMo, or with --architecture mimo, so that vLLM and SGLang pick their MiMo MTP model; Qwen3-MoE
 with experts and q/k norms, DeepSeek-V3 with multi-latent attention and experts, GLM-4.5 with
-sigmoid-routed experts without it, Qwen3-Next with Gated DeltaNet layers): config.json,
+sigmoid-routed experts without it, Qwen3-Next with Gated DeltaNet layers and experts, Qwen3.5
+without experts, Qwen3.5-MoE when imported from it or with --architecture qwen3_5_moe, each the
+text-only form; --architecture qwen3_next writes a Qwen3.5-MoE import as Qwen3-Next): config.json,
 model.safetensors, the tokenizer's files when --tokenizer is given; the MTP depths in MiMo's
-layout (default; DeepSeek-V3's for the MoE families, Qwen3-Next's for Qwen3-Next), DeepSeek-V3's
+layout (default; DeepSeek-V3's for the MoE families, Qwen3-Next's for Qwen3-Next and Qwen3.5),
+DeepSeek-V3's
 (with the copies of the output weight and embedding that its loaders read) or Qwen3-Next's (its
 depths' fc and norms must be the same: the layout holds one), num_nextn_predict_layers in
-config.json (and Qwen3-Next's mtp_num_hidden_layers). A checkpoint trained with
+config.json (and Qwen3-Next's and Qwen3.5's mtp_num_hidden_layers). A checkpoint trained with
 --mtp-use-repeated-layer is written as D identical depths (one per depth it was trained at).
 Checked (tests/test_serving.py, tests/test_bridges.py): the import's logits equal transformers'
-(fp32, relative 1e-5; measured <= 8e-7), the MTP depths equal the engines' MTP forward, import then
-export gives the original tensors bit for bit, and transformers loads the export.
+(fp32, relative 1e-5; measured <= 8.7e-7), the MTP depths equal the engines' MTP forward, import
+then export gives the original tensors bit for bit, and transformers loads the export.
 
 Both write into a temporary sibling directory renamed into place when complete. Bad input
 is one line, `convert_checkpoint.py: error: ...`, exit status 2, and nothing written.
@@ -86,12 +93,14 @@ def parse(argv):
     exp.add_argument("output", help="new (or empty) directory for the Hugging Face checkpoint")
     exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "qwen3_next", "none"], default=None,
                      help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths, "
-                          "deepseek_v3 for a mixture-of-experts model, qwen3_next for Qwen3-Next; none: the "
-                          "backbone only)")
-    exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3"], default=None,
+                          "deepseek_v3 for a mixture-of-experts model, qwen3_next for Qwen3-Next and Qwen3.5; "
+                          "none: the backbone only)")
+    exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3", "qwen3_next", "qwen3_5_moe"],
+                     default=None,
                      help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases, "
-                          "Qwen3 with q/k norms, Llama without either); mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the "
-                          "MTP depths as MiMo's")
+                          "Qwen3 with q/k norms, Llama without either, Qwen3-Next with Gated DeltaNet and experts); "
+                          "mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the MTP depths as MiMo's; "
+                          "qwen3_next and qwen3_5_moe are the same model, stored otherwise")
     exp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     exp.add_argument("--tokenizer", help="tokenizer directory (or file) whose files are copied beside the model")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
@@ -104,6 +113,7 @@ def run_import(args) -> int:
 
     out = files.check_output(args.output)
     config, tensors = files.read_hf(args.source)
+    config, tensors, vision = mapping.unwrap_vlm(config, tensors)
     if args.make_vocab_size_divisible_by < 1 or args.tensor_model_parallel_size < 1:
         raise ServingError("--make-vocab-size-divisible-by and --tensor-model-parallel-size must be >= 1")
     cfg = ModelConfig.from_hf(config, pad_to=args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
@@ -134,7 +144,9 @@ def run_import(args) -> int:
     print(f"{PROG}: imported {cfg.family} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary "
           f"{cfg.vocab_size} padded to {cfg.padded_vocab_size}, {'tied' if cfg.tied else 'untied'} embeddings"
           f"{', MTP depths ' + str(depths) + ' from ' + layout + ' layout' if depths else ''}"
-          f"{', new MTP depths ' + str(new_depths) + ' initialized' if new_depths else ''}) into {out}")
+          f"{', new MTP depths ' + str(new_depths) + ' initialized' if new_depths else ''}"
+          f"{'; the language model alone, the vision tower (' + str(vision) + ' tensors) left out' if vision else ''}"
+          f") into {out}")
     print(f"{PROG}: model flags for tensor-parallel size {args.tensor_model_parallel_size} (also in "
           f"{out / files.FLAGS_FILE}; another size pads the vocabulary otherwise: import again with "
           f"--tensor-model-parallel-size): {' '.join(flags)}")

@@ -2,9 +2,10 @@
 Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm), Qwen3-MoE (Qwen3's attention, softmax-routed
 experts), DeepSeek-V3 (multi-latent attention with YaRN, sigmoid-routed experts with an
 expert bias, group-limited routing and a shared expert, dense first layers), GLM-4.5 (GQA
-with QKV biases, optional q/k norms and partial rotary, DeepSeek-V3's experts) or Qwen3-Next
+with QKV biases, optional q/k norms and partial rotary, DeepSeek-V3's experts), Qwen3-Next
 (Gated DeltaNet layers among gated full-attention ones with q/k norms and partial rotary, (1 + w)
-RMSNorms, Qwen3-MoE's experts beside a sigmoid-gated shared expert), with D MTP depths,
+RMSNorms, Qwen3-MoE's experts beside a sigmoid-gated shared expert) or Qwen3.5 (the same, dense or
+with experts in every layer), with D MTP depths,
 read from a Hugging Face config.json or from a trainer checkpoint's arguments, and written back
 to either (config.json, the trainer's flags, the arguments a checkpoint holds).
 """
@@ -19,16 +20,28 @@ from megatron_mtp.serving import ServingError
 # is what makes vLLM and SGLang serve those depths (their MiMo MTP models).
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
-            "Glm4MoeForCausalLM": "glm4_moe", "Qwen3NextForCausalLM": "qwen3_next"}
+            "Glm4MoeForCausalLM": "glm4_moe", "Qwen3NextForCausalLM": "qwen3_next",
+            "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
 ARCHITECTURES = {family: architecture for architecture, family in FAMILIES.items()}
+# Qwen3.5's text-only model types (config.json's model_type "qwen3_5" / "qwen3_5_moe" is the VLM's)
+MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# Published Qwen3.5 checkpoints are the VLM (mapping.unwrap_vlm takes its language model): its class,
+# the text-only class of its language model.
+VLM_WRAPPERS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 QKV_BIAS_FAMILIES = ("qwen2", "mimo")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # an RMSNorm of each head's query and key (megatron-core's --qk-layernorm)
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next")
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe")
 # Qwen3-Next: megatron-core's GPTModel with --experimental-attention-variant gated_delta_net (as
 # Megatron-Bridge builds it), every norm zero-centred (--apply-layernorm-1p: transformers' (1 + w)
 # RMSNorms), an output gate per attention head (--attention-output-gate), q/k norms, Qwen3-MoE's
-# routing with a shared expert gated by a sigmoid (--moe-shared-expert-gate).
-GATED_DELTA_NET_FAMILIES = ("qwen3_next",)
+# routing with a shared expert gated by a sigmoid (--moe-shared-expert-gate). Qwen3.5 is the same
+# model, dense (qwen3_5) or MoE (qwen3_5_moe: experts in every layer, top-k probabilities always
+# normalized), its Gated DeltaNet projections stored section by section (mapping).
+GATED_DELTA_NET_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Families the trainer's arguments cannot tell apart (the same model): the import records its family
+# (serving_family), which the export writes unless --architecture says otherwise.
+SAME_SHAPE = {"qwen2": ("mimo",), "qwen3_next": ("qwen3_5_moe",)}
 # DeepSeek-V3's routing (sigmoid scores with an expert bias, groups, a shared expert, a scaling factor)
 SIGMOID_ROUTED_FAMILIES = ("deepseek_v3", "glm4_moe")
 # megatron-core's MLA takes YaRN's original context and correction range from MLATransformerConfig's
@@ -41,7 +54,7 @@ LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_m
 @dataclass
 class ModelConfig:
     family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3" | "qwen3_moe" | "deepseek_v3" | "glm4_moe" |
-    # "qwen3_next"
+    # "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
     vocab_size: int  # the tokenizer's vocabulary (Hugging Face's vocab_size)
     padded_vocab_size: int  # rows of megatron-core's embedding and output layer
     hidden_size: int
@@ -98,7 +111,9 @@ class ModelConfig:
             vocab = int(config["vocab_size"])
             values = dict(
                 family=family, vocab_size=vocab, padded_vocab_size=math.ceil(vocab / pad_to) * pad_to,
-                hidden_size=hidden, ffn_hidden_size=int(config["intermediate_size"]),
+                # Qwen3.5-MoE has no dense MLP (no intermediate_size): the experts' size fills the unused flag
+                hidden_size=hidden, ffn_hidden_size=int(config["moe_intermediate_size"] if family == "qwen3_5_moe"
+                                                        else config["intermediate_size"]),
                 num_layers=int(config["num_hidden_layers"]), num_attention_heads=heads,
                 num_query_groups=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
@@ -125,8 +140,8 @@ class ModelConfig:
             raise ServingError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
         if family == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
             raise ServingError("config.json: Llama attention_bias / mlp_bias are not supported")
-        if family in ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next") and (config.get("attention_bias") or
-                                                                          config.get("mlp_bias")):
+        if family in ("qwen3", "qwen3_moe", "deepseek_v3", *GATED_DELTA_NET_FAMILIES) and (
+                config.get("attention_bias") or config.get("mlp_bias")):
             raise ServingError(f"config.json: {ARCHITECTURES[family]} attention_bias is not supported")
         if family == "deepseek_v3" and config.get("rope_interleave", True) is not True:
             raise ServingError("config.json: DeepSeek-V3 with rope_interleave false is not supported (its "
@@ -144,13 +159,14 @@ class ModelConfig:
             scaling = parameters
         values["rope_theta"] = float(theta)
         values["rope_scaling"] = _rope_scaling(scaling, yarn=family == "deepseek_v3")
-        # transformers' Qwen3-Next rotates a quarter of each head when config.json does not say
+        # transformers' Qwen3-Next and Qwen3.5 rotate a quarter of each head when config.json does not say;
+        # Qwen3.5's multimodal rotary (mrope_section) gives every section the same position for text
         default = 0.25 if family in GATED_DELTA_NET_FAMILIES else 1.0
         values["rotary_percent"] = float(parameters.get("partial_rotary_factor",
                                                         config.get("partial_rotary_factor", default)))
         if values["rotary_percent"] != 1.0 and family not in ("glm4_moe", *GATED_DELTA_NET_FAMILIES):
-            raise ServingError(f"config.json: partial_rotary_factor {values['rotary_percent']} (only GLM-4.5's "
-                               "and Qwen3-Next's rotary is partial here)")
+            raise ServingError(f"config.json: partial_rotary_factor {values['rotary_percent']} (only GLM-4.5's, "
+                               "Qwen3-Next's and Qwen3.5's rotary is partial here)")
         # Qwen3-Next's own key is mtp_num_hidden_layers (Megatron-Bridge reads it too); vLLM's num_nextn_predict_layers
         values["mtp_num_layers"] = int(config.get("num_nextn_predict_layers") or config.get("mtp_num_hidden_layers")
                                        or 0)
@@ -162,7 +178,7 @@ class ModelConfig:
         if self.family in SIGMOID_ROUTED_FAMILIES:
             return self._sigmoid_routed_hf(dtype, mtp_layout)
         config = {
-            "architectures": [ARCHITECTURES[self.family]], "model_type": self.family,
+            "architectures": [ARCHITECTURES[self.family]], "model_type": MODEL_TYPES.get(self.family, self.family),
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.ffn_hidden_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_query_groups,
@@ -181,14 +197,19 @@ class ModelConfig:
             gdn = self.gdn
             config.update({name: value for name, value in gdn.items() if name != "layers"})  # the same names
             config.update(attention_bias=False, partial_rotary_factor=self.rotary_percent,
-                          layer_types=["linear_attention" if x else "full_attention" for x in gdn["layers"]],
-                          shared_expert_intermediate_size=self.moe["shared_ffn"])
+                          layer_types=["linear_attention" if x else "full_attention" for x in gdn["layers"]])
+            if self.moe:
+                config["shared_expert_intermediate_size"] = self.moe["shared_ffn"]
             interval = _full_attention_interval(gdn["layers"])
             if interval:  # the key of Qwen3-Next's published config.json, which vLLM and SGLang read
                 config["full_attention_interval"] = interval
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
-        if self.family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES) and self.moe:
+        if self.family == "qwen3_5_moe":  # its experts are in every layer and always normalized (checked)
+            del config["intermediate_size"]
+            config.update(num_experts=self.moe["experts"], num_experts_per_tok=self.moe["topk"],
+                          moe_intermediate_size=self.moe["ffn"], output_router_logits=False, router_aux_loss_coef=0.0)
+        elif self.family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES) and self.moe:
             moe = self.moe
             config.update(num_experts=moe["experts"], num_experts_per_tok=moe["topk"],
                           moe_intermediate_size=moe["ffn"], norm_topk_prob=moe["normalize"], decoder_sparse_step=1,
@@ -238,7 +259,8 @@ class ModelConfig:
     @classmethod
     def from_megatron_args(cls, args) -> "ModelConfig":
         """A trainer checkpoint's arguments; refused (one line) unless the model is Llama-, Qwen2-,
-        Qwen3- (q/k norms without QKV biases), Qwen3-MoE-, DeepSeek-V3-, GLM-4.5- or Qwen3-Next-shaped."""
+        Qwen3- (q/k norms without QKV biases), Qwen3-MoE-, DeepSeek-V3-, GLM-4.5-, Qwen3-Next- or
+        Qwen3.5-shaped."""
         def get(name, default=None):
             return getattr(args, name, default)
 
@@ -268,7 +290,7 @@ class ModelConfig:
         moe = _moe_from_args(get, problems, mla is not None, gdn is not None)
         if problems:
             raise ServingError("the checkpoint's model is not Llama-, Qwen2-, Qwen3-, Qwen3-MoE-, DeepSeek-V3-, "
-                               "GLM-4.5- or Qwen3-Next-shaped, it has " + ", ".join(problems))
+                               "GLM-4.5-, Qwen3-Next- or Qwen3.5-shaped, it has " + ", ".join(problems))
         heads = get("num_attention_heads")
         groups = get("num_query_groups") if get("group_query_attention") else heads
         scaling = None
@@ -287,13 +309,13 @@ class ModelConfig:
             # the end-of-document id may lie past --vocab-size's ids (Megatron-LM's NullTokenizer convention
             # eod = vocab_size): its row is the tokenizer's too
             vocab_size = max(vocab_size, min(eod + 1, int(get("padded_vocab_size"))))
-        family = "qwen2" if get("add_qkv_bias") else "qwen3" if get("qk_layernorm") else "llama"
+        family = "qwen3_5" if gdn else "qwen2" if get("add_qkv_bias") else "qwen3" if get("qk_layernorm") else "llama"
         if moe is not None:
             family = "deepseek_v3" if mla is not None else "glm4_moe" if moe["score"] == "sigmoid" else \
                 "qwen3_next" if gdn else "qwen3_moe"
-        if family == "qwen2" and get("serving_family") == "mimo":  # imported from MiMo: exported as MiMo
-            family = "mimo"
-        return cls(
+        if get("serving_family") in SAME_SHAPE.get(family, ()):  # e.g. imported from MiMo: exported as MiMo
+            family = get("serving_family")
+        config = cls(
             family=family, vocab_size=vocab_size,
             padded_vocab_size=int(get("padded_vocab_size")), hidden_size=int(get("hidden_size")),
             ffn_hidden_size=int(get("ffn_hidden_size")), num_layers=int(get("num_layers")),
@@ -307,12 +329,25 @@ class ModelConfig:
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
             attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla, gdn=gdn,
         )
+        config._check_family()
+        return config
+
+    def _check_family(self) -> None:
+        """What the family's transformers class cannot hold, though the shape is its."""
+        if self.family == "qwen3_5_moe" and (not all(self.moe["layers"]) or not self.moe["normalize"]):
+            raise ServingError("Qwen3.5-MoE has experts in every layer and normalizes their top-k probabilities; "
+                               "the model has dense layers or --moe-router-pre-softmax (--architecture qwen3_next "
+                               "holds them)")
 
     def as_architecture(self, name: str) -> None:
-        """Export as `name` (llama, qwen2, mimo, qwen3) instead of the family the model's shape names."""
-        if self.moe or name in MOE_FAMILIES:
-            if name != self.family:
+        """Export as `name` instead of the family the model's shape (or its import) names: llama, qwen2,
+        mimo, qwen3 for a dense model; qwen3_next or qwen3_5_moe for their shape."""
+        if self.moe or self.gdn or name in MOE_FAMILIES or name in GATED_DELTA_NET_FAMILIES:
+            shape = next((k for k, v in SAME_SHAPE.items() if self.family in v), self.family)
+            if name not in (shape, *SAME_SHAPE.get(shape, ())):
                 raise ServingError(f"--architecture {name}: the model is {ARCHITECTURES[self.family]}-shaped")
+            self.family = name
+            self._check_family()
             return
         if (name in QK_NORM_FAMILIES) != self.qk_layernorm:
             raise ServingError(f"--architecture {name}: {ARCHITECTURES[name]} "
@@ -543,8 +578,6 @@ def _moe_from_args(get, problems: list, mla: bool, gdn: bool) -> dict | None:
     if not experts:
         if mla:
             problems.append("multi-latent attention without experts (DeepSeek-V3 is MoE)")
-        if gdn:
-            problems.append("Gated DeltaNet without experts (Qwen3-Next is MoE)")
         return None
     layers, topk = get("moe_layer_freq", 1), int(get("moe_router_topk"))
     layers = (list(layers) if isinstance(layers, (list, tuple))
@@ -564,8 +597,8 @@ def _moe_from_args(get, problems: list, mla: bool, gdn: bool) -> dict | None:
             problems.append("experts routed otherwise than Qwen3-Next's (softmax scores, no expert bias, groups or "
                             "scaling factor)")
         if not moe["shared_ffn"] or not moe["shared_gate"]:
-            problems.append("Gated DeltaNet without a shared expert and --moe-shared-expert-gate (Qwen3-Next has "
-                            "both)")
+            problems.append("Gated DeltaNet with experts but without a shared expert and --moe-shared-expert-gate "
+                            "(Qwen3-Next and Qwen3.5-MoE have both)")
         return moe
     if moe["shared_gate"]:
         problems.append("--moe-shared-expert-gate without Gated DeltaNet (Qwen3-Next's)")
@@ -606,8 +639,10 @@ def _moe_from_hf(family: str, config: dict, num_layers: int) -> dict:
             # transformers' Qwen3-Next builds its shared expert and the expert's sigmoid gate in every MoE layer
             moe.update(shared_ffn=int(config["shared_expert_intermediate_size"]), shared_gate=True,
                        normalize=bool(config.get("norm_topk_prob", True)))
+            if family == "qwen3_5_moe":  # transformers' Qwen3.5-MoE reads neither key: every layer, normalized
+                moe.update(normalize=True, layers=[1] * num_layers)
             if not experts or not moe["shared_ffn"]:
-                raise ServingError("config.json: Qwen3-Next without experts or without a shared expert "
+                raise ServingError(f"config.json: {ARCHITECTURES[family]} without experts or without a shared expert "
                                    "(num_experts, shared_expert_intermediate_size) is not supported")
         return moe
     name = {"deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5"}[family]

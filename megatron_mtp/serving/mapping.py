@@ -45,6 +45,9 @@ expert is mlp.shared_expert with mlp.shared_expert_gate. Its MTP depths (the eng
 vLLM's and SGLang's Qwen3-Next MTP models read it): mtp.layers.{k} (a full-attention layer), and
 once for all depths mtp.pre_fc_norm_embedding = enorm, mtp.pre_fc_norm_hidden = hnorm, mtp.fc =
 eh_proj over [embedding, hidden], mtp.norm = final_layernorm; no copies of the embedding or head.
+Qwen3.5: Qwen3-Next's names, but its Gated DeltaNet layers hold in_proj_qkv (all queries, keys,
+values), in_proj_z, in_proj_b, in_proj_a: megatron-core's in_proj sections as they are; the same
+MTP layout. Its published checkpoints are the VLM's (unwrap_vlm).
 An MTP depth's inner layer is built as the last decoder layer (MoE when that one is), with full
 attention.
 """
@@ -54,7 +57,7 @@ import re
 import torch
 
 from megatron_mtp.serving import ServingError
-from megatron_mtp.serving.config import GATED_DELTA_NET_FAMILIES, ModelConfig
+from megatron_mtp.serving.config import GATED_DELTA_NET_FAMILIES, VLM_WRAPPERS, ModelConfig
 
 MTP_LAYOUTS = ("mimo", "deepseek_v3", "qwen3_next")
 # Buffers some checkpoints carry that are recomputed from the config.
@@ -91,20 +94,44 @@ def _key_heads(cfg: ModelConfig):
             g["linear_num_value_heads"] // g["linear_num_key_heads"], g["linear_value_head_dim"])
 
 
-def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig):
-    """megatron-core's in_proj (section by section) -> in_proj_qkvz and in_proj_ba (key head by key head)."""
+def _in_proj_sections(cfg: ModelConfig) -> list:
+    """The rows of megatron-core's in_proj: queries, keys, values, z, betas, alphas."""
     heads, dk, per_head, dv = _key_heads(cfg)
-    q, k, v, z, b, a = torch.split(weight, [heads * dk, heads * dk, heads * per_head * dv, heads * per_head * dv,
-                                            heads * per_head, heads * per_head])
+    return [heads * dk, heads * dk, heads * per_head * dv, heads * per_head * dv, heads * per_head, heads * per_head]
+
+
+def _per_key_head(cfg: ModelConfig) -> bool:
+    """Whether Hugging Face's Gated DeltaNet input projections are Qwen3-Next's two, grouped per key
+    head, rather than Qwen3.5's four, section by section."""
+    return cfg.family == "qwen3_next"
+
+
+def _in_proj_names(cfg: ModelConfig) -> list:
+    """Hugging Face's Gated DeltaNet input projections: Qwen3-Next's two per key head, Qwen3.5's four
+    section by section (in_proj_qkv's rows all queries, keys, values: megatron-core's first three)."""
+    if _per_key_head(cfg):
+        return ["linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"]
+    return [f"linear_attn.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+
+
+def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig) -> list:
+    """megatron-core's in_proj (section by section) -> Hugging Face's (_in_proj_names)."""
+    q, k, v, z, b, a = torch.split(weight, _in_proj_sections(cfg))
+    if not _per_key_head(cfg):
+        return [torch.cat([q, k, v]).contiguous(), z.contiguous(), b.contiguous(), a.contiguous()]
+    heads = cfg.gdn["linear_num_key_heads"]
 
     def by_key_head(*sections):
         return torch.cat([t.reshape(heads, -1, weight.shape[1]) for t in sections], 1).reshape(-1, weight.shape[1])
 
-    return by_key_head(q, k, v, z).contiguous(), by_key_head(b, a).contiguous()
+    return [by_key_head(q, k, v, z).contiguous(), by_key_head(b, a).contiguous()]
 
 
-def _in_proj_fuse(qkvz: torch.Tensor, ba: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _in_proj_fuse(parts: list, cfg: ModelConfig) -> torch.Tensor:
+    if not _per_key_head(cfg):
+        return torch.cat(parts).contiguous()
     heads, dk, per_head, dv = _key_heads(cfg)
+    qkvz, ba = parts
     hidden = qkvz.shape[1]
     q, k, v, z = torch.split(qkvz.reshape(heads, -1, hidden), [dk, dk, per_head * dv, per_head * dv], 1)
     b, a = torch.split(ba.reshape(heads, -1, hidden), [per_head, per_head], 1)
@@ -180,9 +207,8 @@ def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: boo
         q, k, v = _qkv_split(layer[f"self_attention.linear_qkv.{kind}"], cfg)
         out.update({f"self_attn.q_proj.{kind}": q, f"self_attn.k_proj.{kind}": k, f"self_attn.v_proj.{kind}": v})
     if linear:
-        qkvz, ba = _in_proj_split(layer["self_attention.in_proj.weight"], cfg)
-        out.update({"linear_attn.in_proj_qkvz.weight": qkvz, "linear_attn.in_proj_ba.weight": ba,
-                    HF_GATED_NORM: layer[GATED_NORM] + 1})
+        out.update(zip(_in_proj_names(cfg), _in_proj_split(layer["self_attention.in_proj.weight"], cfg)))
+        out[HF_GATED_NORM] = layer[GATED_NORM] + 1
     for ours, hf in _mlp_names(cfg, sparse):
         gate, up = torch.chunk(layer[ours + "linear_fc1.weight"], 2, dim=0)
         out.update({hf + "gate_proj.weight": gate.contiguous(), hf + "up_proj.weight": up.contiguous()})
@@ -194,8 +220,7 @@ def layer_from_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: b
     for kind in _qkv_kinds(cfg, linear):
         out[f"self_attention.linear_qkv.{kind}"] = _qkv_fuse(*(layer[f"self_attn.{x}_proj.{kind}"] for x in "qkv"), cfg)
     if linear:
-        out["self_attention.in_proj.weight"] = _in_proj_fuse(layer["linear_attn.in_proj_qkvz.weight"],
-                                                             layer["linear_attn.in_proj_ba.weight"], cfg)
+        out["self_attention.in_proj.weight"] = _in_proj_fuse([layer[name] for name in _in_proj_names(cfg)], cfg)
         out[GATED_NORM] = layer[HF_GATED_NORM] - 1
     for ours, hf in _mlp_names(cfg, sparse):
         out[ours + "linear_fc1.weight"] = torch.cat([layer[hf + "gate_proj.weight"], layer[hf + "up_proj.weight"]], 0)
@@ -208,9 +233,10 @@ def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False, linear: bool = False
     if linear:
         heads, dk, per_head, dv = _key_heads(cfg)
         qk, v = heads * dk, heads * per_head * dv
-        shapes.update({"linear_attn.in_proj_qkvz.weight": (2 * qk + 2 * v, H),
-                       "linear_attn.in_proj_ba.weight": (2 * heads * per_head, H),
-                       "linear_attn.conv1d.weight": (2 * qk + v, 1, cfg.gdn["linear_conv_kernel_dim"]),
+        rows = _in_proj_sections(cfg)
+        rows = [sum(rows[:4]), sum(rows[4:])] if _per_key_head(cfg) else [sum(rows[:3]), *rows[3:]]
+        shapes.update({name: (n, H) for name, n in zip(_in_proj_names(cfg), rows)})
+        shapes.update({"linear_attn.conv1d.weight": (2 * qk + v, 1, cfg.gdn["linear_conv_kernel_dim"]),
                        "linear_attn.A_log": (heads * per_head,), "linear_attn.dt_bias": (heads * per_head,),
                        "linear_attn.norm.weight": (dv,), "linear_attn.out_proj.weight": (H, v)})
     elif cfg.mla:
@@ -262,11 +288,12 @@ def mtp_sparse(cfg: ModelConfig) -> bool:
 
 
 def check_mtp_layer(cfg: ModelConfig, depths: int) -> None:
-    """An MTP depth's inner layer is built as the last decoder layer; Qwen3-Next's (its engines')
-    is a full-attention layer, so the last decoder layer must be one."""
+    """An MTP depth's inner layer is built as the last decoder layer; Qwen3-Next's and Qwen3.5's (their
+    engines') is a full-attention layer, so the last decoder layer must be one."""
     if depths and linear_layers(cfg)[-1]:
         raise ServingError(f"{depths} MTP depths on a model whose last layer is Gated DeltaNet: megatron-core builds "
-                           "each depth's layer as the decoder's last, Qwen3-Next's MTP layer is full attention")
+                           "each depth's layer as the decoder's last, Qwen3-Next's and Qwen3.5's MTP layer is full "
+                           "attention")
 
 
 # Qwen3-Next's MTP tensors shared by all its depths (megatron-core suffix, Hugging Face name).
@@ -358,6 +385,30 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
                                                        else out["model.embed_tokens.weight"]).clone()
             out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
     return out
+
+
+def unwrap_vlm(config: dict, tensors: dict) -> tuple[dict, dict, int]:
+    """A Qwen3.5 VLM checkpoint (Qwen3_5ForConditionalGeneration: model.language_model.*, lm_head and
+    mtp.* beside the vision tower model.visual.*, the language model's config.json nested in
+    text_config) as its text-only CausalLM's: (config, tensors, the vision tower's tensors left out).
+    The trainer trains the language model alone; another checkpoint is returned as it is."""
+    wrapper = next((a for a in config.get("architectures") or [] if a in VLM_WRAPPERS), None)
+    if wrapper is None:
+        return config, tensors, 0
+    if not isinstance(config.get("text_config"), dict):
+        raise ServingError(f"config.json: {wrapper} without a text_config (the language model's config)")
+    # transformers' wrapper ties its lm_head by its own tie_word_embeddings (false when absent), not
+    # text_config's; the token ids text_config lacks are the wrapper's
+    text = dict(config["text_config"], architectures=[VLM_WRAPPERS[wrapper]],
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+    text.update({k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                 if k in config and k not in text})
+    prefix, vision = "model.language_model.", "model.visual."
+    if not any(name.startswith(prefix) for name in tensors):
+        raise ServingError(f"config.json names {wrapper}, but no tensor is under {prefix}")
+    out = {("model." + name[len(prefix):] if name.startswith(prefix) else name): value
+           for name, value in tensors.items() if not name.startswith(vision)}
+    return text, out, len(tensors) - len(out)
 
 
 def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:

@@ -2,15 +2,17 @@
 DeltaNet families through tools/convert_checkpoint.py (one process, megatron-core imported once).
 
 References: the `transformers` classes installed here (Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
-Glm4MoeForCausalLM, Qwen3NextForCausalLM) on tiny random configs made here, with non-unit norms,
+Glm4MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) on tiny
+random configs made here, with non-unit norms,
 a non-zero expert bias and Gated DeltaNet's dt_bias away from one; for the MTP depths, a forward
 written from the engines' MTP semantics (the next token's embedding through enorm, the previous
 depth's hidden state through hnorm, a projection over their concatenation [embedding, hidden], one
 decoder layer, a final norm, the output layer) on the checkpoint's tensors in its layout: DeepSeek-V3's
 (GLM-4.5's: enorm, hnorm, eh_proj, shared_head.norm, shared_head.head per depth) or Qwen3-Next's
-(mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, mtp.norm for all depths, (1 + w)
-norms, the main model's embedding and head), whose decoder layer is transformers' own (a one-layer
-DeepseekV3Model / Glm4MoeModel / Qwen3NextModel whose final norm is the depth's).
+(Qwen3.5's too: mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, mtp.norm for all
+depths, (1 + w) norms, the main model's embedding and head), whose decoder layer is transformers'
+own (a one-layer DeepseekV3Model / Glm4MoeModel / Qwen3NextModel / Qwen3_5TextModel /
+Qwen3_5MoeTextModel whose final norm is the depth's).
 """
 
 import io
@@ -34,11 +36,12 @@ GQA = ["self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.wei
        "self_attn.o_proj.weight"]
 
 
-def _convert(*argv: str) -> tuple[int, str]:
+def _convert(*argv: str, printed: io.StringIO | None = None) -> tuple[int, str]:
+    """The converter's exit status and error output; its output into `printed` if given."""
     import convert_checkpoint
 
     err = io.StringIO()
-    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+    with redirect_stdout(printed or io.StringIO()), redirect_stderr(err):
         try:
             status = convert_checkpoint.main(list(argv))
         except SystemExit as exit_:
@@ -82,6 +85,18 @@ def _runner(path):
     return serving_model.Runner(model, args.vocab_size)
 
 
+def _compared(original: dict, back: dict) -> dict:
+    """An export's tensors against the original's: names on one side only, tensors that differ,
+    and of those the ones that are exactly (w - 1) + 1 in fp32 (a shifted norm exports the scale
+    the model computes with: fp32 cannot hold w - 1 for w < 0.5) and the ones differing at w >= 0.5."""
+    differing = sorted(n for n in set(original) & set(back) if not torch.equal(original[n], back[n]))
+    return {"names only one side": sorted(set(original) ^ set(back)), "differing": differing,
+            "differing as the model computes them": [n for n in differing
+                                                     if torch.equal(back[n], (original[n] - 1) + 1)],
+            "differing at w >= 0.5": [n for n in differing
+                                      if bool(((original[n] != back[n]) & (original[n] >= 0.5)).any())]}
+
+
 def _import_export(root: Path, name: str, model, *export_flags: str) -> dict:
     """Import, logits against transformers'; export, tensors and config back, logits again."""
     from transformers import AutoModelForCausalLM
@@ -92,15 +107,8 @@ def _import_export(root: Path, name: str, model, *export_flags: str) -> dict:
     main, per_depth = _runner(root / f"{name}-mg").teacher_forced(TOKENS)
     out["logits"] = _rel(main, expected)
     out["export"] = _convert("export", str(root / f"{name}-mg"), str(root / f"{name}-back"), *export_flags)
-    original, back = _tensors(root / name), _tensors(root / f"{name}-back")
-    out["names only one side"] = sorted(set(original) ^ set(back))
-    out["differing"] = sorted(n for n in set(original) & set(back) if not torch.equal(original[n], back[n]))
-    # (a shifted norm exports the scale the model computes with: fp32 cannot hold w - 1 for w < 0.5)
-    out["differing as the model computes them"] = [n for n in out["differing"]
-                                                    if torch.equal(back[n], (original[n] - 1) + 1)]
-    out["differing at w >= 0.5"] = [n for n in out["differing"]
-                                    if bool(((original[n] != back[n]) & (original[n] >= 0.5)).any())]
-    out["tensors"] = len(back)
+    back = _tensors(root / f"{name}-back")
+    out.update(_compared(_tensors(root / name), back), tensors=len(back))
     reloaded = AutoModelForCausalLM.from_pretrained(str(root / f"{name}-back"), dtype=torch.float32).eval()
     with torch.no_grad():
         out["export's logits"] = _rel(reloaded(TOKENS).logits, expected)
@@ -157,16 +165,29 @@ QWEN3_NEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_in
                   linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, partial_rotary_factor=0.5,
                   max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e6)
 QWEN3_NEXT_LAYERS = ["linear_attention", "linear_attention", "full_attention"]  # full_attention_interval 3
+# Qwen3.5: Qwen3-Next's shapes, dense or with experts in every layer (neither mlp_only_layers nor
+# norm_topk_prob), its published multimodal rotary (interleaved sections: plain RoPE for text positions).
+_QWEN3_5_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+_DENSE = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok")
+QWEN3_5 = dict({k: v for k, v in QWEN3_NEXT.items() if k not in _DENSE + ("rope_theta", "partial_rotary_factor")},
+               **_QWEN3_5_ROPE)
+QWEN3_5_MOE = dict({k: v for k, v in QWEN3_NEXT.items() if k not in ("intermediate_size", "rope_theta",
+                                                                     "partial_rotary_factor")}, **_QWEN3_5_ROPE)
+GATED_DELTA_NET = ("qwen3-next", "qwen3.5", "qwen3.5-moe")  # their layer_types, mtp.* layout and (1 + w) norms
 
 
 def _families():
     from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model, Glm4MoeConfig,
-                              Glm4MoeForCausalLM, Glm4MoeModel, Qwen3NextConfig, Qwen3NextForCausalLM,
-                              Qwen3NextModel)
+                              Glm4MoeForCausalLM, Glm4MoeModel, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+                              Qwen3_5MoeTextConfig, Qwen3_5MoeTextModel, Qwen3_5TextConfig, Qwen3_5TextModel,
+                              Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3NextModel)
 
     return {"deepseek-v3": (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model, DEEPSEEK),
             "glm-4.5": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeModel, GLM),
-            "qwen3-next": (Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3NextModel, QWEN3_NEXT)}
+            "qwen3-next": (Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3NextModel, QWEN3_NEXT),
+            "qwen3.5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, Qwen3_5TextModel, QWEN3_5),
+            "qwen3.5-moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextModel, QWEN3_5_MOE)}
 
 
 def _config(name: str, part: str, **change):
@@ -176,7 +197,7 @@ def _config(name: str, part: str, **change):
     config_class, _, _, values = _families()[name]
     layers = {"main": L, "full": L + D, "depth": 1}[part]
     values = dict(values, num_hidden_layers=layers)
-    if name == "qwen3-next":
+    if name in GATED_DELTA_NET:
         values.update(layer_types=["full_attention"] if part == "depth" else
                       (QWEN3_NEXT_LAYERS + ["full_attention"] * D)[:layers], mtp_num_hidden_layers=D if part == "main" else 0)
     else:
@@ -188,8 +209,8 @@ def _config(name: str, part: str, **change):
 def _mtp_layout(name: str, depth: int) -> dict:
     """Where the checkpoint holds MTP depth `depth` (0-based): its layer's prefix, the names under
     `root`, the embedding, enorm, hnorm, projection, final norm and output layer it reads, and the
-    norms' offset (1: Qwen3-Next's scale by 1 + w)."""
-    if name == "qwen3-next":  # one fc and set of norms for all depths; the main model's embedding and head
+    norms' offset (1: Qwen3-Next's and Qwen3.5's scale by 1 + w)."""
+    if name in GATED_DELTA_NET:  # one fc and set of norms for all depths; the main model's embedding and head
         return dict(layer=f"mtp.layers.{depth}.", root="mtp.", embedding="model.embed_tokens.weight",
                     enorm="mtp.pre_fc_norm_embedding.weight", hnorm="mtp.pre_fc_norm_hidden.weight",
                     projection="mtp.fc.weight", norm="mtp.norm.weight", head="lm_head.weight", offset=1.0)
@@ -360,6 +381,103 @@ def qwen3_next_bf16(root: Path) -> dict:
     return _import_export(root, "qwen3-next-bf16", model, "--dtype", "bf16")[0]
 
 
+def _status(argv: tuple, written: Path) -> dict:
+    """A converter run's exit status, its error lines and whether it wrote `written`."""
+    status, stderr = _convert(*argv)
+    return {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
+            "written": written.exists()}
+
+
+def qwen3_5(root: Path) -> dict:
+    """Qwen3.5, dense and MoE (experts in every layer), as transformers' text-only classes build it:
+    two Gated DeltaNet layers (in_proj_qkv / z / b / a), then a gated full-attention layer with its
+    multimodal rotary on half of each head; two MTP depths in the mtp.* layout. The MoE import is
+    also exported as Qwen3-Next (--architecture qwen3_next, the same model stored per key head)."""
+    from transformers import AutoModelForCausalLM
+
+    out = {name: _with_mtp(root, name) for name in ("qwen3.5", "qwen3.5-moe")}
+    as_next = root / "qwen3.5-moe-as-next"
+    out["as qwen3_next"] = _status(("export", str(root / "qwen3.5-moe-mg"), str(as_next), "--architecture",
+                                    "qwen3_next"), as_next)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(str(root / "qwen3.5-moe"), dtype=torch.float32).eval()(TOKENS)
+        reloaded = AutoModelForCausalLM.from_pretrained(str(as_next), dtype=torch.float32).eval()(TOKENS)
+    out["as qwen3_next"].update(logits=_rel(reloaded.logits, expected.logits),
+                                config=json.loads((as_next / "config.json").read_text()))
+    return out
+
+
+def _wrap_vlm(root: Path, name: str) -> Path:
+    """`name`'s text-only checkpoint as Qwen3.5's published VLM form: config.json's text_config, the
+    language model under model.language_model., mtp.* and lm_head at the top, a (tiny, random) vision
+    tower under model.visual."""
+    from safetensors.torch import save_file
+
+    text = json.loads((root / name / "config.json").read_text())
+    wrapper = {"qwen3.5": "Qwen3_5ForConditionalGeneration", "qwen3.5-moe": "Qwen3_5MoeForConditionalGeneration"}
+    config = {"architectures": [wrapper[name]], "model_type": text["model_type"][: -len("_text")],
+              "text_config": {k: v for k, v in text.items() if k != "architectures"},
+              "tie_word_embeddings": text["tie_word_embeddings"],
+              "vision_config": {"depth": 1, "hidden_size": 16, "out_hidden_size": text["hidden_size"]}}
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in _tensors(root / name).items()}
+    generator = torch.Generator().manual_seed(9)
+    tensors.update({"model.visual.patch_embed.proj.weight": torch.randn(16, 3, 2, 16, 16, generator=generator),
+                    "model.visual.merger.linear_fc2.weight": torch.randn(64, 64, generator=generator)})
+    directory = root / f"{name}-vlm"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def qwen3_5_vlm(root: Path) -> dict:
+    """The dense Qwen3.5 checkpoint in its published VLM form: transformers' Qwen3_5ForCausalLM
+    loads it (the form is the published one); the import takes its language model and MTP depths
+    (the same model as the text-only import, bit for bit) and leaves the vision tower out; the export
+    is the text-only checkpoint, bit for bit; its output line says what it left out. Without
+    text_config it is refused."""
+    from transformers import AutoModelForCausalLM
+
+    directory = _wrap_vlm(root, "qwen3.5")
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(str(root / "qwen3.5"), dtype=torch.float32).eval()(TOKENS)
+        wrapped = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()(TOKENS)
+    printed = io.StringIO()
+    out = {"transformers' logits": _rel(wrapped.logits, expected.logits),
+           "import": _convert("import", str(directory), str(root / "qwen3.5-vlm-mg"), printed=printed),
+           "printed": printed.getvalue().splitlines()[0]}
+    main, per_depth = _runner(root / "qwen3.5-vlm-mg").teacher_forced(TOKENS)
+    text_main, text_depths = _runner(root / "qwen3.5-mg").teacher_forced(TOKENS)
+    out["same as text-only"] = torch.equal(main, text_main) and all(map(torch.equal, per_depth, text_depths))
+    out["logits"] = _rel(main, expected.logits)
+    out["export"] = _convert("export", str(root / "qwen3.5-vlm-mg"), str(root / "qwen3.5-vlm-back"))
+    out.update(_compared(_tensors(root / "qwen3.5"), _tensors(root / "qwen3.5-vlm-back")))
+    out["config"] = json.loads((root / "qwen3.5-vlm-back" / "config.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
+    del config["text_config"]
+    bare = root / "qwen3.5-vlm-bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(config))
+    (bare / "model.safetensors").symlink_to(directory / "model.safetensors")
+    out["no text_config"] = _status(("import", str(bare), str(root / "qwen3.5-vlm-bare-mg")),
+                                    root / "qwen3.5-vlm-bare-mg")
+    return out
+
+
+def qwen3_5_refusals(root: Path) -> dict:
+    """What Qwen3.5's classes cannot hold, one line each with nothing written: attention biases on
+    import; a Qwen3-Next with a dense layer and softmax before top-k exported as Qwen3.5-MoE; a Qwen3.5
+    exported as another family."""
+    out = _refused(root, "qwen3.5", {"attention biases": dict(attention_bias=True)})
+    for case, source, architecture in (("dense layers as qwen3_5_moe", "qwen3-next-layers-mg", "qwen3_5_moe"),
+                                       ("qwen3.5 as qwen3", "qwen3.5-mg", "qwen3"),
+                                       ("qwen3.5 as qwen3_next", "qwen3.5-mg", "qwen3_next")):
+        target = root / f"refused-{case.replace(' ', '-')}"
+        out[case] = _status(("export", str(root / source), str(target), "--architecture", architecture), target)
+    return out
+
+
 def qwen3_next_refusals(root: Path) -> dict:
     """What the Qwen3-Next bridge cannot carry, each one line with nothing written: configs (MTP
     depths on a last Gated DeltaNet layer, value heads not grouped by key head, no shared expert,
@@ -443,7 +561,8 @@ def check(root: str) -> dict:
     for name, part in (("qwen3_moe", qwen3_moe), ("deepseek_v3", deepseek_v3), ("glm_4_5", glm_4_5),
                        ("refusals", refusals), ("mla_decoding", mla_decoding), ("qwen3_next", qwen3_next),
                        ("qwen3_next_layers", qwen3_next_layers), ("qwen3_next_bf16", qwen3_next_bf16),
-                       ("qwen3_next_refusals", qwen3_next_refusals)):
+                       ("qwen3_next_refusals", qwen3_next_refusals), ("qwen3_5", qwen3_5), ("qwen3_5_vlm", qwen3_5_vlm),
+                       ("qwen3_5_refusals", qwen3_5_refusals)):
         try:
             results[name] = part(Path(root))
         except Exception:
