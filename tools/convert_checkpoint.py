@@ -37,7 +37,8 @@ norms; MiMo when it was imported
 from MiMo, or with --architecture mimo, so that vLLM and SGLang pick their MiMo MTP model; Qwen3-MoE
 with experts and q/k norms, DeepSeek-V3 with multi-latent attention and experts, GLM-4.5 with
 sigmoid-routed experts without it, Qwen3-Next with Gated DeltaNet layers and experts, Qwen3.5
-without experts, Qwen3.5-MoE when imported from it or with --architecture qwen3_5_moe, each the
+without experts, Qwen3.5-MoE when the import's own checkpoint is exported (a trained run's saves the
+trainer's arguments, without the family) or with --architecture qwen3_5_moe, each the
 text-only form; --architecture qwen3_next writes a Qwen3.5-MoE import as Qwen3-Next): config.json,
 model.safetensors, the tokenizer's files when --tokenizer is given; the MTP depths in MiMo's
 layout (default; DeepSeek-V3's for the MoE families, Qwen3-Next's for Qwen3-Next and Qwen3.5),

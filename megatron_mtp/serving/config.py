@@ -40,7 +40,9 @@ MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_m
 # normalized), its Gated DeltaNet projections stored section by section (mapping).
 GATED_DELTA_NET_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # Families the trainer's arguments cannot tell apart (the same model): the import records its family
-# (serving_family), which the export writes unless --architecture says otherwise.
+# (serving_family), which the export of the import writes unless --architecture says otherwise. A
+# trained run saves the trainer's own arguments, without it: its export writes the first family
+# (Qwen3-Next, Qwen2) unless --architecture names the other.
 SAME_SHAPE = {"qwen2": ("mimo",), "qwen3_next": ("qwen3_5_moe",)}
 # DeepSeek-V3's routing (sigmoid scores with an expert bias, groups, a shared expert, a scaling factor)
 SIGMOID_ROUTED_FAMILIES = ("deepseek_v3", "glm4_moe")
@@ -175,6 +177,7 @@ class ModelConfig:
         return cls(**values)
 
     def to_hf(self, dtype: str, mtp_layout: str | None) -> dict:
+        self._check_family()  # (after --architecture: the family the export writes)
         if self.family in SIGMOID_ROUTED_FAMILIES:
             return self._sigmoid_routed_hf(dtype, mtp_layout)
         config = {
@@ -329,7 +332,6 @@ class ModelConfig:
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
             attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla, gdn=gdn,
         )
-        config._check_family()
         return config
 
     def _check_family(self) -> None:
@@ -347,7 +349,6 @@ class ModelConfig:
             if name not in (shape, *SAME_SHAPE.get(shape, ())):
                 raise ServingError(f"--architecture {name}: the model is {ARCHITECTURES[self.family]}-shaped")
             self.family = name
-            self._check_family()
             return
         if (name in QK_NORM_FAMILIES) != self.qk_layernorm:
             raise ServingError(f"--architecture {name}: {ARCHITECTURES[name]} "
