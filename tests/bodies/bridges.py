@@ -305,6 +305,13 @@ def glm_4_5(root: Path) -> dict:
     return _with_mtp(root, "glm-4.5")
 
 
+def _status(argv: tuple, written: Path) -> dict:
+    """A converter run's exit status, its error lines and whether it wrote `written`."""
+    status, stderr = _convert(*argv)
+    return {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
+            "written": written.exists()}
+
+
 def _refused(root: Path, name: str, cases: dict) -> dict:
     """The import of `name`'s checkpoint under each case's change to its config.json: its exit
     status, its error lines and whether it wrote anything."""
@@ -317,9 +324,8 @@ def _refused(root: Path, name: str, cases: dict) -> dict:
         config.update(_config(name, "main", **change).to_dict(), architectures=[model_class.__name__])
         (directory / "config.json").write_text(json.dumps(config))
         (directory / "model.safetensors").symlink_to(source / "model.safetensors")
-        status, stderr = _convert("import", str(directory), str(root / f"refused-{name}-{i}-mg"))
-        out[case] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
-                     "written": (root / f"refused-{name}-{i}-mg").exists()}
+        target = root / f"refused-{name}-{i}-mg"
+        out[case] = _status(("import", str(directory), str(target)), target)
     return out
 
 
@@ -379,13 +385,6 @@ def qwen3_next_bf16(root: Path) -> dict:
             param.copy_(param.to(torch.bfloat16))
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(root / "qwen3-next-bf16")
     return _import_export(root, "qwen3-next-bf16", model, "--dtype", "bf16")[0]
-
-
-def _status(argv: tuple, written: Path) -> dict:
-    """A converter run's exit status, its error lines and whether it wrote `written`."""
-    status, stderr = _convert(*argv)
-    return {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
-            "written": written.exists()}
 
 
 def qwen3_5(root: Path) -> dict:
@@ -496,14 +495,11 @@ def qwen3_next_refusals(root: Path) -> dict:
         "no shared expert": dict(shared_expert_intermediate_size=0),
         "attention biases": dict(attention_bias=True)})
     imported = _convert("import", str(root / "qwen3-next"), str(root / "qwen3-next-d3"), "--mtp-num-layers", "3")
-    status, stderr = _convert("export", str(root / "qwen3-next-d3"), str(root / "qwen3-next-d3-back"))
-    out["depths with their own fc"] = {"import": imported[0], "status": status, "written":
-                                       (root / "qwen3-next-d3-back").exists(),
-                                       "stderr": [line for line in stderr.splitlines() if line.strip()]}
-    status, stderr = _convert("export", str(root / "qwen3-next-mg"), str(root / "qwen3-next-ds"),
-                              "--mtp-layout", "deepseek_v3")
-    out["another family's MTP layout"] = {"status": status, "written": (root / "qwen3-next-ds").exists(),
-                                          "stderr": [line for line in stderr.splitlines() if line.strip()]}
+    out["depths with their own fc"] = {"import": imported[0], **_status(
+        ("export", str(root / "qwen3-next-d3"), str(root / "qwen3-next-d3-back")), root / "qwen3-next-d3-back")}
+    out["another family's MTP layout"] = _status(
+        ("export", str(root / "qwen3-next-mg"), str(root / "qwen3-next-ds"), "--mtp-layout", "deepseek_v3"),
+        root / "qwen3-next-ds")
     err = io.StringIO()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         try:
