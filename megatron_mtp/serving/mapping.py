@@ -106,36 +106,34 @@ def _per_key_head(cfg: ModelConfig) -> bool:
     return cfg.family == "qwen3_next"
 
 
-def _in_proj_names(cfg: ModelConfig) -> list:
-    """Hugging Face's Gated DeltaNet input projections: Qwen3-Next's two per key head, Qwen3.5's four
-    section by section (in_proj_qkv's rows all queries, keys, values: megatron-core's first three)."""
+def _in_proj_parts(cfg: ModelConfig) -> list:
+    """Hugging Face's Gated DeltaNet input projections and the in_proj sections each holds (0
+    queries, 1 keys, 2 values, 3 z, 4 betas, 5 alphas): Qwen3-Next's two, grouped per key head,
+    or Qwen3.5's four, section by section (in_proj_qkv's rows all queries, keys, values)."""
     if _per_key_head(cfg):
-        return ["linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"]
-    return [f"linear_attn.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+        return [("linear_attn.in_proj_qkvz.weight", (0, 1, 2, 3)), ("linear_attn.in_proj_ba.weight", (4, 5))]
+    return [("linear_attn.in_proj_qkv.weight", (0, 1, 2)), ("linear_attn.in_proj_z.weight", (3,)),
+            ("linear_attn.in_proj_b.weight", (4,)), ("linear_attn.in_proj_a.weight", (5,))]
 
 
-def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig) -> list:
-    """megatron-core's in_proj (section by section) -> Hugging Face's (_in_proj_names)."""
-    q, k, v, z, b, a = torch.split(weight, _in_proj_sections(cfg))
-    if not _per_key_head(cfg):
-        return [torch.cat([q, k, v]).contiguous(), z.contiguous(), b.contiguous(), a.contiguous()]
-    heads = cfg.gdn["linear_num_key_heads"]
-
-    def by_key_head(*sections):
-        return torch.cat([t.reshape(heads, -1, weight.shape[1]) for t in sections], 1).reshape(-1, weight.shape[1])
-
-    return [by_key_head(q, k, v, z).contiguous(), by_key_head(b, a).contiguous()]
+def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig) -> dict:
+    """megatron-core's in_proj (section by section) -> Hugging Face's projections (_in_proj_parts)."""
+    sections, hidden = torch.split(weight, _in_proj_sections(cfg)), weight.shape[1]
+    heads = cfg.gdn["linear_num_key_heads"] if _per_key_head(cfg) else 1  # (one group: section by section)
+    return {name: torch.cat([sections[i].reshape(heads, -1, hidden) for i in held], 1).reshape(-1, hidden).contiguous()
+            for name, held in _in_proj_parts(cfg)}
 
 
-def _in_proj_fuse(parts: list, cfg: ModelConfig) -> torch.Tensor:
-    if not _per_key_head(cfg):
-        return torch.cat(parts).contiguous()
-    heads, dk, per_head, dv = _key_heads(cfg)
-    qkvz, ba = parts
-    hidden = qkvz.shape[1]
-    q, k, v, z = torch.split(qkvz.reshape(heads, -1, hidden), [dk, dk, per_head * dv, per_head * dv], 1)
-    b, a = torch.split(ba.reshape(heads, -1, hidden), [per_head, per_head], 1)
-    return torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)]).contiguous()
+def _in_proj_fuse(layer: dict, cfg: ModelConfig) -> torch.Tensor:
+    """Hugging Face's projections (_in_proj_parts) -> megatron-core's in_proj, section by section."""
+    rows = _in_proj_sections(cfg)
+    heads = cfg.gdn["linear_num_key_heads"] if _per_key_head(cfg) else 1
+    sections = {}
+    for name, held in _in_proj_parts(cfg):
+        hidden = layer[name].shape[1]
+        parts = torch.split(layer[name].reshape(heads, -1, hidden), [rows[i] // heads for i in held], 1)
+        sections.update({i: part.reshape(-1, hidden) for i, part in zip(held, parts, strict=True)})
+    return torch.cat([sections[i] for i in range(len(rows))]).contiguous()
 
 
 # Gated DeltaNet's gated output norm: transformers' linear_attn.norm scales by w (initialized to
@@ -207,7 +205,7 @@ def layer_to_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: boo
         q, k, v = _qkv_split(layer[f"self_attention.linear_qkv.{kind}"], cfg)
         out.update({f"self_attn.q_proj.{kind}": q, f"self_attn.k_proj.{kind}": k, f"self_attn.v_proj.{kind}": v})
     if linear:
-        out.update(zip(_in_proj_names(cfg), _in_proj_split(layer["self_attention.in_proj.weight"], cfg)))
+        out.update(_in_proj_split(layer["self_attention.in_proj.weight"], cfg))
         out[HF_GATED_NORM] = layer[GATED_NORM] + 1
     for ours, hf in _mlp_names(cfg, sparse):
         gate, up = torch.chunk(layer[ours + "linear_fc1.weight"], 2, dim=0)
@@ -220,7 +218,7 @@ def layer_from_hf(layer: dict, cfg: ModelConfig, sparse: bool = False, linear: b
     for kind in _qkv_kinds(cfg, linear):
         out[f"self_attention.linear_qkv.{kind}"] = _qkv_fuse(*(layer[f"self_attn.{x}_proj.{kind}"] for x in "qkv"), cfg)
     if linear:
-        out["self_attention.in_proj.weight"] = _in_proj_fuse([layer[name] for name in _in_proj_names(cfg)], cfg)
+        out["self_attention.in_proj.weight"] = _in_proj_fuse(layer, cfg)
         out[GATED_NORM] = layer[HF_GATED_NORM] - 1
     for ours, hf in _mlp_names(cfg, sparse):
         out[ours + "linear_fc1.weight"] = torch.cat([layer[hf + "gate_proj.weight"], layer[hf + "up_proj.weight"]], 0)
@@ -234,8 +232,7 @@ def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False, linear: bool = False
         heads, dk, per_head, dv = _key_heads(cfg)
         qk, v = heads * dk, heads * per_head * dv
         rows = _in_proj_sections(cfg)
-        rows = [sum(rows[:4]), sum(rows[4:])] if _per_key_head(cfg) else [sum(rows[:3]), *rows[3:]]
-        shapes.update({name: (n, H) for name, n in zip(_in_proj_names(cfg), rows)})
+        shapes.update({name: (sum(rows[i] for i in held), H) for name, held in _in_proj_parts(cfg)})
         shapes.update({"linear_attn.conv1d.weight": (2 * qk + v, 1, cfg.gdn["linear_conv_kernel_dim"]),
                        "linear_attn.A_log": (heads * per_head,), "linear_attn.dt_bias": (heads * per_head,),
                        "linear_attn.norm.weight": (dv,), "linear_attn.out_proj.weight": (H, v)})
