@@ -51,9 +51,10 @@ def test_gated_deltanet_layers_match_the_recurrent_reference(delta_net_cases):
     gpt_builders.py builds it). Upstream's GatedDeltaNet (its chunked torch kernel, with the
     runtime part's convolution and L2 norm on CPU) against the Gated DeltaNet paper's recurrence
     in the reference, over 70 tokens (two of the kernel's chunks), for D in {1, 2}, isolation off
-    and on; gates of slow decay (tests/bodies/hybrid.py: slow_decay says why). Measured:
-    gradients within 4.6e-6, losses 1.2e-7 (relative), both forms."""
-    assert sorted(delta_net_cases) == ["D1_attached", "D1_isolated", "D2_attached", "D2_isolated"]
+    and on, and one MTP layer repeated at D = 2; gates of slow decay (tests/bodies/hybrid.py:
+    slow_decay says why). Measured: gradients within 4.6e-6, losses 1.2e-7 (relative), both forms."""
+    assert sorted(delta_net_cases) == ["D1_attached", "D1_isolated", "D2_attached", "D2_attached_repeated",
+                                       "D2_isolated"]
     for name, errors in delta_net_cases.items():
         assert "error" not in errors, (name, errors.get("error"))
         assert errors["grad_names"] and errors["delta_net_grads"] == 2, (name, errors)

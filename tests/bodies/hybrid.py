@@ -142,12 +142,12 @@ def slow_decay(model) -> None:
 FORMS = {"hybrid": reference_name, "gpt": lambda name: name}
 
 
-def delta_net_reference(model, depths: int, detach: bool, form: str = "hybrid"):
+def delta_net_reference(model, depths: int, detach: bool, form: str = "hybrid", repeated: bool = False):
     """The reference (a recurrent Gated DeltaNet first layer) on the "G-*-" model's weights, and
     the map from the model's parameter names to the reference's."""
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     names = {name: FORMS[form](name) for name in state}
-    ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, 2, depths, groups=GROUPS, detach_heads=detach,
+    ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, 2, depths, groups=GROUPS, detach_heads=detach, repeated=repeated,
                        mtp_loss_scaling_factor=LAMBDA, mtp_inner_name="mtp_model_layer",
                        arch=Architecture(normalization="RMSNorm", swiglu=True, delta_net=DELTA_NET,
                                          linear_layers=frozenset({0})))
@@ -155,20 +155,20 @@ def delta_net_reference(model, depths: int, detach: bool, form: str = "hybrid"):
     return ref, names
 
 
-def delta_net_case(depths: int, detach: bool, sparse: bool, form: str) -> dict:
+def delta_net_case(depths: int, detach: bool, sparse: bool, form: str, repeated: bool = False) -> dict:
     """Layers "G-*-" + "/*-" per depth (Qwen3-Next's: linear-attention layers, full attention in
     the MTP depths), in `form`, against the reference's recurrent Gated DeltaNet on the model's
     weights."""
     variant = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=2) if form == "gpt" else {}
-    config = make_config(depths, detach=detach, mtp_sparse_loss=sparse, sparse_loss_chunk_size=SPARSE_CHUNK,
-                         **DELTA_NET_FIELDS, **variant)
+    config = make_config(depths, repeated=repeated, detach=detach, mtp_sparse_loss=sparse,
+                         sparse_loss_chunk_size=SPARSE_CHUNK, **DELTA_NET_FIELDS, **variant)
     torch.manual_seed(3000 + depths)
     if form == "gpt":
         model = build_gpt(config, VOCAB, DELTA_NET_SEQ)
     else:
         model = build_hybrid(config, VOCAB, DELTA_NET_SEQ, "G-*-" + "/*-" * depths)
     slow_decay(model)
-    ref, names = delta_net_reference(model, depths, detach, form)
+    ref, names = delta_net_reference(model, depths, detach, form, repeated)
     input_ids, labels, mask, _ = long_padded_batch(depths)
     got = run_megatron(model, input_ids, labels, mask, None)
     _, main_ce, per_depth = ref.losses(input_ids, labels, mask, None)
@@ -187,17 +187,17 @@ def delta_net_case(depths: int, detach: bool, sparse: bool, form: str) -> dict:
 
 
 def delta_net(form: str = "hybrid") -> dict:
-    """D in {1, 2} x isolation off/on (sparse MTP loss with isolation, dense without), in `form`
-    ("hybrid" or "gpt": FORMS)."""
+    """D in {1, 2} x isolation off/on (sparse MTP loss with isolation, dense without), and D = 2 with
+    one repeated MTP layer, in `form` ("hybrid" or "gpt": FORMS)."""
     results = {}
     with model_parallel():
-        for depths in (1, 2):
-            for detach in (False, True):
-                name = f"D{depths}_{'isolated' if detach else 'attached'}"
-                try:
-                    results[name] = delta_net_case(depths, detach, sparse=detach, form=form)
-                except Exception as error:  # noqa: BLE001 - reported to the test, which fails
-                    import traceback
+        for depths, detach, repeated in ((1, False, False), (1, True, False), (2, False, False), (2, True, False),
+                                         (2, False, True)):
+            name = f"D{depths}_{'isolated' if detach else 'attached'}{'_repeated' if repeated else ''}"
+            try:
+                results[name] = delta_net_case(depths, detach, sparse=detach, form=form, repeated=repeated)
+            except Exception:  # noqa: BLE001 - reported to the test, which fails
+                import traceback
 
-                    results[name] = {"error": traceback.format_exc()[-3000:]}
+                results[name] = {"error": traceback.format_exc()[-3000:]}
     return results
