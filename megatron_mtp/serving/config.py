@@ -208,16 +208,15 @@ class ModelConfig:
                 config["full_attention_interval"] = interval
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
-        if self.family == "qwen3_5_moe":  # its experts are in every layer and always normalized (checked)
-            del config["intermediate_size"]
-            config.update(num_experts=self.moe["experts"], num_experts_per_tok=self.moe["topk"],
-                          moe_intermediate_size=self.moe["ffn"], output_router_logits=False, router_aux_loss_coef=0.0)
-        elif self.family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES) and self.moe:
+        if self.family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES) and self.moe:
             moe = self.moe
-            config.update(num_experts=moe["experts"], num_experts_per_tok=moe["topk"],
-                          moe_intermediate_size=moe["ffn"], norm_topk_prob=moe["normalize"], decoder_sparse_step=1,
-                          mlp_only_layers=[i for i, sparse in enumerate(moe["layers"]) if not sparse],
-                          output_router_logits=False, router_aux_loss_coef=0.0)
+            experts = dict(num_experts=moe["experts"], num_experts_per_tok=moe["topk"], moe_intermediate_size=moe["ffn"])
+            if self.family == "qwen3_5_moe":  # its experts are in every layer and always normalized (checked)
+                del config["intermediate_size"]
+            else:
+                experts.update(norm_topk_prob=moe["normalize"], decoder_sparse_step=1,
+                               mlp_only_layers=[i for i, sparse in enumerate(moe["layers"]) if not sparse])
+            config.update(experts, output_router_logits=False, router_aux_loss_coef=0.0)
         config.update(self.extra)
         if mtp_layout and self.mtp_num_layers:
             config["num_nextn_predict_layers"] = self.mtp_num_layers

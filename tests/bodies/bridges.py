@@ -36,17 +36,22 @@ GQA = ["self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.wei
        "self_attn.o_proj.weight"]
 
 
-def _convert(*argv: str, printed: io.StringIO | None = None) -> tuple[int, str]:
-    """The converter's exit status and error output; its output into `printed` if given."""
-    import convert_checkpoint
-
+def _run(main, argv, printed: io.StringIO | None = None) -> tuple[int, str]:
+    """A tool's main() in this process: its exit status (argparse's too) and error output; its
+    output into `printed` if given."""
     err = io.StringIO()
     with redirect_stdout(printed or io.StringIO()), redirect_stderr(err):
         try:
-            status = convert_checkpoint.main(list(argv))
+            status = main(list(argv))
         except SystemExit as exit_:
             status = exit_.code
     return status, err.getvalue()
+
+
+def _convert(*argv: str, printed: io.StringIO | None = None) -> tuple[int, str]:
+    import convert_checkpoint
+
+    return _run(convert_checkpoint.main, argv, printed)
 
 
 def _rel(a, b) -> float:
@@ -500,13 +505,8 @@ def qwen3_next_refusals(root: Path) -> dict:
     out["another family's MTP layout"] = _status(
         ("export", str(root / "qwen3-next-mg"), str(root / "qwen3-next-ds"), "--mtp-layout", "deepseek_v3"),
         root / "qwen3-next-ds")
-    err = io.StringIO()
-    with redirect_stdout(io.StringIO()), redirect_stderr(err):
-        try:
-            status = eval_speculative.main([str(root / "qwen3-next-mg"), "--num-prompts", "1", "--new-tokens", "4"])
-        except SystemExit as exit_:
-            status = exit_.code
-    out["eval_speculative"] = {"status": status, "stderr": [line for line in err.getvalue().splitlines() if line.strip()]}
+    status, stderr = _run(eval_speculative.main, [str(root / "qwen3-next-mg"), "--num-prompts", "1", "--new-tokens", "4"])
+    out["eval_speculative"] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()]}
     runner = _runner(root / "qwen3-next-mg")
     try:
         runner.main(TOKENS[:, 8:12], start=8)
@@ -525,13 +525,8 @@ def mla_decoding(root: Path) -> dict:
     from tests.bodies.serving import kv_cache
 
     out = kv_cache(str(root), names=("deepseek-v3-mg",))["deepseek-v3-mg"]
-    err = io.StringIO()
-    with redirect_stdout(io.StringIO()), redirect_stderr(err):
-        try:
-            status = eval_speculative.main([str(root / "deepseek-v3-mg"), "--num-prompts", "2", "--new-tokens", "8"])
-        except SystemExit as exit_:
-            status = exit_.code
-    out["eval_speculative"] = {"status": status, "stderr": err.getvalue()[-2000:]}
+    status, stderr = _run(eval_speculative.main, [str(root / "deepseek-v3-mg"), "--num-prompts", "2", "--new-tokens", "8"])
+    out["eval_speculative"] = {"status": status, "stderr": stderr[-2000:]}
     return out
 
 

@@ -179,9 +179,11 @@ def name_norms_as_fused(*specs) -> None:
     _walk(list(specs), lambda holder, name, value: layers.setdefault(id(holder), holder)
           if isinstance(holder, TransformerLayerSubmodules) else None)
     for sub in layers.values():
-        names = {f"{norm}.": fused[norm, _built_class(getattr(sub, module))]
-                 for norm, module in (("input_layernorm", "self_attention"), ("pre_mlp_layernorm", "mlp"))
-                 if getattr(sub, norm) is not IdentityOp and (norm, _built_class(getattr(sub, module))) in fused}
+        names = {}
+        for norm, module in (("input_layernorm", "self_attention"), ("pre_mlp_layernorm", "mlp")):
+            prefix = fused.get((norm, _built_class(getattr(sub, module))))
+            if prefix is not None and getattr(sub, norm) is not IdentityOp:
+                names[f"{norm}."] = prefix
         sub.sharded_state_dict_keys_map = {**names, **sub.sharded_state_dict_keys_map}
 
 
@@ -239,13 +241,13 @@ def _upstream_gpt_specs(config, vp_stage, layer_spec):
     shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(GPTModelConfig)
               if f.init and f.name != "transformer" and hasattr(config, f.name)}
     model_config = GPTModelConfig(transformer=config, transformer_layer_spec=layer_spec, **shared)
+    # (the variant's MTP layer is checked before anything is built)
+    mtp_layer = _experimental_variant_mtp_layer(config) if variant is not None and config.mtp_num_layers else None
+    decoder = layer_spec if layer_spec is not None else default_layer_spec(model_config, vp_stage)
     if variant is None:
-        decoder = layer_spec if layer_spec is not None else default_layer_spec(model_config, vp_stage)
         return decoder, mtp_block_spec(model_config, decoder, vp_stage=vp_stage) if config.mtp_num_layers else None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    mtp_layer = _experimental_variant_mtp_layer(config) if config.mtp_num_layers else None
-    decoder = layer_spec if layer_spec is not None else default_layer_spec(model_config, vp_stage)
     mtp = mtp_layer and get_gpt_mtp_block_spec(config, mtp_layer, use_transformer_engine=use_te, vp_stage=vp_stage)
     if not use_te:  # the local layers keep Transformer Engine's checkpoint names
         name_norms_as_fused(decoder, mtp)
