@@ -279,6 +279,12 @@ def linear_layers(cfg: ModelConfig) -> list:
     return [bool(x) for x in cfg.gdn["layers"]] if cfg.gdn else [False] * cfg.num_layers
 
 
+def layer_kinds(cfg: ModelConfig) -> list:
+    """(sparse, linear) for each decoder layer, the two lists of one length (a config whose expert
+    and Gated DeltaNet layer lists disagree must not lose layers)."""
+    return list(zip(sparse_layers(cfg), linear_layers(cfg), strict=True))
+
+
 def mtp_sparse(cfg: ModelConfig) -> bool:
     """An MTP depth's inner layer is built as the last decoder layer."""
     return sparse_layers(cfg)[-1]
@@ -310,7 +316,7 @@ def hf_shapes(cfg: ModelConfig, mtp_layout: str | None, mtp_depths: int) -> dict
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not cfg.tied:
         shapes["lm_head.weight"] = (V, H)
-    for i, (sparse, linear) in enumerate(zip(sparse_layers(cfg), linear_layers(cfg))):
+    for i, (sparse, linear) in enumerate(layer_kinds(cfg)):
         shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_layer_shapes(cfg, sparse, linear).items()})
     for depth in range(mtp_depths if mtp_layout else 0):
         prefix = mtp_prefix(mtp_layout, cfg, depth)
@@ -347,7 +353,7 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
     """megatron-core model tensors (state-dict names) -> Hugging Face tensors (MTP depths only
     with a layout)."""
     out = {"model.embed_tokens.weight": _unpad(tensors["embedding.word_embeddings.weight"], cfg)}
-    for i, (sparse, linear) in enumerate(zip(sparse_layers(cfg), linear_layers(cfg))):
+    for i, (sparse, linear) in enumerate(layer_kinds(cfg)):
         layer = layer_to_hf(_inner(tensors, f"decoder.layers.{i}."), cfg, sparse, linear)
         out.update({f"model.layers.{i}.{k}": v.contiguous() for k, v in layer.items()})
     out["model.norm.weight"] = tensors["decoder.final_layernorm.weight"]
@@ -468,7 +474,7 @@ def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, dept
     check_hf(tensors, cfg, mtp_layout, depths)
     t = {k: v.float() for k, v in tensors.items() if not IGNORED_HF.match(k)}
     out = {"embedding.word_embeddings.weight": _pad(t["model.embed_tokens.weight"], cfg)}
-    for i, (sparse, linear) in enumerate(zip(sparse_layers(cfg), linear_layers(cfg))):
+    for i, (sparse, linear) in enumerate(layer_kinds(cfg)):
         layer = {k: t[f"model.layers.{i}.{k}"] for k in hf_layer_shapes(cfg, sparse, linear)}
         out.update({f"decoder.layers.{i}.{k}": v for k, v in layer_from_hf(layer, cfg, sparse, linear).items()})
     out["decoder.final_layernorm.weight"] = t["model.norm.weight"]
