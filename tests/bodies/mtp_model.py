@@ -6,13 +6,13 @@ import itertools
 
 import torch
 
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.fork.mtp.statistics import COUNT_FIELDS, STEP_STATISTICS
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mtp.library.model import build_gpt
 from tests.harness.layout import model_parallel
-from tests.reference.gpt_mtp import Architecture, ReferenceGPT, mtp_inner_layer_name
+from tests.reference.gpt_mtp import Architecture, ReferenceGPT, acceptances, main_distributions, mtp_inner_layer_name
 
 VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, LAMBDA = 48, 32, 4, 2, 2, 12, 0.3
 SPARSE_CHUNK = 7  # rows per chunk of the sparse MTP loss: several chunks, the last one partial
@@ -123,13 +123,27 @@ def reference_for(model, depths, tied, repeated, detach, arch=Architecture()):
     return ref
 
 
-def reference_sums(per_depth):
-    rows, chain = [], None
-    for ce, mask_k, labels_k, logits in per_depth:
-        correct = logits.argmax(dim=-1) == labels_k
-        chain = correct if chain is None else chain & correct
-        rows.append([(ce * mask_k).sum(), mask_k.sum(), (correct * mask_k).sum(), (chain * mask_k).sum()])
+def reference_sums(logits, per_depth, segments=None, objective="ce", temperature=1.0):
+    """The reference's per-depth sums in the fork's field order (statistics.FIELDS): the
+    objective's term, valid, correct, chain-correct, sampled acceptance and its chain."""
+    with torch.no_grad():
+        alphas = acceptances(logits, per_depth, segments, temperature)
+        ps = main_distributions(logits, len(per_depth), segments, temperature)
+        rows, chain, sampled_chain = [], None, None
+        for (ce, mask_k, labels_k, lg), alpha, p in zip(per_depth, alphas, ps, strict=True):
+            correct = lg.argmax(dim=-1) == labels_k
+            chain = correct if chain is None else chain & correct
+            sampled_chain = alpha if sampled_chain is None else sampled_chain * alpha
+            term = {"ce": ce, "tv": 1.0 - alpha, "e2e_tv": 1.0 - sampled_chain,
+                    "kl": (p * (p.clamp(min=1e-30).log() - torch.log_softmax(lg / temperature, -1))).sum(-1)}
+            rows.append([(term[objective] * mask_k).sum(), mask_k.sum(), (correct * mask_k).sum(),
+                         (chain * mask_k).sum(), (alpha * mask_k).sum(), (sampled_chain * mask_k).sum()])
     return torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float64)
+
+
+def counts_equal(sums, ref_sums) -> bool:
+    """The integer fields (valid, correct, chain-correct) equal to the last count."""
+    return sums is not None and bool(torch.equal(sums[:, list(COUNT_FIELDS)], ref_sums[:, list(COUNT_FIELDS)]))
 
 
 def max_rel(a, b) -> float:
@@ -180,9 +194,9 @@ def compare_case(depths, repeated, tied, detach, recompute, layout, sparse, arch
         errors[f"mtp{k + 1}_logits"] = max_rel(got["logits"][k], lg.detach())
         errors[f"mtp{k + 1}_loss"] = max_rel(got["mtp_terms"][k] / (LAMBDA / depths), (ce * mask_k).detach())
     errors["grads"] = max(max_rel(got["grads"][n], ref_grads[n]) for n in ref_grads) if errors["grad_names"] else 1.0
-    sums, ref_sums = got["sums"], reference_sums(per_depth)
+    sums, ref_sums = got["sums"], reference_sums(logits, per_depth, None if layout == "padded" else packed_batch()[3])
     errors["sums"] = max_rel(sums, ref_sums)
-    errors["counts_exact"] = bool(torch.equal(sums[:, 1:], ref_sums[:, 1:]))
+    errors["counts_exact"] = counts_equal(sums, ref_sums)
     return errors
 
 

@@ -13,6 +13,12 @@ weights. Everything is [batch, seq, hidden]. Spec sections 1-4:
 with isolation: h^0 detached into depth 1 only, E detached at every depth, W_out
 detached for MTP logits.
 
+Draft objectives (spec section 12), on the whole [b, s, V] softmaxes: p^k_t from the main
+logits at t + k of the same segment (detached), q^k_t from depth k's, both at temperature
+tau; alpha = sum_v min(p, q) (torch.minimum); kl = KL(p || q); tv = 1 - alpha; e2e_tv =
+D * sum over anchors valid at every depth of 1 - mean_j prod_{i<=j} alpha^i (so that the
+common lambda / D gives the spec's lambda * sum_t e_t).
+
 Attention variants (`Attention`): multi-head / grouped-query attention, optionally with a
 norm of each head's query and key before RoPE (q/k layernorm, Qwen3); and multi-latent
 attention (DeepSeek-V2/V3): queries from a low-rank latent (q-LoRA, normed), keys and values
@@ -444,10 +450,59 @@ class ReferenceGPT(nn.Module):
             per_depth.append((ce, mask_k, labels_k, lg))
         return logits, main, per_depth
 
-    def objective_sums(self, input_ids, labels, loss_mask, segments=None):
+    def objective_sums(self, input_ids, labels, loss_mask, segments=None, objective="ce", temperature=1.0):
         """sum(main CE * m) + (lambda / D) * sum_k S_k; divided by N_tok it is the spec's L."""
-        _, main, per_depth = self.losses(input_ids, labels, loss_mask, segments)
+        logits, main, per_depth = self.losses(input_ids, labels, loss_mask, segments)
         total = (main * loss_mask).sum()
-        for ce, mask_k, _, _ in per_depth:
-            total = total + self.mtp_loss_scaling_factor / self.depths * (ce * mask_k).sum()
+        if objective == "ce":
+            mtp = sum((ce * mask_k).sum() for ce, mask_k, _, _ in per_depth)
+        else:
+            mtp = draft_objective_sum(objective, logits, per_depth, segments, temperature)
+        return total + self.mtp_loss_scaling_factor / self.depths * mtp
+
+
+def main_distributions(logits, depths, segments, temperature):
+    """p^k_t for k = 1..D, each [b, s, V]: softmax of the main logits at t + k of the same
+    segment divided by tau (0 where t + k leaves it; such positions are masked), detached."""
+    if segments is None:
+        segments = torch.zeros(logits.shape[:2], dtype=torch.long)
+    b, s, _ = logits.shape
+    probabilities = []
+    for k in range(1, depths + 1):
+        p = torch.zeros_like(logits)
+        for t in range(s - k):
+            same = segments[:, t] == segments[:, t + k]
+            p[same, t] = torch.softmax(logits[same, t + k].detach() / temperature, dim=-1)
+        probabilities.append(p)
+    return probabilities
+
+
+def acceptances(logits, per_depth, segments, temperature):
+    """alpha^k_t = sum_v min(p, q) for k = 1..D, each [b, s]."""
+    ps = main_distributions(logits, len(per_depth), segments, temperature)
+    return [torch.minimum(p, torch.softmax(lg / temperature, dim=-1)).sum(dim=-1)
+            for p, (_, _, _, lg) in zip(ps, per_depth, strict=True)]
+
+
+def draft_objective_sum(objective, logits, per_depth, segments, temperature):
+    """sum_k S_k of a draft objective (e2e_tv: D * sum_t e_t), from the whole distributions."""
+    if objective == "kl":
+        ps = main_distributions(logits, len(per_depth), segments, temperature)
+        total = 0.0
+        for p, (_, mask_k, _, lg) in zip(ps, per_depth, strict=True):
+            log_q = torch.log_softmax(lg / temperature, dim=-1)
+            kl = (p * (torch.log(p.clamp(min=1e-30)) - log_q)).sum(dim=-1)
+            total = total + (kl * mask_k).sum()
         return total
+    alphas = acceptances(logits, per_depth, segments, temperature)
+    if objective == "tv":
+        return sum(((1.0 - alpha) * mask_k).sum() for alpha, (_, mask_k, _, _) in zip(alphas, per_depth, strict=True))
+    if objective != "e2e_tv":
+        raise ValueError(objective)
+    chain = torch.stack([mask_k != 0 for _, mask_k, _, _ in per_depth]).all(dim=0)
+    running, accepted_length = 1.0, 0.0
+    for alpha in alphas:
+        running = running * alpha
+        accepted_length = accepted_length + running
+    e = 1.0 - accepted_length / len(alphas)
+    return len(alphas) * (e * chain).sum()

@@ -56,6 +56,12 @@ def mtp_rolls_across_context_parallel_ranks() -> bool:
     return _at_least(0, 19)
 
 
+def carries_draft_objectives() -> bool:
+    """Whether this megatron-core's series carries the draft objectives (kl, tv, e2e_tv) and
+    is tested with them: the 0.19.2 series; 0.16.1's trains ``ce`` only."""
+    return _at_least(0, 19)
+
+
 def torch_norms_have_zero_centered_gamma() -> bool:
     """Whether megatron-core's torch norms (WrappedTorchNorm) build zero-centred gamma: the 0.19.2
     series' patch "Zero-centred gamma with the torch norms"; 0.16.1's still assert it away."""

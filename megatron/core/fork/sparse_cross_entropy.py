@@ -26,10 +26,13 @@ Users: the MTP loss (``mtp_sparse_loss``, megatron.core.fork.mtp.sparse_loss) an
 main head's loss (``sparse_lm_loss``, below).
 """
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from megatron.core.fork import compat
+from megatron.core.fork.mtp.draft_objectives import DraftTargets, chunk_terms
 from megatron.core.fork.mtp.statistics import vocab_parallel_max
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -46,17 +49,29 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     factor * sum_i row_weights[i] * CE_i.
 
     rows [n, h]; weight [vocab shard, h]; labels [n] (full-vocabulary ids); row_weights [n].
-    Returns (per-row CE [n] in at least fp32, per-row argmax [n], without gradient).
+    Returns (per-row CE [n] in at least fp32, per-row argmax [n], per-row alpha [n]; the last
+    two without gradient).
+
+    With ``draft`` (MTP rows; megatron.core.fork.mtp.draft_objectives) each chunk also
+    projects the main head's rows at t + k and gives the sampled acceptance alpha; for a
+    draft objective other than ``ce`` the first output is that objective's per-row value
+    (KL, or alpha) with its own gradient, exact for any incoming per-row gradient (the
+    weight, detached under the isolation these objectives need, takes none). Without it the
+    alpha output is empty.
     """
 
     @staticmethod
     def forward(ctx, rows, weight, labels, row_weights, chunk_size: int, tp_group, logit_scale: float,
-                compute_grads: bool, fuse_weight_grad_into_main_grad: bool):
+                compute_grads: bool, fuse_weight_grad_into_main_grad: bool, draft: Optional[DraftTargets] = None):
         n, shard = rows.size(0), weight.size(0)
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         vocab_start = dist.get_rank(tp_group) * shard if tp_size > 1 else 0
+        objective = "ce" if draft is None else draft.objective
         want_rows = compute_grads and ctx.needs_input_grad[0]
         want_weight = compute_grads and ctx.needs_input_grad[1]
+        if want_weight and objective != "ce":
+            raise ValueError(f"the MTP draft objective {objective!r} trains the heads toward the main head's "
+                             "distribution and needs isolation: add --mtp-detach-heads (mtp_detach_heads=True)")
         # Softmax and kept gradients in at least fp32 (upstream's cross-entropy is fp32; the
         # fp16 loss scale applied in the backward must not meet underflowed values).
         precision = torch.promote_types(weight.dtype, torch.float32)
@@ -65,6 +80,7 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         grad_weight = weight.new_zeros(weight.shape, dtype=precision) if want_weight else None
         ce = rows.new_empty(n, dtype=precision)
         predicted = torch.empty(n, dtype=torch.long, device=rows.device)
+        alpha = rows.new_empty(n if draft is not None else 0, dtype=precision)
         for start in range(0, n, chunk_size):
             chunk = slice(start, min(start + chunk_size, n))
             x = rows[chunk]
@@ -72,6 +88,21 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             if logit_scale != 1.0:
                 logits.mul_(logit_scale)
             best, predicted[chunk] = vocab_parallel_max(logits, tp_group)
+            if draft is not None:
+                target_logits = torch.matmul(draft.rows[chunk], weight.t()).to(precision)
+                if logit_scale != 1.0:
+                    target_logits.mul_(logit_scale)
+                value, alpha[chunk], grad_logits = chunk_terms(logits, target_logits, draft.temperature, objective,
+                                                               tp_group, want_rows)
+                del target_logits
+                if objective != "ce":  # the row's value and gradient are the draft objective's
+                    ce[chunk] = value
+                    if want_rows:
+                        if logit_scale != 1.0:
+                            grad_logits.mul_(logit_scale)
+                        grad_rows[chunk] = torch.matmul(grad_logits.to(weight.dtype), weight)
+                    del logits, grad_logits
+                    continue
             target = labels[chunk] - vocab_start
             on_rank = (target >= 0) & (target < shard)
             target = torch.where(on_rank, target, torch.zeros_like(target))
@@ -98,11 +129,11 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_rows, grad_weight, row_weights)
         ctx.rows_dtype, ctx.weight = rows.dtype, weight
         ctx.fuse_weight_grad_into_main_grad = fuse_weight_grad_into_main_grad
-        ctx.mark_non_differentiable(predicted)
-        return ce, predicted
+        ctx.mark_non_differentiable(predicted, alpha)
+        return ce, predicted, alpha
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_predicted):
+    def backward(ctx, grad_ce, _grad_predicted, _grad_alpha):
         grad_rows, grad_weight, row_weights = ctx.saved_tensors
         d_rows = None if grad_rows is None else (grad_rows * grad_ce.unsqueeze(1)).to(ctx.rows_dtype)
         d_weight = None
@@ -118,7 +149,7 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
                     weight.grad_added_to_main_grad = True
             else:
                 d_weight = scaled.to(weight.dtype)
-        return d_rows, d_weight, None, None, None, None, None, None, None
+        return d_rows, d_weight, None, None, None, None, None, None, None, None
 
 
 def common_factor(grad: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
@@ -160,7 +191,7 @@ def refuse_output_bias(model) -> None:
         )
 
 
-def chunked_cross_entropy(model, rows, weight, labels, row_weights):
+def chunked_cross_entropy(model, rows, weight, labels, row_weights, draft: Optional[DraftTargets] = None):
     """ChunkedVocabParallelCrossEntropy with the model's output weight, chunk size, TP group
     and logit scale; rows must have passed vocab_parallel_rows."""
     if weight is None:
@@ -168,7 +199,7 @@ def chunked_cross_entropy(model, rows, weight, labels, row_weights):
     fuse = getattr(model.output_layer, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad")
     return ChunkedVocabParallelCrossEntropy.apply(
         rows, weight, labels, row_weights, model.config.sparse_loss_chunk_size, model.pg_collection.tp,
-        compat.logit_multiplier(model), torch.is_grad_enabled(), fuse)
+        compat.logit_multiplier(model), torch.is_grad_enabled(), fuse, draft)
 
 
 def sparse_lm_loss(model, hidden_states, labels, loss_mask, weight) -> torch.Tensor:
@@ -184,7 +215,7 @@ def sparse_lm_loss(model, hidden_states, labels, loss_mask, weight) -> torch.Ten
     flat_mask = loss_mask.t().reshape(-1)
     where = (flat_mask != 0).nonzero().squeeze(1)
     rows = vocab_parallel_rows(full.reshape(seq * batch, -1).index_select(0, where), config, tp_group)
-    ce, _ = chunked_cross_entropy(model, rows, weight, labels.t().reshape(-1).index_select(0, where),
-                                  flat_mask.index_select(0, where))
+    ce, _, _ = chunked_cross_entropy(model, rows, weight, labels.t().reshape(-1).index_select(0, where),
+                                     flat_mask.index_select(0, where))
     per_token = ce.new_zeros(seq * batch).index_put((where,), ce)
     return per_token.view(seq, batch).t().contiguous()

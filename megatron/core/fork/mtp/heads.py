@@ -8,15 +8,18 @@ section 4; upstream 0.19 rescales each depth by its local count, issue #7452).
 
 By default (``mtp_sparse_loss``) the logits, losses and statistics of all depths come from
 megatron.core.fork.mtp.sparse_loss: only the positions that count are projected, in
-chunks. The dense loop below projects every position, as upstream does.
+chunks. Without it the cross-entropy loop below projects every position, as upstream does,
+and the statistics (the sampled acceptance needs the main head at t + k) come from the
+chunked projection at every row; a draft objective (kl, tv, e2e_tv) takes the chunked
+projection at every row.
 """
 
 import torch
 
 from megatron.core.fork import compat, step_loss
 from megatron.core.fork.mtp import isolation, last_depth
-from megatron.core.fork.mtp.sparse_loss import rows_needed, sparse_depth_losses
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS, vocab_parallel_argmax
+from megatron.core.fork.mtp.draft_objectives import objective_of
+from megatron.core.fork.mtp.sparse_loss import every_row, rows_needed, sparse_depth_losses
 from megatron.core.fork.mtp.supervision import depth_targets, labels_and_mask
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -64,23 +67,19 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
     labels, loss_mask = supervised
     weight = isolation.output_weight(model, shared_output_weight)
     loss_weight = mtp_loss_weight(config, loss_mask.sum())
-    targets = depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group)
-    if config.mtp_sparse_loss:
-        loss_sum = sparse_depth_losses(model, per_depth_hidden[1:], list(targets), weight)
+    targets = list(depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group))
+    if config.mtp_sparse_loss or objective_of(config) != "ce":
+        rows_of = rows_needed if config.mtp_sparse_loss else every_row
+        loss_sum = sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params,
+                                       rows_of)
         return MTPLossAutoScaler.apply(main_hidden, loss_weight * loss_sum)
-    chain_correct = None
+    with torch.no_grad():  # the statistics, recorded as the sparse loss records them, at every row
+        sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params, every_row)
     for k, labels_k, mask_k in targets:
         logits, _ = model.output_layer(per_depth_hidden[k], weight=weight,
                                        runtime_gather_output=runtime_gather_output)
         logits = compat.scale_logits(model, logits)
         per_token = model.compute_language_model_loss(labels_k, logits) * mask_k
-        with torch.no_grad():
-            # Logits are split over the vocabulary unless the output layer gathered them.
-            tp_group = None if logits.size(-1) == model.vocab_size else model.pg_collection.tp
-            correct = vocab_parallel_argmax(logits, tp_group).transpose(0, 1) == labels_k
-            chain_correct = correct if chain_correct is None else chain_correct & correct
-            STEP_STATISTICS.add(k, depths, per_token.sum(), mask_k.sum(),
-                                (correct * mask_k).sum(), (chain_correct * mask_k).sum())
         del logits  # one depth's logits alive at a time
         main_hidden = MTPLossAutoScaler.apply(main_hidden, loss_weight * per_token)
     return main_hidden

@@ -10,6 +10,7 @@ config is built, before any module or state exists.
 from dataclasses import dataclass
 
 from megatron.core.fork import compat
+from megatron.core.fork.mtp import draft_objectives
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 
@@ -34,6 +35,19 @@ class MTPTrainingConfig(ModelParallelConfig):
     chunks of sparse_loss_chunk_size rows, like mtp_sparse_loss. The per-token loss is zero
     elsewhere and must be summed times that loss_mask (as pretrain_gpt's loss function does;
     another weighting raises in the backward). Off: upstream's dense loss."""
+
+    mtp_loss_type: str = "ce"
+    """What each MTP depth k is trained toward (spec section 12; megatron.core.fork.mtp.
+    draft_objectives): 'ce', cross-entropy against the data token (upstream's; its name
+    'cross_entropy' is accepted too); 'kl', KL(p || q) from the main head's distribution p at
+    t + k to the draft's q; 'tv', 1 - sum_v min(p, q), what a rejection sampler rejects;
+    'e2e_tv', one minus the normalized expected accepted length of the chained draft. All are
+    normalized by the step's main-token count. 'kl', 'tv' and 'e2e_tv' need
+    --mtp-detach-heads."""
+
+    mtp_draft_temperature: float = 1.0
+    """The sampling temperature tau of the draft objectives and of the sampled-acceptance
+    metrics: p and q are softmaxes of the logits divided by tau (the rollouts' temperature)."""
 
     exact_steps: bool = False
     """Make every step of megatron.training's loop exact (megatron.core.fork.trainer.exact_step)
@@ -100,6 +114,26 @@ def validate_mtp_options(config) -> None:
             "pipeline rank's last virtual stage: that rank would hold two word-embedding copies, of which "
             "megatron-core's finalize_model_grads reduces only one (wrong gradients; tied, the build hangs). "
             "Put them on another pipeline rank, e.g. with the loss (...|mmL)"
+        )
+    objective = draft_objectives.objective_of(config)
+    if objective not in draft_objectives.OBJECTIVES:
+        raise ValueError(
+            f"mtp_loss_type (--mtp-loss-type) must be one of {', '.join(draft_objectives.OBJECTIVES)} "
+            f"(or upstream's 'cross_entropy'), got {config.mtp_loss_type!r}"
+        )
+    if not config.mtp_draft_temperature > 0:
+        raise ValueError(
+            f"mtp_draft_temperature (--mtp-draft-temperature) must be > 0, got {config.mtp_draft_temperature}"
+        )
+    if depths and objective != "ce" and not compat.carries_draft_objectives():
+        raise ValueError(
+            f"mtp_loss_type={objective!r} needs megatron-core 0.19.2's series (the draft objectives are built and "
+            "tested there); this megatron-core's trains 'ce' only. Use --mtp-loss-type ce, or megatron-core 0.19.2."
+        )
+    if depths and objective != "ce" and not config.mtp_detach_heads:
+        raise ValueError(
+            f"mtp_loss_type={objective!r} trains the heads toward the main head's own distribution, which must "
+            "not move: add --mtp-detach-heads (mtp_detach_heads=True), or use --mtp-loss-type ce"
         )
     if depths and (config.mtp_loss_scaling_factor is None or config.mtp_loss_scaling_factor < 0):
         raise ValueError(

@@ -11,7 +11,9 @@ the same chunks' logits.
 
 import torch
 
+from megatron.core.fork.mtp.draft_objectives import DraftTargets, depth_terms, objective_of, objective_sum
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.fork.mtp.supervision import rolled_main_hidden
 from megatron.core.fork.sparse_cross_entropy import (
     chunked_cross_entropy,
     full_sequence,
@@ -31,39 +33,73 @@ def rows_needed(masks: list[torch.Tensor]) -> list[torch.Tensor]:
     return needed[::-1]
 
 
-def sparse_depth_losses(model, hidden_by_depth, targets, weight) -> torch.Tensor:
-    """sum_k sum_t mask_k[t] * CE_k[t] over all depths (the caller weights it), computed at
-    the needed rows only; records every depth's statistics from the same logits.
+def every_row(masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per depth, every flat position (the dense MTP loss projects them all)."""
+    return [torch.arange(mask.numel(), device=mask.device) for mask in masks]
 
-    hidden_by_depth: h^1..h^D, each [s, b, h] (a sequence shard under sequence
-    parallelism); targets: (k, labels_k [b, s], mask_k [b, s]) for k = 1..D; weight: the
-    output weight the MTP logits use (detached under isolation; None: the output layer's).
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """[b, s] -> the flat [s, b] order of the hidden states' rows."""
+    return tensor.t().reshape(-1)
+
+
+def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, packed_seq_params=None,
+                        rows_of=rows_needed) -> torch.Tensor:
+    """sum_k S_k over all depths (the caller weights it by lambda / D and the normalization)
+    for the config's objective (megatron.core.fork.mtp.draft_objectives), computed at the
+    rows ``rows_of`` picks (by default the needed ones); records every depth's statistics,
+    the sampled acceptance included, from the same chunks' logits.
+
+    main_hidden: h^0 [s, b, h], hidden_by_depth: h^1..h^D, each a sequence shard under
+    sequence parallelism; targets: (k, labels_k [b, s], mask_k [b, s]) for k = 1..D; weight:
+    the output weight the MTP logits use (detached under isolation; None: the output layer's).
     """
     config, tp_group = model.config, model.pg_collection.tp
     refuse_output_bias(model)
-    positions = rows_needed([mask for _, _, mask in targets])
-    rows, labels, row_weights = [], [], []
-    for hidden, (_, labels_k, mask_k), where in zip(hidden_by_depth, targets, positions):
+    objective = objective_of(config)
+    masks = [mask for _, _, mask in targets]
+    positions = rows_of(masks)
+    main_full = full_sequence(main_hidden.detach(), config, tp_group)
+    main_rows = rolled_main_hidden(main_full, len(targets), packed_seq_params, model.cp_group)
+    rows, target_rows, labels, row_weights = [], [], [], []
+    for hidden, rolled, (_, labels_k, mask_k), where in zip(hidden_by_depth, main_rows, targets, positions,
+                                                            strict=True):
         full = full_sequence(hidden, config, tp_group)
         rows.append(full.reshape(-1, full.size(-1)).index_select(0, where))
-        labels.append(labels_k.t().reshape(-1).index_select(0, where))
-        row_weights.append(mask_k.t().reshape(-1).index_select(0, where).float())
-    all_weights = torch.cat(row_weights)
-    ce, predicted = chunked_cross_entropy(model, vocab_parallel_rows(torch.cat(rows), config, tp_group), weight,
-                                          torch.cat(labels), all_weights)
-    record_statistics(targets, positions, ce.detach(), predicted, labels, row_weights)
-    return (ce * all_weights.to(ce.dtype)).sum()
+        target_rows.append(rolled.reshape(-1, rolled.size(-1)).index_select(0, where))
+        labels.append(flat(labels_k).index_select(0, where))
+        row_weights.append(flat(mask_k).index_select(0, where).float())
+    draft_rows = vocab_parallel_rows(torch.cat(rows), config, tp_group)
+    draft = DraftTargets(torch.cat(target_rows).to(draft_rows.dtype), config.mtp_draft_temperature, objective)
+    value, predicted, alpha = chunked_cross_entropy(model, draft_rows, weight, torch.cat(labels),
+                                                    torch.cat(row_weights), draft)
+    values = list(value.split([where.numel() for where in positions]))
+    chain = torch.stack([flat(mask) != 0 for mask in masks]).all(dim=0)
+    record_statistics(objective, targets, positions, values, predicted, alpha, labels, row_weights)
+    return objective_sum(objective, values, row_weights, positions, chain, chain.numel())
 
 
 @torch.no_grad()
-def record_statistics(targets, positions, ce, predicted, labels, row_weights) -> None:
-    depths, chain, offset = len(targets), None, 0
-    for (k, _, mask_k), where, labels_k, weights_k in zip(targets, positions, labels, row_weights):
-        rows = slice(offset, offset + where.numel())
-        offset = rows.stop
-        correct = predicted[rows] == labels_k
-        correct_everywhere = torch.zeros(mask_k.numel(), dtype=torch.bool, device=correct.device)
-        correct_everywhere[where] = correct
-        chain = correct_everywhere if chain is None else chain & correct_everywhere
-        STEP_STATISTICS.add(k, depths, (ce[rows] * weights_k).sum(), mask_k.sum(), (correct * weights_k).sum(),
-                            (chain * mask_k.t().reshape(-1)).sum())
+def record_statistics(objective, targets, positions, values, predicted, alpha, labels, row_weights) -> None:
+    """Every depth's sums (megatron.core.fork.mtp.statistics) from the rows' values, argmax
+    predictions and alpha; chains are products over depths 1..k at each position."""
+    depths, every_position = len(targets), targets[0][2].numel()
+    lengths = [where.numel() for where in positions]
+
+    def aligned(per_row):  # [D, every position], 0 where a depth has no row
+        return torch.stack([piece.new_zeros(every_position, dtype=piece.dtype).index_put((where,), piece)
+                            for piece, where in zip(per_row, positions, strict=True)])
+
+    correct = aligned([p == l for p, l in zip(predicted.split(lengths), labels, strict=True)])
+    chain_correct = torch.cumprod(correct.long(), dim=0)
+    sampled = aligned(list(alpha.float().split(lengths)))
+    sampled_chain = torch.cumprod(sampled, dim=0)
+    if objective == "e2e_tv":  # the depth's prefix term, at its rows
+        terms = [1.0 - prefix.index_select(0, where) for prefix, where in zip(sampled_chain, positions)]
+    else:
+        terms = depth_terms(objective, values)
+    for (k, _, mask_k), where, term, weights_k in zip(targets, positions, terms, row_weights, strict=True):
+        mask = flat(mask_k)
+        STEP_STATISTICS.add(k, depths, (term.float() * weights_k).sum(), mask_k.sum(), (correct[k - 1] * mask).sum(),
+                            (chain_correct[k - 1] * mask).sum(), (sampled[k - 1] * mask).sum(),
+                            (sampled_chain[k - 1] * mask).sum())

@@ -1,11 +1,15 @@
-"""Exact per-depth MTP statistics (spec section 7), kept as sums so they reduce exactly.
+"""Exact per-depth MTP statistics (spec sections 7 and 12), kept as sums so they reduce exactly.
 
-For each depth k, over valid depth-k positions: the raw cross-entropy sum S_k, the
-valid count M_k, the top-1 correct count, and the chain-correct count (predictions at
-depths 1..k all correct at that position: a k-token draft fully accepted). Sums add
-across micro-batches, chunks and data-parallel ranks; ratios are taken only at the end.
-A prediction at depth j < k counts as correct when it equals its target token, whether
-or not that target is itself supervised (the target token exists whenever depth k's does).
+For each depth k, over valid depth-k positions: the objective's sum S_k (cross-entropy
+for ``ce``; the depth's term of the draft objective otherwise, megatron.core.fork.mtp.
+draft_objectives), the valid count M_k, the top-1 correct count, the chain-correct count
+(predictions at depths 1..k all correct at that position: a k-token draft fully accepted),
+and, for sampled drafts, the sum of alpha^k_t = sum_v min(p, q) (what a rejection sampler
+accepts at depth k given depths < k accepted) and of the chain product
+prod_{i<=k} alpha^i_t (a k-token sampled draft fully accepted). Sums add across
+micro-batches, chunks and data-parallel ranks; ratios are taken only at the end. A
+prediction at depth j < k counts as correct when it equals its target token, whether or
+not that target is itself supervised (the target token exists whenever depth k's does).
 """
 
 import torch
@@ -13,8 +17,9 @@ import torch.distributed as dist
 
 from megatron.core.fork import device as compute_device
 
-CE_SUM, VALID, CORRECT, CHAIN_CORRECT = range(4)
-FIELDS = 4
+CE_SUM, VALID, CORRECT, CHAIN_CORRECT, SAMPLED_ACCEPTED, SAMPLED_CHAIN_ACCEPTED = range(6)
+FIELDS = 6
+COUNT_FIELDS = (VALID, CORRECT, CHAIN_CORRECT)  # integers: they reduce exactly
 
 
 def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,11 +40,6 @@ def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, to
     return best.to(logits.dtype), candidates.min(dim=0).values.long()
 
 
-def vocab_parallel_argmax(logits: torch.Tensor, tp_group) -> torch.Tensor:
-    """argmax over the full vocabulary of logits split over tensor-parallel ranks (last dim)."""
-    return vocab_parallel_max(logits.float(), tp_group)[1]
-
-
 class MTPStatistics:
     """Per-depth sums for one training step; reset it when a step begins."""
 
@@ -49,11 +49,12 @@ class MTPStatistics:
     def reset(self) -> None:
         self.sums = None
 
-    def add(self, depth: int, depths: int, ce_sum, valid, correct, chain_correct) -> None:
+    def add(self, depth: int, depths: int, ce_sum, valid, correct, chain_correct, sampled_accepted,
+            sampled_chain_accepted) -> None:
         if self.sums is None or self.sums.size(0) != depths:
             self.sums = torch.zeros(depths, FIELDS, dtype=torch.float64, device=compute_device.current_device())
-        row = torch.stack([ce_sum.detach().double(), valid.detach().double(),
-                           correct.detach().double(), chain_correct.detach().double()])
+        row = torch.stack([value.detach().double() for value in (
+            ce_sum, valid, correct, chain_correct, sampled_accepted, sampled_chain_accepted)])
         self.sums[depth - 1] += row
 
     def local_sums(self) -> torch.Tensor | None:
@@ -65,12 +66,17 @@ class MTPStatistics:
 STEP_STATISTICS = MTPStatistics()
 
 
+EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"
+EXPECTED_LENGTH_SAMPLING = "expected accepted length (sampling)"
+
+
 def metrics_from_sums(sums: torch.Tensor) -> dict:
-    """Named metrics from [D, 4] sums. Expected accepted length counts the verifier's bonus token."""
+    """Named metrics from [D, FIELDS] sums. Both expected accepted lengths count the
+    verifier's bonus token."""
     metrics = {}
-    chain_total = 0.0
+    chain_total = sampled_chain_total = 0.0
     for k in range(sums.size(0)):
-        ce_sum, valid, correct, chain = sums[k].tolist()
+        ce_sum, valid, correct, chain, sampled, sampled_chain = sums[k].tolist()
 
         def ratio(x, valid=valid):
             return x / valid if valid > 0 else 0.0
@@ -78,7 +84,20 @@ def metrics_from_sums(sums: torch.Tensor) -> dict:
         metrics[f"mtp_{k + 1} loss"] = ratio(ce_sum)
         metrics[f"mtp_{k + 1} acceptance"] = ratio(correct)
         metrics[f"mtp_{k + 1} chain acceptance"] = ratio(chain)
+        metrics[f"mtp_{k + 1} sampled acceptance"] = ratio(sampled)
         metrics[f"mtp_{k + 1} tokens"] = valid
         chain_total += ratio(chain)
-    metrics["expected accepted length (incl. bonus token)"] = 1.0 + chain_total
+        sampled_chain_total += ratio(sampled_chain)
+    metrics[EXPECTED_LENGTH] = 1.0 + chain_total
+    metrics[EXPECTED_LENGTH_SAMPLING] = 1.0 + sampled_chain_total
     return metrics
+
+
+def widened(sums: torch.Tensor | None) -> torch.Tensor | None:
+    """Sums saved before the sampled fields existed ([D, 4]) with those fields unknown (NaN): a
+    run resumed from such a checkpoint reports the sampled metrics of sums that include the
+    older steps as nan (their past is unknown), and every other metric as before."""
+    if sums is None or sums.size(1) == FIELDS:
+        return sums
+    unknown = sums.new_full((sums.size(0), FIELDS - sums.size(1)), float("nan"))
+    return torch.cat([sums, unknown], dim=1)

@@ -70,3 +70,14 @@ def depth_targets(labels: torch.Tensor, loss_mask: torch.Tensor, depths: int,
         loss_mask, _ = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp_group,
                                    packed_seq_params=packed_seq_params)
         yield k, labels, loss_mask
+
+
+def rolled_main_hidden(main_hidden: torch.Tensor, depths: int, packed_seq_params=None, cp_group=None):
+    """h^0 at t + k for k = 1..depths, each [s, b, h] (the whole sequence; detached): the rows
+    the main head's distribution p^k_t is computed from. Each roll builds on the previous one;
+    a position whose t + k leaves its sequence gets zeros (it is masked at depth k)."""
+    rolled, hidden = [], main_hidden.detach()
+    for _ in range(depths):
+        hidden, _ = roll_tensor(hidden, shifts=-1, dims=0, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        rolled.append(hidden)
+    return rolled

@@ -1,11 +1,12 @@
 """Per-depth MTP metrics of megatron.training's loop: console, TensorBoard and W&B (spec 7).
 
-Each step hands its exactly reduced per-depth sums (CE, valid, correct, chain-correct;
-megatron.core.fork.mtp.statistics) to ``record_step``. The console line and the
-TensorBoard/W&B scalars of a log interval are ratios of the interval's sums (token-weighted
-over all its steps, not a mean of per-step ratios): ``mtp_k loss``, ``mtp_k acceptance``,
-``mtp_k chain acceptance``, ``expected accepted length (incl. bonus token)``, plus ``mtp
-grad norm``, tokens/s and the ETA. The sums since the start of training (the cumulative
+Each step hands its exactly reduced per-depth sums (objective, valid, correct, chain-correct,
+sampled acceptance and its chain; megatron.core.fork.mtp.statistics) to ``record_step``. The
+console line and the TensorBoard/W&B scalars of a log interval are ratios of the interval's
+sums (token-weighted over all its steps, not a mean of per-step ratios): ``mtp_k loss``,
+``mtp_k acceptance``, ``mtp_k chain acceptance``, ``mtp_k sampled acceptance``, ``expected
+accepted length (incl. bonus token)`` and its ``(sampling)`` form, plus ``mtp grad norm``,
+tokens/s and the ETA. The sums since the start of training (the cumulative
 acceptance) and those of the open interval are part of the checkpoint (``state_dict``), so
 they continue across a resume.
 """
@@ -14,16 +15,14 @@ import time
 
 import torch
 
-from megatron.core.fork.mtp.statistics import metrics_from_sums
-
-EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"
+from megatron.core.fork.mtp.statistics import EXPECTED_LENGTH, EXPECTED_LENGTH_SAMPLING, metrics_from_sums, widened
 ROUTER_LOSS_SUFFIXES = ("load balancing loss", "z loss")
 
 
 class _Tracker:
     def __init__(self):
-        self.interval = None  # [D, 4] sums since the last log line
-        self.cumulative = None  # [D, 4] sums since the start of training (checkpointed)
+        self.interval = None  # [D, FIELDS] sums since the last log line
+        self.cumulative = None  # [D, FIELDS] sums since the start of training (checkpointed)
         self.tokens = 0
         self.mtp_grad_norms = []
         self.router = {}  # "mtp_k <router loss>" -> sum of step values since the last log line
@@ -54,7 +53,7 @@ class _Tracker:
         if self.interval is not None:
             values.update(metrics_from_sums(self.interval))
             for name, value in metrics_from_sums(self.cumulative).items():
-                if "acceptance" in name or name == EXPECTED_LENGTH:
+                if "acceptance" in name or name in (EXPECTED_LENGTH, EXPECTED_LENGTH_SAMPLING):
                     values[f"{name} (cumulative)"] = value
         values.update({name: total / self.router_steps for name, total in self.router.items()})
         if self.mtp_grad_norms:
@@ -78,9 +77,11 @@ def _console(values: dict, depths: int) -> str:
     for k in range(1, depths + 1):
         text += (f" mtp_{k} loss: {values[f'mtp_{k} loss']:.6E} | mtp_{k} acceptance:"
                  f" {values[f'mtp_{k} acceptance']:.4f} | mtp_{k} chain acceptance:"
-                 f" {values[f'mtp_{k} chain acceptance']:.4f} |")
+                 f" {values[f'mtp_{k} chain acceptance']:.4f} | mtp_{k} sampled acceptance:"
+                 f" {values[f'mtp_{k} sampled acceptance']:.4f} |")
     if depths:
-        text += f" {EXPECTED_LENGTH}: {values[EXPECTED_LENGTH]:.4f} |"
+        text += (f" {EXPECTED_LENGTH}: {values[EXPECTED_LENGTH]:.4f} |"
+                 f" {EXPECTED_LENGTH_SAMPLING}: {values[EXPECTED_LENGTH_SAMPLING]:.4f} |")
     for k in range(1, depths + 1):  # each depth's router losses (MoE), as step values
         text += "".join(f" {name}: {value:.6E} |" for name, value in values.items()
                         if name.startswith(f"mtp_{k} ") and name.endswith(ROUTER_LOSS_SUFFIXES))
@@ -104,7 +105,7 @@ _TRACKER = _Tracker()
 
 
 def record_step(counts, sums, mtp_grad_norm, router=None) -> None:
-    """One step's global counts (or None), its reduced MTP sums [D, 4] (or None), the
+    """One step's global counts (or None), its reduced MTP sums [D, FIELDS] (or None), the
     MTP group's gradient norm (or None) and its MTP depths' router losses (or None)."""
     _TRACKER.record(counts, sums, mtp_grad_norm, router)
 
@@ -141,7 +142,7 @@ def state_dict() -> dict:
 def load_state_dict(state: dict | None) -> None:
     def tensor(name):
         sums = (state or {}).get(name)
-        return None if sums is None else torch.tensor(sums, dtype=torch.float64)
+        return None if sums is None else widened(torch.tensor(sums, dtype=torch.float64))
 
     _TRACKER.cumulative, _TRACKER.interval = tensor("cumulative_sums"), tensor("interval_sums")
     router, steps = (state or {}).get("interval_router_losses") or ({}, 0)

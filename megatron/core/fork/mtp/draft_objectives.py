@@ -1,0 +1,126 @@
+"""Draft objectives for sampled rollouts (spec section 12): ``kl``, ``tv`` and ``e2e_tv``
+beside ``ce``, and the sampled acceptance every objective reports.
+
+For depth k at position t (``mtp_loss_type``, ``mtp_draft_temperature`` tau):
+
+    p^k_t = softmax(z^0_{t+k} / tau)   the main head at t + k, a target (always detached)
+    q^k_t = softmax(z^k_t / tau)       depth k's draft distribution
+    alpha^k_t = sum_v min(p, q)        what a rejection sampler accepts
+
+z^0_{t+k} is computed from h^0 rolled left by k inside its sequence
+(megatron.core.fork.mtp.supervision.rolled_main_hidden: upstream's ``roll_tensor``, which
+this series makes exact across context-parallel ranks and packed segments) and the detached output weight, at the same rows as z^k_t, in the same
+chunks of the sparse cross-entropy (megatron.core.fork.sparse_cross_entropy): no
+[tokens, vocab] tensor outlives its chunk. Under tensor parallelism each rank holds a
+vocabulary shard; the maxima, exponential sums and the sums over the vocabulary of
+min(p, q), of q where q < p, and of p log(p / q) are all-reduced, so every value is the
+full vocabulary's.
+
+Per row the chunk gives the objective's value (``kl``: KL(p || q); ``tv`` and ``e2e_tv``:
+alpha) and its gradient with respect to the row (the output weight takes none: every
+draft objective needs isolation, which detaches it). The backward only scales that
+gradient by the incoming per-row gradient, so it is exact for any function of the rows'
+values: ``e2e_tv``'s products across depths are ordinary autograd over them
+(``objective_sum``).
+
+Where this and upstream's open proposal (Megatron-LM #6473 / #6875) differ: there the
+cross-entropy objective is named ``cross_entropy`` (accepted here too), only ``e2e_tv``
+exists, and e2e_tv's loss is normalized by the count of complete chains; here the
+objectives are ``ce | kl | tv | e2e_tv`` and every one is normalized by the step's N_tok
+(spec section 12), so the normalization is exact however the step is cut.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+OBJECTIVES = ("ce", "kl", "tv", "e2e_tv")
+UPSTREAM_NAMES = {"cross_entropy": "ce"}  # Megatron-LM #6875's name for today's objective
+
+
+def objective_of(config) -> str:
+    """The config's draft objective in this module's names."""
+    name = getattr(config, "mtp_loss_type", "ce")
+    return UPSTREAM_NAMES.get(name, name)
+
+
+@dataclass
+class DraftTargets:
+    """What the chunked projection needs beside the draft rows: the main head's rows at
+    t + k (h^0 rolled by k, detached, in the same order), tau and the objective."""
+
+    rows: torch.Tensor
+    temperature: float
+    objective: str
+
+
+def _all_reduce(tensor: torch.Tensor, tp_group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(tensor, op=op, group=tp_group)
+    return tensor
+
+
+def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float, objective: str,
+                tp_group, want_grad: bool):
+    """For a chunk of rows' logits over this rank's vocabulary shard (float, scaled as the
+    model scales them): (value [n] or None for ``ce``, alpha [n], d value / d draft_logits
+    [n, shard] or None). ``value`` is KL(p || q) for ``kl`` and alpha for ``tv``/``e2e_tv``."""
+    inverse = 1.0 / temperature
+    z_q, z_p = draft_logits * inverse, target_logits * inverse
+    maxima = _all_reduce(torch.stack([z_q.max(dim=1).values, z_p.max(dim=1).values]), tp_group, dist.ReduceOp.MAX)
+    z_q, z_p = z_q - maxima[0].unsqueeze(1), z_p - maxima[1].unsqueeze(1)
+    q, p = z_q.exp(), z_p.exp()
+    sums = _all_reduce(torch.stack([q.sum(dim=1), p.sum(dim=1)]), tp_group)
+    q.div_(sums[0].unsqueeze(1))
+    p.div_(sums[1].unsqueeze(1))
+    below = q < p  # where min(p, q) is q: only there does alpha depend on the draft
+    parts = [torch.where(below, q, p).sum(dim=1), (q * below).sum(dim=1)]
+    if objective == "kl":
+        log_ratio = (z_p - sums[1].log().unsqueeze(1)) - (z_q - sums[0].log().unsqueeze(1))
+        parts.append((p * log_ratio).sum(dim=1))
+    totals = _all_reduce(torch.stack(parts), tp_group)
+    alpha = totals[0]
+    if objective == "ce":
+        return None, alpha, None
+    value = totals[2] if objective == "kl" else alpha
+    if not want_grad:
+        return value, alpha, None
+    if objective == "kl":  # d KL / d z_q = q - p
+        grad = q.sub_(p)
+    else:  # d alpha / d z_q = q * (1[q < p] - sum_v 1[q < p] q)
+        grad = q.mul_(below.to(q.dtype).sub_(totals[1].unsqueeze(1)))
+    return value, alpha, grad.mul_(inverse)
+
+
+def depth_terms(objective: str, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each depth's per-row term of the objective, from the rows' values in depth order
+    (``ce``: CE; ``kl``: KL; ``tv``: 1 - alpha; ``e2e_tv``: 1 - prod_{i<=k} alpha^i, the
+    depth's prefix, for the per-depth loss metric). For e2e_tv the rows of every depth must
+    be the same positions (``objective_sum`` aligns them)."""
+    if objective in ("ce", "kl"):
+        return values
+    if objective == "tv":
+        return [1.0 - value for value in values]
+    return [1.0 - prefix for prefix in torch.cumprod(torch.stack(values), dim=0)]
+
+
+def objective_sum(objective: str, values: list[torch.Tensor], weights: list[torch.Tensor],
+                  positions: list[torch.Tensor], chain: Optional[torch.Tensor], every_position: int) -> torch.Tensor:
+    """The MTP branch's sum over depths of S_k (the caller scales it by lambda / (D N_tok)).
+
+    values, weights, positions: per depth, the rows' values, loss weights (the depth-k mask)
+    and flat positions. ``e2e_tv`` (Bebop Eq. 13): lambda * sum_t e_t / N_tok with
+    e_t = 1 - (1/D) sum_j prod_{i<=j} alpha^i_t over the anchors in ``chain`` (valid at every
+    depth), returned as D * sum_t e_t so that the common lambda / D applies."""
+    if len(values) != len(weights) or len(values) != len(positions):
+        raise ValueError("one value, weight and position list per MTP depth")
+    if objective != "e2e_tv":
+        terms = depth_terms(objective, values)
+        return sum((term * weight.to(term.dtype)).sum() for term, weight in zip(terms, weights))
+    depths = len(values)
+    aligned = [value.new_zeros(every_position).index_put((where,), value) for value, where in zip(values, positions)]
+    prefixes = torch.cumprod(torch.stack(aligned), dim=0)  # [D, positions]
+    per_anchor = 1.0 - prefixes.mean(dim=0)
+    return depths * (per_anchor * chain.to(per_anchor.dtype)).sum()

@@ -1,0 +1,128 @@
+"""The draft objectives of spec section 12 (kl, tv, e2e_tv; ce at a temperature) in the
+patched GPTModel against the plain-PyTorch reference (tests/reference/gpt_mtp.py), which
+computes them on whole [b, s, V] softmaxes with torch.minimum and autograd."""
+
+import itertools
+
+import torch
+
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron_mtp.library.model import build_gpt
+from tests.bodies.mtp_model import (
+    SEQ, SPARSE_CHUNK, VOCAB, counts_equal, make_config, max_rel, packed_batch, padded_batch, reference_for,
+    reference_sums, run_megatron,
+)
+from tests.harness.layout import model_parallel
+
+DRAFT_OBJECTIVES = ("kl", "tv", "e2e_tv")
+TEMPERATURE = 0.7  # not 1, so a missing or misplaced 1/tau shows
+
+
+def sharpen(model) -> None:
+    """Spread the output weight so p and q differ markedly at every position (the tiny model's
+    initial softmaxes are near uniform, where alpha ~ 1 and every objective is nearly flat)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in ("output_layer.weight", "embedding.word_embeddings.weight"):
+                param.mul_(6.0)
+
+
+def case(objective, depths, repeated, tied, layout, sparse, temperature=TEMPERATURE, seed=0) -> dict:
+    """One step of the model with `objective` and of the reference: gradients, the MTP sums."""
+    config = make_config(depths, repeated, detach=True, mtp_sparse_loss=sparse, sparse_loss_chunk_size=SPARSE_CHUNK,
+                         mtp_loss_type=objective, mtp_draft_temperature=temperature)
+    torch.manual_seed(2000 + 10 * depths + seed)
+    model = build_gpt(config, VOCAB, SEQ, share_embeddings_and_output_weights=tied)
+    sharpen(model)
+    input_ids, labels, mask, segments = (padded_batch if layout == "padded" else packed_batch)(seed)
+    got = run_megatron(model, input_ids, labels, mask, segments)
+    ref = reference_for(model, depths, tied, repeated, True)
+    logits, _, per_depth = ref.losses(input_ids, labels, mask, segments)
+    ref.objective_sums(input_ids, labels, mask, segments, objective, temperature).backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters() if p.grad is not None}
+    ref_sums = reference_sums(logits, per_depth, segments, objective, temperature)
+    names_match = sorted(got["grads"]) == sorted(ref_grads)
+    mtp_names = [name for name in ref_grads if name.startswith("mtp.")]
+    return {
+        "grad_names": names_match,
+        "grads": max(max_rel(got["grads"][n], ref_grads[n]) for n in ref_grads) if names_match else float("inf"),
+        "mtp_grads_nonzero": all(bool(ref_grads[n].abs().sum() > 0) for n in mtp_names),
+        "sums": max_rel(got["sums"], ref_sums),
+        "counts_exact": counts_equal(got["sums"], ref_sums),
+        "sampled_acceptance": (got["sums"][:, 4] / got["sums"][:, 1]).tolist(),
+    }
+
+
+def matrix() -> dict:
+    """Every draft objective x D in {1, 2, 3} x distinct / repeated x tied / untied x padded /
+    packed rows x sparse / dense MTP loss, and ce at a temperature (its sampled acceptance)."""
+    results = {}
+    with model_parallel():
+        for objective, depths, repeated, tied, layout, sparse in itertools.product(
+                DRAFT_OBJECTIVES + ("ce",), (1, 2, 3), (False, True), (False, True), ("padded", "packed"),
+                (True, False)):
+            if repeated and depths == 1:
+                continue  # the same model as distinct
+            name = (f"{objective}-D{depths}-{'rep' if repeated else 'dist'}-{'tied' if tied else 'untied'}-{layout}-"
+                    f"{'sparse' if sparse else 'dense'}")
+            results[name] = case(objective, depths, repeated, tied, layout, sparse)
+    return results
+
+
+def default_cases() -> dict:
+    """One case per objective and dimension for the default tier: D = 3 distinct and D = 2
+    repeated, padded and packed rows, sparse and dense."""
+    results = {}
+    with model_parallel():
+        for objective in DRAFT_OBJECTIVES:
+            results[f"{objective}-D3-dist-untied-padded-sparse"] = case(objective, 3, False, False, "padded", True)
+            results[f"{objective}-D2-rep-tied-packed-dense"] = case(objective, 2, True, True, "packed", False)
+        results["ce-D2-dist-untied-packed-sparse"] = case("ce", 2, False, False, "packed", True)
+    return results
+
+
+def backbone_untouched() -> dict:
+    """For each objective: backbone, embedding and output-weight gradients equal a D = 0 run's
+    bit for bit (the main head's distribution is a target, never trained by the heads)."""
+    out = {}
+    with model_parallel():
+        for objective in DRAFT_OBJECTIVES + ("ce",):
+            torch.manual_seed(7)
+            with_mtp = build_gpt(make_config(2, detach=True, mtp_loss_type=objective), VOCAB, SEQ)
+            without = build_gpt(make_config(0), VOCAB, SEQ)
+            without.load_state_dict(with_mtp.state_dict(), strict=False)
+            got, base = run_megatron(with_mtp, *padded_batch()), run_megatron(without, *padded_batch())
+            shared = sorted(base["grads"])
+            out[objective] = {
+                "shared_names": shared == sorted(n for n in got["grads"] if not n.startswith("mtp.")),
+                "bit_identical": all(torch.equal(got["grads"][n], base["grads"][n]) for n in shared),
+                "mtp_grads_nonzero": all(bool(got["grads"][n].abs().sum() > 0)
+                                         for n in got["grads"] if n.startswith("mtp.")),
+            }
+    return out
+
+
+def refusals() -> dict:
+    """Each refused configuration's one-line message, or None where it was built."""
+
+    def error_of(**fields):
+        try:
+            make_config(2, **fields)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    with model_parallel():
+        STEP_STATISTICS.reset()
+        return {
+            **{f"{objective}_attached": error_of(mtp_loss_type=objective) for objective in DRAFT_OBJECTIVES},
+            "unknown": error_of(detach=True, mtp_loss_type="soft_ce"),
+            "temperature": error_of(detach=True, mtp_draft_temperature=0.0),
+            "upstream_name": error_of(mtp_loss_type="cross_entropy"),
+            "ce_attached": error_of(mtp_loss_type="ce"),
+        }
+
+
+def suite(tier: str) -> dict:
+    return {"cases": matrix() if tier == "matrix" else default_cases(), "backbone": backbone_untouched(),
+            "refusals": refusals()}
