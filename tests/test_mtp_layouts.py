@@ -57,6 +57,14 @@ ARCH_SETUPS = {
     "delta_net_hybrid_D2": dict(mtp_num_layers=2, hybrid=True, arch="delta_net"),
     "delta_net_gpt_isolated_D2": dict(mtp_num_layers=2, mtp_detach_heads=True, arch="delta_net_gpt"),
 }
+# The draft objectives (spec section 12; 0.19.2's series): the main head's distribution at t + k
+# over TP vocabulary shards, across CP ranks and on the MTP stage under PP; e2e_tv couples the depths.
+DRAFT_SETUPS = {
+    "tv_isolated_D2": dict(mtp_num_layers=2, mtp_detach_heads=True, mtp_loss_type="tv", mtp_draft_temperature=0.8),
+    "e2e_tv_isolated_D3": dict(mtp_num_layers=3, mtp_detach_heads=True, mtp_loss_type="e2e_tv"),
+    "kl_isolated_D2_repeated": dict(mtp_num_layers=2, mtp_detach_heads=True, mtp_use_repeated_layer=True,
+                                    mtp_loss_type="kl", mtp_draft_temperature=1.3),
+}
 # Only for the layouts that name them: five decoder layers fill PP=4 x VPP=2 without an empty stage.
 LAYOUT_ONLY_SETUPS = {
     "attached_D2_L5": dict(mtp_num_layers=2, num_layers=5),
@@ -84,7 +92,7 @@ LAYOUTS = [dict(name="tp2_dp2", tp=2, pp=1), dict(name="pp2_dp2", tp=1, pp=2), d
 # means to forbid but lets through, gave that rank two word-embedding copies of which one was
 # reduced (relative gradient error 0.048 and 1.05; tied, the build hung): refused when the
 # config is built (tests/in_build/test_mtp_layout_refusal.py).
-ALL_SETUPS = {**SETUPS, **HYBRID_SETUPS, **ARCH_SETUPS, **LAYOUT_ONLY_SETUPS}
+ALL_SETUPS = {**SETUPS, **HYBRID_SETUPS, **ARCH_SETUPS, **DRAFT_SETUPS, **LAYOUT_ONLY_SETUPS}
 # The default tier's (layout, setup) cases: every layout, each setup at least once (D = 2 and 3,
 # repeated, isolated, tied, HybridModel attached and isolated), and every case the guards below
 # read; the other cases of the cross-product are in the matrix tier (docs/tests.md).
@@ -101,14 +109,17 @@ DEFAULT_CASES = {
     ("tp2_dp2", "qk_rmsnorm_gate_D2"), ("tp2_dp2", "mla_yarn_isolated_D2"), ("pp2_dp2", "mla_yarn_isolated_D2"),
     ("tp2_dp2", "delta_net_hybrid_D2"), ("cp2_dp2", "delta_net_hybrid_D2"),
     ("tp2_pp2", "delta_net_gpt_isolated_D2"), ("pp2_dp2_mtp_with_loss", "delta_net_gpt_isolated_D2"),
+    ("tp2_dp2", "kl_isolated_D2_repeated"), ("pp2_dp2", "tv_isolated_D2"), ("cp2_dp2", "e2e_tv_isolated_D3"),
 }
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def runs_on(build: str, setup: str, layout: dict | None = None) -> bool:
-    """HybridModel's MTP depths, the architectures' setups and MTP with context parallelism are 0.19.2's."""
+    """HybridModel's MTP depths, the architectures' setups, the draft objectives and MTP with
+    context parallelism are 0.19.2's."""
     cp = (layout or {}).get("cp", 1)
-    return build == "0.19.2" or not (ALL_SETUPS[setup].get("hybrid") or setup in ARCH_SETUPS or cp > 1)
+    return build == "0.19.2" or not (ALL_SETUPS[setup].get("hybrid") or setup in ARCH_SETUPS or setup in DRAFT_SETUPS
+                                     or cp > 1)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +149,7 @@ def setups_of(layout: dict) -> list:
         return list(SETUPS)
     # Gated DeltaNet's 2 key heads split over TP x CP <= 2 ranks only (more is refused in one line).
     splits = layout["tp"] * layout.get("cp", 1)
-    return list(SETUPS) + list(HYBRID_SETUPS) + [name for name in ARCH_SETUPS
+    return list(SETUPS) + list(HYBRID_SETUPS) + list(DRAFT_SETUPS) + [name for name in ARCH_SETUPS
                                                    if splits <= 2 or not ARCH_SETUPS[name]["arch"].startswith("delta_net")]
 
 

@@ -102,6 +102,14 @@ def initial_weights(dataset, tmp_path_factory):
     # also in test_mtp_sparse_loss).
     pytest.param("token", ("--mtp-detach-heads",), ("dp2-distributed-optimizer", "tp2-sequence-parallel-sparse-lm-loss"),
                  id="token-isolated-dp-and-sparse-lm-loss", marks=pytest.mark.matrix),
+    # The draft objectives of spec section 12 (e2e_tv couples the depths at each position; the
+    # main head's distribution at t + k crosses TP shards and CP ranks).
+    pytest.param("token", ("--mtp-detach-heads", "--mtp-loss-type", "e2e_tv", "--mtp-draft-temperature", "0.8"),
+                 ("tp2-sequence-parallel", "cp2"), id="token-e2e-tv"),
+    pytest.param("sequence", ("--mtp-detach-heads", "--mtp-loss-type", "tv"), ("two-micro-batches", "cp2-dp2"),
+                 id="sequence-tv", marks=pytest.mark.matrix),
+    pytest.param("token", ("--mtp-detach-heads", "--mtp-loss-type", "kl", "--mtp-draft-temperature", "1.3"),
+                 ("dp2-distributed-optimizer", "pp2-vpp2"), id="token-kl", marks=pytest.mark.matrix),
 ])
 def test_every_layout_trains_the_spec_objective(level, isolation, layouts, dataset, initial_weights, tmp_path):
     common = (*EXACT, "--data-path", str(dataset), "--load", str(initial_weights), "--finetune",
@@ -112,9 +120,11 @@ def test_every_layout_trains_the_spec_objective(level, isolation, layouts, datas
         nproc, args = LAYOUTS[layout]
         runs[layout] = trained(nproc, *common, *args, tmp_path=tmp_path, name=layout)[1]
 
+    options = dict(zip(isolation[1::2], isolation[2::2]))  # the draft objective's flags, if any
     expected = first_step(reference_weights(checkpoint_tensors(initial_weights / "iter_0000001")),
                           gpt_train_samples(dataset, num_samples=3 * 8, count=8), BYTES_EOD, depths=2,
-                          level=level, detach=bool(isolation))
+                          level=level, detach=bool(isolation), objective=options.get("--mtp-loss-type", "ce"),
+                          temperature=float(options.get("--mtp-draft-temperature", 1.0)))
     assert sorted(expected) == sorted(t for t in COMPARED if t in runs["single micro-batch"])
     for name, measured in runs.items():
         for tag, value in expected.items():

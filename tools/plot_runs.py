@@ -9,7 +9,8 @@ torchrun printed), optionally named as NAME=PATH (default: the file's or directo
 the last "=" separates them).
 Runs are overlaid, one colour each, against iterations or tokens (--x; tokens = consumed
 samples x sequence length), in panels: lm loss; each depth's MTP loss (line style by depth);
-acceptance and chain acceptance per depth; expected accepted length (incl. bonus token);
+acceptance, chain acceptance and sampled acceptance per depth; expected accepted length (incl. bonus
+token), teacher-forced and sampling;
 grad norm (and, with --mtp-detach-heads, the MTP group's); learning rate; and for the RL
 example's log (examples/rl/grpo.py) reward and solved fraction, the rollouts' acceptance per
 depth and their mean acceptance length. A panel that no run has is left out. The format follows the output's extension (.png, .svg, .pdf).
@@ -28,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_mtp import cli  # noqa: E402 (after the path above)
-from megatron_mtp.runs import EXPECTED_LENGTH_NAME, RunError, read  # noqa: E402
+from megatron_mtp.runs import EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, RunError, read  # noqa: E402
 
 PROG = "plot_runs.py"
 fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)
@@ -67,8 +68,10 @@ def panels(depths: int) -> list[tuple[str, list[tuple[str, str]]]]:
         ("MTP loss", depth_lines("loss")),
         ("acceptance", depth_lines("acceptance")),
         ("chain acceptance", depth_lines("chain acceptance")),
+        ("sampled acceptance", depth_lines("sampled acceptance")),
         ("rollout acceptance (RL)", depth_lines("rollout acceptance")),
         ("accepted length (incl. bonus token)", [(EXPECTED_LENGTH_NAME, "teacher-forced"),
+                                                 (SAMPLING_LENGTH_NAME, "sampling"),
                                                  (ROLLOUT_LENGTH, "rollouts")]),
         ("grad norm", [("grad norm", ""), ("mtp grad norm", "mtp")]),
         ("learning rate", [("learning rate", "")]),
@@ -137,7 +140,8 @@ def table(runs) -> str:
     """Each run's last logged value of every series some run has, and its median time per iteration."""
     depths = max(run.depths() for run in runs)
     candidates = ["reward", "solved", "lm loss", "lm loss validation", *per_depth("loss", depths),
-                  *per_depth("acceptance", depths), *per_depth("rollout acceptance", depths), EXPECTED_LENGTH_NAME,
+                  *per_depth("acceptance", depths), *per_depth("sampled acceptance", depths),
+                  *per_depth("rollout acceptance", depths), EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME,
                   ROLLOUT_LENGTH, "grad norm"]
     series = [name for name in candidates if any(name in run.series for run in runs)]
     columns = ["run", "iteration", *series, "ms per iteration"]

@@ -12,7 +12,7 @@ from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mtp.library.model import build_gpt
 from tests.harness.layout import model_parallel
-from tests.reference.gpt_mtp import Architecture, ReferenceGPT, acceptances, main_distributions, mtp_inner_layer_name
+from tests.reference.gpt_mtp import Architecture, ReferenceGPT, acceptances, draft_terms, mtp_inner_layer_name
 
 VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, LAMBDA = 48, 32, 4, 2, 2, 12, 0.3
 SPARSE_CHUNK = 7  # rows per chunk of the sparse MTP loss: several chunks, the last one partial
@@ -128,15 +128,13 @@ def reference_sums(logits, per_depth, segments=None, objective="ce", temperature
     objective's term, valid, correct, chain-correct, sampled acceptance and its chain."""
     with torch.no_grad():
         alphas = acceptances(logits, per_depth, segments, temperature)
-        ps = main_distributions(logits, len(per_depth), segments, temperature)
+        terms = draft_terms(objective, logits, per_depth, segments, temperature)
         rows, chain, sampled_chain = [], None, None
-        for (ce, mask_k, labels_k, lg), alpha, p in zip(per_depth, alphas, ps, strict=True):
+        for (_, mask_k, labels_k, lg), alpha, term in zip(per_depth, alphas, terms, strict=True):
             correct = lg.argmax(dim=-1) == labels_k
             chain = correct if chain is None else chain & correct
             sampled_chain = alpha if sampled_chain is None else sampled_chain * alpha
-            term = {"ce": ce, "tv": 1.0 - alpha, "e2e_tv": 1.0 - sampled_chain,
-                    "kl": (p * (p.clamp(min=1e-30).log() - torch.log_softmax(lg / temperature, -1))).sum(-1)}
-            rows.append([(term[objective] * mask_k).sum(), mask_k.sum(), (correct * mask_k).sum(),
+            rows.append([(term * mask_k).sum(), mask_k.sum(), (correct * mask_k).sum(),
                          (chain * mask_k).sum(), (alpha * mask_k).sum(), (sampled_chain * mask_k).sum()])
     return torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float64)
 

@@ -37,6 +37,8 @@ class Setup:
     data_seed: int = 7
     mtp_detach_heads: bool = False
     mtp_use_repeated_layer: bool = False
+    mtp_loss_type: str = "ce"  # the draft objective (spec section 12) and its temperature
+    mtp_draft_temperature: float = 1.0
     tied: bool = False
     # MoE (none by default). DeepSeek-V3-like: no linear biases, SwiGLU, sigmoid scores with
     # an expert bias, a shared expert, seq_aux_loss and z-loss; any upstream value works.
@@ -176,6 +178,8 @@ def build(setup: Setup, vpp: int | None = None):
         mtp_num_layers=setup.mtp_num_layers or None,
         mtp_detach_heads=setup.mtp_detach_heads,
         mtp_use_repeated_layer=setup.mtp_use_repeated_layer,
+        mtp_loss_type=setup.mtp_loss_type,
+        mtp_draft_temperature=setup.mtp_draft_temperature,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,

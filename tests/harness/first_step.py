@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from tests.reference.gpt_mtp import ReferenceGPT
+from tests.reference.gpt_mtp import ReferenceGPT, draft_objective_sum, draft_terms
 
 # Local-spec names in megatron-core's checkpoints (layer norms fused into the linear that
 # follows them, as Transformer Engine names them) -> the reference's module names.
@@ -75,8 +75,9 @@ def gpt_train_samples(prefix: Path, num_samples: int, count: int) -> torch.Tenso
 
 
 def first_step(weights: dict, samples: torch.Tensor, eod_id: int, *, depths: int, level: str, detach: bool,
-               mtp_loss_scaling_factor: float = 0.1) -> dict:
-    """The spec's objective of one global batch: the metrics a run logs for that step."""
+               mtp_loss_scaling_factor: float = 0.1, objective: str = "ce", temperature: float = 1.0) -> dict:
+    """The spec's objective of one global batch: the metrics a run logs for that step
+    (`objective`, `temperature`: the MTP draft objective of spec section 12)."""
     layers = 1 + max(int(k.split(".")[2]) for k in weights if k.startswith("decoder.layers."))
     vocab, hidden = weights["embedding.word_embeddings.weight"].shape
     heads = 4  # tests.harness.trainer.TINY
@@ -88,7 +89,7 @@ def first_step(weights: dict, samples: torch.Tensor, eod_id: int, *, depths: int
     # --eod-mask-loss as megatron-core defines it: no target where the input is an end of
     # document (the first token of the next document is not predicted from the previous one).
     mask = (inputs != eod_id).float()
-    _, main, per_depth = model.losses(inputs, labels, mask)
+    logits, main, per_depth = model.losses(inputs, labels, mask)
     tokens = mask.sum()
     if level == "token":
         loss = (main * mask).sum() / tokens
@@ -97,11 +98,11 @@ def first_step(weights: dict, samples: torch.Tensor, eod_id: int, *, depths: int
         valid = per_sequence > 0
         loss = ((main * mask).sum(dim=1)[valid] / per_sequence[valid]).mean()
     metrics = {"lm loss": loss.item()}
-    objective = loss
-    for k, (ce, mask_k, _, _) in enumerate(per_depth, start=1):
-        metrics[f"mtp_{k} loss"] = ((ce * mask_k).sum() / mask_k.sum()).item()
-        objective = objective + mtp_loss_scaling_factor / depths * (ce * mask_k).sum() / tokens
-    objective.backward()
+    terms = draft_terms(objective, logits, per_depth, None, temperature)
+    for k, (term, (_, mask_k, _, _)) in enumerate(zip(terms, per_depth, strict=True), start=1):
+        metrics[f"mtp_{k} loss"] = ((term * mask_k).sum() / mask_k.sum()).item()
+    mtp = draft_objective_sum(objective, logits, per_depth, None, temperature)
+    (loss + mtp_loss_scaling_factor / depths * mtp / tokens).backward()
     groups = {"main": [], "mtp": []}
     for name, parameter in model.named_parameters():
         groups["mtp" if name.startswith("mtp.") and detach else "main"].append(parameter.grad.flatten())

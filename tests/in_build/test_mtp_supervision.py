@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron.core.fork.mtp.statistics import metrics_from_sums
+from megatron.core.fork.mtp.statistics import FIELDS, metrics_from_sums, widened
 from megatron.core.fork.mtp.supervision import depth_targets, effective_mask, next_token_labels
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -54,14 +54,23 @@ def test_sample_mask_drops_whole_samples():
 
 
 def test_metrics_from_sums_are_ratios_of_sums_with_the_bonus_token():
-    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0], [4.0, 2.0, 1.0, 1.0]], dtype=torch.float64)
+    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0], [4.0, 2.0, 1.0, 1.0, 1.5, 0.5]], dtype=torch.float64)
     metrics = metrics_from_sums(sums)
     assert metrics["mtp_1 loss"] == 1.5 and metrics["mtp_2 loss"] == 2.0
     assert metrics["mtp_1 acceptance"] == 0.75 and metrics["mtp_2 chain acceptance"] == 0.5
     assert metrics["expected accepted length (incl. bonus token)"] == 1 + 0.75 + 0.5
+    assert metrics["mtp_1 sampled acceptance"] == 0.5 and metrics["mtp_2 sampled acceptance"] == 0.75
+    assert metrics["expected accepted length (sampling)"] == 1 + 0.5 + 0.25
+
+
+def test_sums_saved_before_the_sampled_fields_resume_with_them_unknown():
+    old = torch.tensor([[6.0, 4.0, 3.0, 3.0]], dtype=torch.float64)
+    metrics = metrics_from_sums(widened(old))
+    assert metrics["mtp_1 acceptance"] == 0.75
+    assert metrics["mtp_1 sampled acceptance"] != metrics["mtp_1 sampled acceptance"]  # nan: unknown, not 0
 
 
 def test_a_depth_without_valid_positions_reports_zero_not_nan():
-    metrics = metrics_from_sums(torch.zeros(2, 4, dtype=torch.float64))
+    metrics = metrics_from_sums(torch.zeros(2, FIELDS, dtype=torch.float64))
     assert all(v == v for v in metrics.values())  # no NaN
     assert metrics["expected accepted length (incl. bonus token)"] == 1.0

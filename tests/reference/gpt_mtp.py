@@ -454,10 +454,9 @@ class ReferenceGPT(nn.Module):
         """sum(main CE * m) + (lambda / D) * sum_k S_k; divided by N_tok it is the spec's L."""
         logits, main, per_depth = self.losses(input_ids, labels, loss_mask, segments)
         total = (main * loss_mask).sum()
-        if objective == "ce":
-            mtp = sum((ce * mask_k).sum() for ce, mask_k, _, _ in per_depth)
-        else:
-            mtp = draft_objective_sum(objective, logits, per_depth, segments, temperature)
+        if not per_depth:
+            return total
+        mtp = draft_objective_sum(objective, logits, per_depth, segments, temperature)
         return total + self.mtp_loss_scaling_factor / self.depths * mtp
 
 
@@ -484,25 +483,32 @@ def acceptances(logits, per_depth, segments, temperature):
             for p, (_, _, _, lg) in zip(ps, per_depth, strict=True)]
 
 
-def draft_objective_sum(objective, logits, per_depth, segments, temperature):
-    """sum_k S_k of a draft objective (e2e_tv: D * sum_t e_t), from the whole distributions."""
+def draft_terms(objective, logits, per_depth, segments, temperature):
+    """Each depth's per-position term [b, s]: CE, KL(p || q), 1 - alpha, or e2e_tv's prefix
+    1 - prod_{i<=k} alpha^i."""
+    if objective == "ce":
+        return [ce for ce, _, _, _ in per_depth]
     if objective == "kl":
         ps = main_distributions(logits, len(per_depth), segments, temperature)
-        total = 0.0
-        for p, (_, mask_k, _, lg) in zip(ps, per_depth, strict=True):
-            log_q = torch.log_softmax(lg / temperature, dim=-1)
-            kl = (p * (torch.log(p.clamp(min=1e-30)) - log_q)).sum(dim=-1)
-            total = total + (kl * mask_k).sum()
-        return total
+        return [(p * (torch.log(p.clamp(min=1e-30)) - torch.log_softmax(lg / temperature, dim=-1))).sum(dim=-1)
+                for p, (_, _, _, lg) in zip(ps, per_depth, strict=True)]
     alphas = acceptances(logits, per_depth, segments, temperature)
     if objective == "tv":
-        return sum(((1.0 - alpha) * mask_k).sum() for alpha, (_, mask_k, _, _) in zip(alphas, per_depth, strict=True))
+        return [1.0 - alpha for alpha in alphas]
     if objective != "e2e_tv":
         raise ValueError(objective)
-    chain = torch.stack([mask_k != 0 for _, mask_k, _, _ in per_depth]).all(dim=0)
-    running, accepted_length = 1.0, 0.0
+    terms, running = [], 1.0
     for alpha in alphas:
         running = running * alpha
-        accepted_length = accepted_length + running
-    e = 1.0 - accepted_length / len(alphas)
-    return len(alphas) * (e * chain).sum()
+        terms.append(1.0 - running)
+    return terms
+
+
+def draft_objective_sum(objective, logits, per_depth, segments, temperature):
+    """sum_k S_k of a draft objective. e2e_tv: D * sum_t e_t over anchors valid at every depth,
+    e_t = 1 - (1/D) sum_j prod_{i<=j} alpha^i = (1/D) sum_j (1 - prod_{i<=j} alpha^i)."""
+    terms = draft_terms(objective, logits, per_depth, segments, temperature)
+    if objective == "e2e_tv":
+        chain = torch.stack([mask_k != 0 for _, mask_k, _, _ in per_depth]).all(dim=0)
+        return sum((term * chain).sum() for term in terms)
+    return sum((term * mask_k).sum() for term, (_, mask_k, _, _) in zip(terms, per_depth, strict=True))

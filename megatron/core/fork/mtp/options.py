@@ -37,8 +37,8 @@ class MTPTrainingConfig(ModelParallelConfig):
     another weighting raises in the backward). Off: upstream's dense loss."""
 
     mtp_loss_type: str = "ce"
-    """What each MTP depth k is trained toward (spec section 12; megatron.core.fork.mtp.
-    draft_objectives): 'ce', cross-entropy against the data token (upstream's; its name
+    """What each MTP depth k is trained toward (spec section 12; see
+    megatron.core.fork.mtp.draft_objectives): 'ce', cross-entropy against the data token (upstream's; its name
     'cross_entropy' is accepted too); 'kl', KL(p || q) from the main head's distribution p at
     t + k to the draft's q; 'tv', 1 - sum_v min(p, q), what a rejection sampler rejects;
     'e2e_tv', one minus the normalized expected accepted length of the chained draft. All are

@@ -76,8 +76,8 @@ def rolled_main_hidden(main_hidden: torch.Tensor, depths: int, packed_seq_params
     """h^0 at t + k for k = 1..depths, each [s, b, h] (the whole sequence; detached): the rows
     the main head's distribution p^k_t is computed from. Each roll builds on the previous one;
     a position whose t + k leaves its sequence gets zeros (it is masked at depth k)."""
-    rolled, hidden = [], main_hidden.detach()
+    rolled, hidden = [], main_hidden.detach().permute(1, 2, 0)  # [b, h, s]: 0.16.1 rolls packed rows on the last dim
     for _ in range(depths):
-        hidden, _ = roll_tensor(hidden, shifts=-1, dims=0, cp_group=cp_group, packed_seq_params=packed_seq_params)
-        rolled.append(hidden)
+        hidden, _ = roll_tensor(hidden, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        rolled.append(hidden.permute(2, 0, 1))
     return rolled
