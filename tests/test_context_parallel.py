@@ -5,7 +5,9 @@
   rows and of packed rows of odd-length sequences (padded to multiples of 2 x CP, one of a
   single token), at CP = 2 on a strict subgroup of the world (TP = 2) and at CP = 4, and
   exchanges on the CP group only; upstream's packed-row data split (get_batch_on_this_cp_rank,
-  without Transformer Engine the runtime part's) gives the same pieces.
+  without Transformer Engine the runtime part's) gives the same pieces. These compare pieces
+  cut by one map of the layout (local_positions), which tests/in_build/
+  test_context_parallel_layout.py checks against hand-written indices.
 - Pristine upstream's roll (with only the series' runtime part) on the same pieces: its
   exchange runs on the WORLD group (#6746, fixed on Megatron-LM main, not in 0.19) and its
   packed roll does not give the global roll (#4494/#4495: it maps the padded layout with the
