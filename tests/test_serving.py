@@ -461,6 +461,6 @@ def test_gumbel_sampling_draws_from_the_softmax_by_position_and_drafts_change_no
             # ending at a stop token: the same tokens up to it, whichever step of drafts holds it
             stopped = speculative.speculative(runner, [0], 12, speculative.Stats(runner.depths), choose=choose, stop=7)
             assert stopped == speculative.greedy(runner, [0], 12, choose=choose, stop=7), (drafts, sequence)
-            assert stopped == output[: output.index(7) + 1] if 7 in output else stopped == output
+            assert stopped == (output[: output.index(7) + 1] if 7 in output else output), (drafts, sequence)
     assert len({tuple(speculative.greedy(NoisyMain([]), [0], 12, choose=speculative.GumbelSampler(3, s)))
                 for s in range(5)}) > 1  # the keys do sample different texts
