@@ -80,8 +80,9 @@ def test_a_skip_outside_the_allow_list_fails_the_run(tmp_path, where):
     (tmp_path / "test_probe_off.py").write_text(source)
     for options in ((), ("-n", "2", "--dist", "loadfile")):
         result = run_probes(tmp_path, *options)
-        assert result.returncode == 1, (options, result.stdout[-2000:])
-        assert "skips outside the allow-list" in result.stdout and line in result.stdout, (options, result.stdout[-2000:])
+        said = (options, result.stdout[-2000:])
+        assert result.returncode == 1 and "skips outside the allow-list" in result.stdout, said
+        assert line in result.stdout, said
 
 
 def test_a_run_without_skips_passes(tmp_path):
