@@ -109,12 +109,23 @@ def _allowed_skip(nodeid: str, reason: str) -> bool:
                for path, part, start in ALLOWED_SKIPS)
 
 
+def _record_skip(report) -> None:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if not _allowed_skip(report.nodeid, reason):
+        _skipped.append(f"{report.nodeid}: {reason}")
+
+
 def pytest_runtest_logreport(report):
     if report.skipped and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        reason = reason.removeprefix("Skipped: ")
-        if not _allowed_skip(report.nodeid, reason):
-            _skipped.append(f"{report.nodeid}: {reason}")
+        _record_skip(report)
+
+
+def pytest_collectreport(report):
+    """A skip at import (a module-level pytest.importorskip) skips the whole file at collection: it
+    never reaches pytest_runtest_logreport. (pytest-xdist's controller hears of it once from its workers.)"""
+    if report.skipped:
+        _record_skip(report)
 
 
 def pytest_terminal_summary(terminalreporter):

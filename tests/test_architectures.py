@@ -42,6 +42,7 @@ import pytest
 
 from tests.harness import argument_cases, launch
 from tests.harness.corpora import preprocess, sentences, write_jsonl
+from tests.harness.reference_checks import failed_checks
 from tests.harness.trainer import TINY, close, scalars, train
 
 pytestmark = pytest.mark.slow
@@ -98,12 +99,8 @@ REFERENCE_TOL = 3e-5
 
 def test_mtp_on_each_architecture_matches_the_reference(reference_cases):
     assert len(reference_cases) == 7 * 5  # architectures x setups (tests/bodies/architectures.py)
-    failures = {}
-    for name, errors in reference_cases.items():
-        bad = {k: v for k, v in errors.items()
-               if (isinstance(v, bool) and not v) or (isinstance(v, float) and not v <= REFERENCE_TOL)}
-        if bad:
-            failures[name] = bad
+    failures = {name: failed for name, errors in reference_cases.items()
+                if (failed := failed_checks(name, errors, REFERENCE_TOL))}
     assert not failures, failures
 
 

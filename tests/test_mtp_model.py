@@ -8,6 +8,7 @@ round-off; measured <= 7e-7). Counts (valid, correct, chain-correct) must be exa
 import pytest
 
 from tests.harness import launch
+from tests.harness.reference_checks import failed_checks
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -28,12 +29,8 @@ def test_matrix_covers_every_combination(suite):
 
 
 def test_logits_losses_gradients_and_statistics_match_the_reference(suite):
-    failures = {}
-    for name, errors in suite["matrix"].items():
-        bad = {k: v for k, v in errors.items()
-               if (isinstance(v, bool) and not v) or (isinstance(v, float) and not v <= TOL)}
-        if bad:
-            failures[name] = bad
+    failures = {name: failed for name, errors in suite["matrix"].items()
+                if (failed := failed_checks(name, errors, TOL))}
     assert not failures, failures
 
 

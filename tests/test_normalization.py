@@ -191,13 +191,15 @@ def test_every_copy_of_a_replicated_parameter_is_compared(layouts):
 
 def test_learned_absolute_positions_with_mtp_under_pp_are_refused_on_every_rank(layouts):
     four, two = layouts
-    for rank in four + two:
-        refusals = rank["refusals"]
-        for name in ("pp2_dp2", "tp2_pp2", "pp2"):
-            if name in refusals:
+    for ranks, refused in ((four, ["pp2_dp2", "tp2_pp2"]), (two, ["pp2"])):
+        for rank in ranks:
+            refusals = rank["refusals"]
+            # every refusal layout the fixture launched reported (a missing one checked nothing before)
+            assert sorted(refusals) == sorted(refused + (["dp4"] if ranks is four else [])), refusals
+            for name in refused:
                 assert "learned absolute position embeddings under pipeline parallelism" in refusals[name]
                 assert "rope" in refusals[name]
-    assert four[0]["refusals"]["dp4"] is None  # one stage: built
+    assert all(rank["refusals"]["dp4"] is None for rank in four)  # one stage: built
 
 
 def test_upstream_default_mode_is_not_invariant(layouts, ckpt_root, upstream_tree):

@@ -169,6 +169,22 @@ def test_the_acceptance_counters_on_a_hand_computed_case():
     assert summary["target forwards per generated token"] == 6 / 10
 
 
+def test_a_sampled_draft_that_is_the_main_head_s_token_is_accepted():
+    """GumbelSampler: every depth of this runner gives, from its input token x_{t+k}, the main head's
+    logits after that token, so a draft of x_{t+k+1} drawn with position t+k+1's noise, the noise
+    the verifier draws there, is the verifier's token: all drafts are accepted, whatever was
+    sampled. A draft drawn with another position's noise matches about one time in eight (the
+    one-hot logits give the favoured token 0.23 at temperature 1); the outputs alone, equal to
+    plain sampling either way, cannot tell."""
+    runner = ScriptedRunner([lambda x: x + 1] * 3)
+    sampler = speculative.GumbelSampler(seed=1, sequence=0)
+    stats = speculative.Stats(depths=3)
+    output = speculative.speculative(runner, [0], 24, stats, choose=sampler)
+    assert output == speculative.greedy(runner, [0], 24, choose=sampler)
+    assert output != speculative.greedy(runner, [0], 24)  # sampled: the noise moved tokens off the argmax
+    assert stats.drafts > 0 and stats.summary()["draft acceptance rate"] == 1.0, stats
+
+
 def test_eval_speculative_on_a_trained_checkpoint_is_lossless(pipeline):
     runs = part(pipeline, "evaluate")
     run = runs["all depths"]
@@ -445,6 +461,6 @@ def test_gumbel_sampling_draws_from_the_softmax_by_position_and_drafts_change_no
             # ending at a stop token: the same tokens up to it, whichever step of drafts holds it
             stopped = speculative.speculative(runner, [0], 12, speculative.Stats(runner.depths), choose=choose, stop=7)
             assert stopped == speculative.greedy(runner, [0], 12, choose=choose, stop=7), (drafts, sequence)
-            assert stopped == output[: output.index(7) + 1] if 7 in output else stopped == output
+            assert stopped == (output[: output.index(7) + 1] if 7 in output else output), (drafts, sequence)
     assert len({tuple(speculative.greedy(NoisyMain([]), [0], 12, choose=speculative.GumbelSampler(3, s)))
                 for s in range(5)}) > 1  # the keys do sample different texts

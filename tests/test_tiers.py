@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests import conftest
 from tests.harness.launcher import REPO_ROOT
 
@@ -51,19 +53,39 @@ def test_only_allow_listed_skips_pass():
                                       "could not import 'transformers': No module named 'transformers'")
 
 
-def test_a_skip_outside_the_allow_list_fails_the_run(tmp_path):
-    """What a missing package did to the serving tests (a module-level importorskip): now the run
-    fails, naming the skipped test."""
+def run_probes(directory, *options: str) -> subprocess.CompletedProcess:
     # -p loads the project's conftest as a plugin before pytest.ini's pythonpath applies
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tools")]))
-    probe = tmp_path / "test_probe.py"
-    probe.write_text("import pytest\n\n\ndef test_kept():\n    pass\n\n\n"
-                     "def test_turned_off():\n    pytest.importorskip('a_package_that_is_not_installed')\n")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                             str(probe)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stdout[-2000:]
-    assert "skips outside the allow-list" in result.stdout and "test_probe.py::test_turned_off" in result.stdout
-    probe.write_text("def test_kept():\n    pass\n")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                             str(probe)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           *options, str(directory)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+# A test file turned off by a missing package: at import (the whole file skips at collection, before any
+# test's report), or in its test; and the skip line the run must print for it.
+SKIPPED_PROBES = {
+    "module": ("import pytest\n\npytest.importorskip('a_package_that_is_not_installed')\n\n\n"
+               "def test_turned_off():\n    pass\n", "test_probe_off.py: could not import"),
+    "test": ("import pytest\n\n\ndef test_turned_off():\n    pytest.importorskip('a_package_that_is_not_installed')\n",
+             "test_probe_off.py::test_turned_off: could not import"),
+}
+
+
+@pytest.mark.parametrize("where", SKIPPED_PROBES)
+def test_a_skip_outside_the_allow_list_fails_the_run(tmp_path, where):
+    """What a missing package did to the serving tests (a module-level importorskip): now the run
+    fails, naming the skipped file or test; with pytest-xdist too (the README's command)."""
+    (tmp_path / "test_probe_kept.py").write_text("def test_kept():\n    pass\n")
+    source, line = SKIPPED_PROBES[where]
+    (tmp_path / "test_probe_off.py").write_text(source)
+    for options in ((), ("-n", "2", "--dist", "loadfile")):
+        result = run_probes(tmp_path, *options)
+        said = (options, result.stdout[-2000:])
+        assert result.returncode == 1 and "skips outside the allow-list" in result.stdout, said
+        assert line in result.stdout, said
+
+
+def test_a_run_without_skips_passes(tmp_path):
+    (tmp_path / "test_probe_kept.py").write_text("def test_kept():\n    pass\n")
+    result = run_probes(tmp_path)
     assert result.returncode == 0, result.stdout[-2000:]

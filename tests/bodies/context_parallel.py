@@ -212,7 +212,10 @@ def roll_checks(cases: list) -> dict:
 
 def upstream_thd_split_is_the_layout(row, padded, cp_group, mine) -> bool:
     """Upstream's packed split (get_batch_on_this_cp_rank with cu_seqlens; without Transformer
-    Engine the runtime part's) gives every sequence-dimension tensor the layout's piece."""
+    Engine the runtime part's) gives every sequence-dimension tensor the layout's piece. Without
+    Transformer Engine that split reads the layout (local_positions) itself, so this checks its
+    wiring only: the layout is checked against hand-written indices in tests/in_build/
+    test_context_parallel_layout.py."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     batch = {key: row.clone() for key in ("tokens", "labels", "loss_mask", "position_ids")}
