@@ -54,11 +54,14 @@ class Stats:
     generated: int = 0  # tokens emitted (bonus tokens included)
     teacher_forced_correct: list = field(default_factory=list)
     teacher_forced_total: list = field(default_factory=list)
+    teacher_forced_overlap: list = field(default_factory=list)  # sums of sum_v min(p, q)
+    sampled: bool = False  # teacher_forced measured sum_v min(p, q) (a temperature given)
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.depths
         self.teacher_forced_correct = self.teacher_forced_correct or [0] * self.depths
         self.teacher_forced_total = self.teacher_forced_total or [0] * self.depths
+        self.teacher_forced_overlap = self.teacher_forced_overlap or [0.0] * self.depths
 
     def summary(self) -> dict:
         accepted = sum(self.accepted_per_position)
@@ -81,6 +84,10 @@ class Stats:
                                                      [self.drafts] + self.accepted_per_position[:-1], strict=True)],
             "teacher-forced acceptance per depth": [c / t if t else None for c, t in
                                                     zip(self.teacher_forced_correct, self.teacher_forced_total)],
+            # spec section 12's `mtp_k sampled acceptance` on the same texts (teacher_forced with a temperature)
+            "teacher-forced sampled acceptance per depth": [
+                a / t if t and self.sampled else None
+                for a, t in zip(self.teacher_forced_overlap, self.teacher_forced_total, strict=True)],
             "verify steps": self.drafts, "target forwards": self.forwards, "generated tokens": self.generated,
         }
 
@@ -257,12 +264,19 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
     return seq[len(prompt):]
 
 
-def teacher_forced(runner, text: list[int], stats: Stats) -> None:
-    """The trainer's acceptance on a text: argmax of depth k at t against the text's x_{t+k+1}."""
+def teacher_forced(runner, text: list[int], stats: Stats, temperature: float | None = None) -> None:
+    """The trainer's acceptance on a text: argmax of depth k at t against the text's x_{t+k+1}; with a
+    temperature also its sampled acceptance (spec section 12): sum_v min(p, q), p the main head's
+    softmax at t + k and q depth k's at t, both at that temperature."""
     tokens = torch.tensor([text])
-    _, per_depth = runner.teacher_forced(tokens, depths=stats.depths)  # the depths drafting, not every depth
+    main, per_depth = runner.teacher_forced(tokens, depths=stats.depths)  # the depths drafting, not every depth
+    stats.sampled |= temperature is not None
     for k, logits in enumerate(per_depth, start=1):
         targets = tokens[0, k + 1:]
         predicted = logits[0, : targets.shape[0]].argmax(-1)
         stats.teacher_forced_correct[k - 1] += int((predicted == targets).sum())
         stats.teacher_forced_total[k - 1] += int(targets.shape[0])
+        if temperature is not None:
+            p = torch.softmax(main[0, k: k + targets.shape[0]].double() / temperature, -1)
+            q = torch.softmax(logits[0, : targets.shape[0]].double() / temperature, -1)
+            stats.teacher_forced_overlap[k - 1] += float(torch.minimum(p, q).sum())
