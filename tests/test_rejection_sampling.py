@@ -101,7 +101,7 @@ def test_rejection_sampling_is_lossless_in_distribution_on_a_scripted_runner():
     (sum min(p, q) 0.51 .. 0.95 by the token before): the 81 texts of 4 tokens after [0] (the
     prefill's token, a verify step's drafts and bonus) from 3,000 speculative decodes (seeds 0 ..
     2,999) against plain sampling's exact distribution, Pearson's chi-square at significance 0.001
-    (the texts expected fewer than 5 times pooled: 31 categories, 30 degrees of freedom). Its power
+    (the texts expected fewer than 5 times pooled: 32 categories, 31 degrees of freedom). Its power
     against each broken verifier (a rejection drawing from p, no recovery step; a draft accepted
     with probability p(d) instead of min(1, p(d) / q(d))), from their exact distributions, is
     asserted >= 0.99 (2,000 multinomial draws of each give 1.0). Plain sampling with the same
