@@ -131,6 +131,17 @@ def test_decoding_over_the_kv_cache_equals_a_whole_sequence_recompute(pipeline):
     assert part(pipeline, "kv cache")["trained"]["sampled accepted"] > 0
 
 
+def test_rejection_sampling_on_a_trained_checkpoint_is_lossless_in_distribution(pipeline):
+    """tests/bodies/serving.py:rejection: the second and third tokens of 1,000 decodes at temperature
+    0.4 pass a chi-square test of uniformity of their probability integral transform under the plain
+    model's p (10 bins, level 0.005 each) whose power against each broken verifier (recovery from p:
+    a statistic of 64 when broken on purpose; acceptance with probability p(d): 1,019) is >= 0.99."""
+    result = part(pipeline, "rejection")
+    assert all(power >= 0.99 for power in result["power"].values()), result["power"]
+    assert result["token 2"] <= result["threshold"] and result["token 3"] <= result["threshold"], result
+    assert 0.0 < result["acceptance"]["draft acceptance rate"] < 1.0, result["acceptance"]
+
+
 class ScriptedRunner:
     """A runner whose main head counts (greedy token after x: x + 1 mod 10) and whose depth k drafts
     `drafts[k](x)` from its input token x = x_{t+k}; hidden states are placeholders."""
@@ -216,6 +227,34 @@ def test_eval_speculative_drafts_with_fewer_depths_than_trained(pipeline):
     assert summary["depths"] == 1 and summary["lossless"]
     assert len(summary["acceptance per depth (vLLM per-position rate)"]) == 1
     assert len(summary["teacher-forced acceptance per depth"]) == 1
+
+
+def test_eval_speculative_samples_with_the_rejection_sampler_and_reports_vllm_s_counts(pipeline):
+    """--sampler rejection --temperature 0.7: vLLM's per-position rates, the conditional rates (accepted
+    at depth k / steps that reached depth k), the mean acceptance length, and beside them the
+    teacher-forced sampled acceptance (spec section 12); lossless is not claimed token for token (null).
+    --sampler gumbel at the same temperature is checked token for token against plain sampling."""
+    run = part(pipeline, "evaluate")["rejection"]
+    assert run["status"] == 0, run["stderr"]
+    summary = run["results"]
+    assert summary["sampler"] == "rejection" and summary["temperature"] == 0.7 and summary["lossless"] is None
+    per_position = summary["acceptance per depth (vLLM per-position rate)"]
+    conditional = summary["conditional acceptance per depth"]
+    assert len(per_position) == len(conditional) == 2 and 0.0 < per_position[1] <= per_position[0] < 1.0, summary
+    assert conditional[0] == per_position[0] and conditional[1] == pytest.approx(per_position[1] / per_position[0])
+    assert summary["mean acceptance length incl. bonus"] == pytest.approx(1 + sum(per_position))
+    assert all(0.0 < a < 1.0 for a in summary["teacher-forced sampled acceptance per depth"]), summary
+    gumbel = part(pipeline, "evaluate")["gumbel"]
+    assert gumbel["status"] == 0 and gumbel["results"]["lossless"] is True, gumbel
+
+
+def test_eval_speculative_refuses_a_temperature_it_cannot_use_in_one_line(pipeline):
+    refusals = part(pipeline, "eval refusals")
+    for name, words in (("greedy temperature", "--temperature applies to --sampler gumbel or rejection"),
+                        ("zero temperature", "--temperature 0.0 must be > 0")):
+        refusal = refusals[name]
+        assert refusal["status"] == 2 and len(refusal["stderr"]) == 1, (name, refusal)
+        assert refusal["stderr"][0].startswith("eval_speculative.py: error: ") and words in refusal["stderr"][0]
 
 
 def test_eval_speculative_encodes_prompts_with_the_checkpoint_s_tokenizer(pipeline):

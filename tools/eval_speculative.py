@@ -3,13 +3,22 @@
 
     tools/eval_speculative.py runs/default                      # prompts from the run's own data
     tools/eval_speculative.py RUN_DIR --prompts prompts.txt --tokenizer bytes --new-tokens 64
+    tools/eval_speculative.py RUN_DIR --sampler rejection --temperature 1.0 --seed 1
 
-Greedy decoding where depth k drafts token t+k+1 from the accepted prefix (the chain the
-depths were trained on) and the main head verifies every draft (megatron_mtp.serving.
-speculative). The output is checked against plain greedy decoding token for token (lossless;
-a difference is an error, exit status 1). Reported, with the definitions named:
+Decoding where depth k drafts token t+k+1 from the accepted prefix (the chain the depths were
+trained on) and the main head verifies every draft (megatron_mtp.serving.speculative), with
+--sampler: greedy (the default), gumbel (per-position Gumbel noise at --temperature, keyed by
+--seed and the prompt's index) or rejection (the engines' rejection sampling at --temperature:
+drafts drawn from the depths' softmax, accepted with min(1, p/q), a rejection resampled from
+norm(max(0, p - q)), as vLLM's rejection sampler does). Greedy and Gumbel output is checked
+against plain decoding with the same sampler token for token (lossless; a difference is an
+error, exit status 1); rejection sampling is lossless in distribution only, which tests/ check,
+so its output is not compared ("lossless": null). Reported, with the definitions named:
 
 - acceptance per depth: vLLM's per-position rate (drafts accepted at position k / verify steps);
+- conditional acceptance per depth: drafts accepted at depth k / verify steps in which every
+  draft before depth k was accepted (under rejection sampling, what the trainer's teacher-forced
+  `mtp_k sampled acceptance`, the mean of sum_v min(p, q), estimates);
 - draft acceptance rate: accepted / drafted tokens (vLLM);
 - mean acceptance length with the bonus token: tokens emitted per verify step, 1 + accepted /
   verify steps (vLLM's mean acceptance length; SGLang's accept length, sum(accepted + 1) / verify
@@ -17,7 +26,8 @@ a difference is an error, exit status 1). Reported, with the definitions named:
 - target forward passes per generated token (the prefill included);
 - beside them, the trainer's teacher-forced acceptance (spec section 7: depth k's argmax against
   the text's own token) on the same texts: the prompt and the data's continuation (or, with
-  --prompts, the prompt and the greedy continuation).
+  --prompts, the prompt and the plain decoding's continuation); when sampling, also its sampled
+  acceptance at --temperature (spec section 12: the mean of sum_v min(p, q)).
 
 Prompts: --data-path PREFIX (a megatron-core indexed dataset; default: the run's first dataset,
 a blend's weights skipped, else the embedded corpus): the first --prompt-length tokens of
@@ -69,6 +79,10 @@ def parse(argv):
     parser.add_argument("--prompt-length", type=int, default=32, help="tokens of each document used as prompt")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--depths", type=int, default=None, help="draft with the first D depths (default: all)")
+    parser.add_argument("--sampler", choices=("greedy", "gumbel", "rejection"), default="greedy",
+                        help="how tokens are chosen and drafts verified (default: greedy)")
+    parser.add_argument("--temperature", type=float, help="softmax temperature of gumbel and rejection (default 1)")
+    parser.add_argument("--seed", type=int, default=1, help="the samplers' random streams (with the prompt's index)")
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args(argv)
 
@@ -87,6 +101,11 @@ def main(argv=None) -> int:
         for name in ("num_prompts", "prompt_length", "new_tokens"):
             if getattr(args, name) < 1:
                 raise ServingError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.sampler == "greedy" and args.temperature is not None:
+            raise ServingError("--temperature applies to --sampler gumbel or rejection; greedy takes the argmax")
+        temperature = 1.0 if args.temperature is None else args.temperature
+        if args.sampler != "greedy" and not temperature > 0:
+            raise ServingError(f"--temperature {args.temperature} must be > 0")
         if args.tokenizer is not None and not args.prompts:
             raise ServingError("--tokenizer encodes --prompts; without --prompts the prompts are a dataset's tokens")
         run_args, directory = files.read_arguments(args.checkpoint)
@@ -128,23 +147,35 @@ def main(argv=None) -> int:
     runner = serving_model.Runner(model, vocab)
     stats = speculative.Stats(depths=use)
     mismatches = []
+    sampled = args.sampler != "greedy"
     print(f"{PROG}: {directory}, {len(pairs)} prompts from {source}, {args.new_tokens} new tokens, "
-          f"{use} of {depths} MTP depths drafting", file=sys.stderr, flush=True)
+          f"{use} of {depths} MTP depths drafting, {args.sampler}"
+          + (f" at temperature {temperature}" if sampled else ""), file=sys.stderr, flush=True)
+    samplers = {"greedy": lambda key: speculative.greedy_choice,
+                "gumbel": lambda key: speculative.GumbelSampler(args.seed, key, temperature),
+                "rejection": lambda key: speculative.RejectionSampler(args.seed, key, temperature)}
     for i, (prompt, reference) in enumerate(pairs):
-        output = speculative.speculative(runner, prompt, args.new_tokens, stats, depths=use)
-        plain = speculative.greedy(runner, prompt, args.new_tokens)
-        if len(output) != len(plain) or output != plain:
+        output = speculative.speculative(runner, prompt, args.new_tokens, stats, depths=use,
+                                         choose=samplers[args.sampler](i))
+        # a rejection sampler's plain decoding draws from a stream of its own (the outputs agree in
+        # distribution only); Gumbel's uses the same key, whose noise gives the same tokens
+        plain = speculative.greedy(runner, prompt, args.new_tokens,
+                                   choose=samplers[args.sampler](len(pairs) + i if args.sampler == "rejection" else i))
+        if args.sampler != "rejection" and output != plain:
             first = next((j for j, (a, b) in enumerate(zip(output, plain)) if a != b), min(len(output), len(plain)))
             mismatches.append(f"prompt {i}: token {first} is {output[first] if first < len(output) else None} "
-                              f"with drafts, {plain[first] if first < len(plain) else None} in plain greedy decoding")
-        speculative.teacher_forced(runner, reference if reference is not None else prompt + plain, stats)
+                              f"with drafts, {plain[first] if first < len(plain) else None} in plain decoding")
+        speculative.teacher_forced(runner, reference if reference is not None else prompt + plain, stats,
+                                   temperature if sampled else None)
         elapsed = time.monotonic() - started
         eta = time.strftime("%H:%M:%S", time.gmtime(elapsed / (i + 1) * (len(pairs) - i - 1)))
         print(f"{PROG}: prompt {i + 1}/{len(pairs)} done ({elapsed:.0f} s, ETA {eta})", file=sys.stderr, flush=True)
     summary = stats.summary()
-    summary.update({"lossless": not mismatches, "prompts": len(pairs), "new tokens per prompt": args.new_tokens,
-                    "depths": use, "checkpoint": str(directory),
-                    "teacher-forced text": "prompt + greedy output" if args.prompts else "prompt + the data's continuation"})
+    summary.update({"lossless": None if args.sampler == "rejection" else not mismatches, "prompts": len(pairs),
+                    "new tokens per prompt": args.new_tokens, "depths": use, "checkpoint": str(directory),
+                    "sampler": args.sampler, "temperature": temperature if sampled else None,
+                    "teacher-forced text": "prompt + plain decoding's output" if args.prompts
+                    else "prompt + the data's continuation"})
     for key, value in summary.items():
         shown = [round(v, 4) if isinstance(v, float) else v for v in value] if isinstance(value, list) else \
             round(value, 4) if isinstance(value, float) else value
@@ -153,7 +184,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as file:
             json.dump(summary, file, indent=2)
     if mismatches:
-        return fail("speculative output differs from plain greedy decoding: " + "; ".join(mismatches[:3]), 1)
+        return fail("speculative output differs from plain decoding: " + "; ".join(mismatches[:3]), 1)
     return 0
 
 

@@ -29,8 +29,17 @@ sampling with the same key returns (lossless token for token, not only in distri
 draft drawn with the same noise is accepted whenever the depth's perturbed argmax is the main
 head's. An RL loop's rollouts are therefore the same with or without drafts
 (examples/rl/grpo.py).
+
+Or a `RejectionSampler`, the engines' sampler (vLLM's v1 rejection sampler, Leviathan et al.,
+arXiv 2211.17192): each depth draws its draft d from q = softmax(depth logits / T); the verifier
+accepts d with probability min(1, p(d) / q(d)), p = softmax(main logits / T) at that position,
+and at the first rejection emits a token drawn from norm(max(0, p - q)) (the recovered token) and
+stops; with every draft accepted it emits a token drawn from p after them (the bonus token). The
+output has plain sampling's distribution (lossless in distribution, not token for token: the two
+draw their randomness differently), and a draft is accepted with probability sum_v min(p, q).
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,11 +54,14 @@ class Stats:
     generated: int = 0  # tokens emitted (bonus tokens included)
     teacher_forced_correct: list = field(default_factory=list)
     teacher_forced_total: list = field(default_factory=list)
+    teacher_forced_overlap: list = field(default_factory=list)  # sums of sum_v min(p, q)
+    sampled: bool = False  # teacher_forced measured sum_v min(p, q) (a temperature given)
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.depths
         self.teacher_forced_correct = self.teacher_forced_correct or [0] * self.depths
         self.teacher_forced_total = self.teacher_forced_total or [0] * self.depths
+        self.teacher_forced_overlap = self.teacher_forced_overlap or [0.0] * self.depths
 
     def summary(self) -> dict:
         accepted = sum(self.accepted_per_position)
@@ -64,8 +76,18 @@ class Stats:
             # divided by their number) are this one number whenever every verify step carries drafts
             "mean acceptance length incl. bonus": 1 + accepted / drafts,
             "target forwards per generated token": self.forwards / max(self.generated, 1),
+            # accepted at depth k / verify steps that reached depth k (every draft before it accepted):
+            # a rejection sampler accepts it with probability sum_v min(p, q), which the trainer's
+            # teacher-forced `mtp_k sampled acceptance` averages over the text's positions (spec section 12)
+            "conditional acceptance per depth": [a / reached if reached else None for a, reached in
+                                                 zip(self.accepted_per_position,
+                                                     [self.drafts] + self.accepted_per_position[:-1], strict=True)],
             "teacher-forced acceptance per depth": [c / t if t else None for c, t in
                                                     zip(self.teacher_forced_correct, self.teacher_forced_total)],
+            # spec section 12's `mtp_k sampled acceptance` on the same texts (teacher_forced with a temperature)
+            "teacher-forced sampled acceptance per depth": [
+                a / t if t and self.sampled else None
+                for a, t in zip(self.teacher_forced_overlap, self.teacher_forced_total, strict=True)],
             "verify steps": self.drafts, "target forwards": self.forwards, "generated tokens": self.generated,
         }
 
@@ -96,6 +118,56 @@ class GumbelSampler:
                 for i, row in enumerate(rows)]
 
 
+def match(choose, logits: torch.Tensor, drafts: list[int], draft_logits: list, first_position: int) -> list[int]:
+    """Greedy and Gumbel verification: the drafts up to the first that differs from the main head's
+    own token at its position, then the main head's token there (the bonus token)."""
+    chosen = choose(logits, first_position)
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [chosen[accepted]]
+
+
+class RejectionSampler:
+    """Samples from softmax(logits / temperature) (plain decoding, the prefill's token and the
+    drafts) and verifies drafts by rejection sampling (`verify`), its randomness one stream keyed
+    by (seed, sequence)."""
+
+    def __init__(self, seed: int, sequence: int, temperature: float = 1.0):
+        if temperature <= 0:
+            raise ValueError(f"temperature {temperature} must be > 0 (greedy_choice is temperature 0)")
+        self.temperature = temperature
+        self.generator = torch.Generator().manual_seed(hash((seed, sequence)) % 2**63)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.double().cpu() / self.temperature, dim=-1)
+
+    def sample(self, weights: torch.Tensor) -> int:
+        """A token drawn with probability proportional to `weights` (non-negative, [V])."""
+        return int(torch.multinomial(weights, 1, generator=self.generator))
+
+    def __call__(self, logits: torch.Tensor, first_position: int) -> list[int]:
+        return [self.sample(row) for row in self.probabilities(logits)]
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], draft_logits: list, first_position: int) -> list[int]:
+        """The tokens a verify step emits: logits [n + 1, V] are the main head's at the positions of
+        the n drafts and after them, draft_logits the n rows each draft was drawn from."""
+        if not len(logits) == len(drafts) + 1 == len(draft_logits) + 1:
+            raise ValueError(f"{len(logits)} target rows for {len(drafts)} drafts and {len(draft_logits)} draft rows")
+        target = self.probabilities(logits)
+        emitted = []
+        for p, draft, row in zip(target[:-1], drafts, draft_logits, strict=True):
+            q = self.probabilities(row)
+            uniform = torch.rand((), generator=self.generator, dtype=torch.float64)
+            if q[draft] > 0 and p[draft] / q[draft] >= uniform:  # accepted with probability min(1, p / q)
+                emitted.append(draft)
+                continue
+            residual = (p - q).clamp(min=0)
+            # a rejection needs p(d) < q(d), so p - q has mass elsewhere unless round-off took it all
+            return emitted + [self.sample(residual if residual.sum() > 0 else p)]
+        return emitted + [self.sample(target[-1])]  # every draft accepted: the bonus token
+
+
 def greedy(runner, prompt: list[int], new_tokens: int, choose=greedy_choice, stop: int | None = None) -> list[int]:
     """Plain decoding: one forward of one new token per token (the lossless reference); it ends
     after `new_tokens` tokens, or with the first `stop` token."""
@@ -117,6 +189,7 @@ class Drafter:
     def __init__(self, runner, depths: int, choose=greedy_choice):
         self.runner, self.depths, self.choose = runner, depths, choose
         self.final = [None] * (depths + 1)
+        self.logits = []  # each draft's logits row [V] of the last draft(): the verifier's q
 
     def accept(self, hidden0: torch.Tensor) -> None:
         """h^0 of accepted positions following those already held."""
@@ -129,6 +202,7 @@ class Drafter:
         tokens = list(seq)
         drafts = []
         tail = None  # h^{k-1} of the positions after final[k-1], from this step (they read drafts)
+        self.logits = []
         for k in range(1, self.depths + 1):
             held = self.final[k]
             start = 0 if held is None else held.shape[0]
@@ -138,6 +212,7 @@ class Drafter:
             hidden, logits = self.runner.depth(k, inputs, ahead, start=start)
             [token] = self.choose(logits[0, -1:], t + k + 1)  # depth k at t drafts x_{t+k+1}
             drafts.append(token)
+            self.logits.append(logits[0, -1])
             tokens.append(token)
             settled = max(start, min(t + 1, len(seq) - k)) - start  # positions whose x_{t'+k} is accepted
             self.final[k] = hidden[:settled] if held is None else torch.cat([held, hidden[:settled]])
@@ -147,12 +222,14 @@ class Drafter:
 
 def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None,
                 choose=greedy_choice, stop: int | None = None) -> list[int]:
-    """Decoding with MTP drafts; returns the tokens of `greedy(..., choose, stop)`: `new_tokens`
-    of them, or fewer ending with the first `stop` token. A verify step's tokens after a stop
-    token or beyond `new_tokens` are dropped: `generated` counts what is returned, the acceptance
-    counters the verifier's verdict on every draft it checked (vLLM's counting)."""
+    """Decoding with MTP drafts; returns the tokens of `greedy(..., choose, stop)` (with a
+    RejectionSampler: tokens of their distribution): `new_tokens` of them, or fewer ending with the
+    first `stop` token. A verify step's tokens after a stop token or beyond `new_tokens` are
+    dropped: `generated` counts what is returned, the acceptance counters the verifier's verdict
+    on every draft it checked (vLLM's counting)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens {new_tokens} must be >= 1")
+    verify = choose.verify if isinstance(choose, RejectionSampler) else functools.partial(match, choose)
     depths = runner.depths if depths is None else depths
     drafter = Drafter(runner, depths, choose)
     # prefill: the first token is the main head's, then the first drafts
@@ -169,13 +246,11 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
         hidden, logits = runner.main(torch.tensor([seq[-1:] + drafts]), start=base)
         stats.forwards += 1
         stats.drafts += 1 if drafts else 0
-        chosen = choose(logits[0], base + 1)  # the main head's token at each position after base
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
-            accepted += 1
+        # the main head's rows at each position after base verify the drafts
+        emitted = verify(logits[0], drafts, drafter.logits, base + 1)
+        accepted = len(emitted) - 1
         for j in range(accepted):  # the verifier's verdict on each draft, as vLLM counts it
             stats.accepted_per_position[j] += 1
-        emitted = drafts[:accepted] + [chosen[accepted]]
         emitted = emitted[: new_tokens - (len(seq) - len(prompt))]  # the last step: what is asked for
         if stop in emitted:  # the sequence ends there
             emitted = emitted[: emitted.index(stop) + 1]
@@ -189,12 +264,19 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
     return seq[len(prompt):]
 
 
-def teacher_forced(runner, text: list[int], stats: Stats) -> None:
-    """The trainer's acceptance on a text: argmax of depth k at t against the text's x_{t+k+1}."""
+def teacher_forced(runner, text: list[int], stats: Stats, temperature: float | None = None) -> None:
+    """The trainer's acceptance on a text: argmax of depth k at t against the text's x_{t+k+1}; with a
+    temperature also its sampled acceptance (spec section 12): sum_v min(p, q), p the main head's
+    softmax at t + k and q depth k's at t, both at that temperature."""
     tokens = torch.tensor([text])
-    _, per_depth = runner.teacher_forced(tokens, depths=stats.depths)  # the depths drafting, not every depth
+    main, per_depth = runner.teacher_forced(tokens, depths=stats.depths)  # the depths drafting, not every depth
+    stats.sampled |= temperature is not None
     for k, logits in enumerate(per_depth, start=1):
         targets = tokens[0, k + 1:]
         predicted = logits[0, : targets.shape[0]].argmax(-1)
         stats.teacher_forced_correct[k - 1] += int((predicted == targets).sum())
         stats.teacher_forced_total[k - 1] += int(targets.shape[0])
+        if temperature is not None:
+            p = torch.softmax(main[0, k: k + targets.shape[0]].double() / temperature, -1)
+            q = torch.softmax(logits[0, : targets.shape[0]].double() / temperature, -1)
+            stats.teacher_forced_overlap[k - 1] += float(torch.minimum(p, q).sum())

@@ -385,13 +385,15 @@ def _captured(main, *argv: str) -> tuple[int, str, str]:
 
 def evaluate(root: str) -> dict:
     """tools/eval_speculative.py on the trained checkpoint (D = 2): prompts from the run's data; the
-    first depth alone; a prompts file encoded by the checkpoint's own tokenizer (its data's: bytes);
-    and on the MoE checkpoint (D = 1)."""
+    first depth alone; rejection and Gumbel sampling at temperature 0.7; a prompts file encoded by
+    the checkpoint's own tokenizer (its data's: bytes); and on the MoE checkpoint (D = 1)."""
     import eval_speculative
 
     runs = {}
     for name, checkpoint, extra in (("all depths", "trained", ()), ("depth 1", "trained", ("--depths", "1")),
-                                    ("moe", "trained-moe", ())):
+                                    ("moe", "trained-moe", ()),
+                                    ("rejection", "trained", ("--sampler", "rejection", "--temperature", "0.7")),
+                                    ("gumbel", "trained", ("--sampler", "gumbel", "--temperature", "0.7"))):
         out = f"{root}/eval-{name.replace(' ', '-')}.json"
         status, _, stderr = _captured(eval_speculative.main, f"{root}/{checkpoint}", "--num-prompts", "4",
                                       "--prompt-length", "24", "--new-tokens", "24", "--json", out, *extra)
@@ -415,6 +417,8 @@ def eval_refusals(root: str) -> dict:
         "bad tokenizer": (trained, "--prompts", f"{root}/prompts.txt", "--tokenizer", f"{root}/no-such.json"),
         "tokenizer without prompts": (trained, "--tokenizer", "bytes"),
         "hybrid": (f"{root}/trained-hybrid",),
+        "greedy temperature": (trained, "--temperature", "0.7"),
+        "zero temperature": (trained, "--sampler", "rejection", "--temperature", "0"),
     }
     results = {}
     for name, argv in cases.items():
@@ -561,6 +565,72 @@ def staging(root: str) -> dict:
             "written": _leftovers(Path(root), "dropped")}
 
 
+def _pit_bins(p: torch.Tensor, key: torch.Tensor, drawn_from: torch.Tensor, bins: int) -> torch.Tensor:
+    """The probability that a token drawn from `drawn_from` has its randomized probability integral
+    transform under p (tokens ordered by `key`, largest first; u uniform over the token's slice
+    [F(x-), F(x)] of p's cumulative distribution) in each of `bins` equal bins of [0, 1)."""
+    order = torch.argsort(key, descending=True)
+    mass = p[order]
+    start = torch.cumsum(mass, 0) - mass
+    edges = torch.arange(bins + 1, dtype=torch.float64) / bins
+    overlap = (torch.minimum(start + mass, edges[1:, None]) - torch.maximum(start, edges[:-1, None])).clamp(min=0)
+    return (overlap * drawn_from[order] / mass.clamp(min=1e-300)).sum(1)
+
+
+def rejection(root: str, samples: int = 1000, temperature: float = 0.4, bins: int = 10, level: float = 0.01) -> dict:
+    """Rejection sampling on the trained checkpoint (D = 2, temperature 0.4: a draft is accepted with
+    probability sum min(p, q), about 0.8 here): `samples` decodes of 3 tokens after one prompt, and each
+    text teacher-forced from position 0 (no cache) for the plain model's p and the depths' q. The
+    second token (depth 1's draft, or the recovered token) and the third (depth 2's, the recovered or
+    the next step's) are each lossless when their probability integral transform under p, given the
+    tokens before, is uniform: Pearson's chi-square over 10 bins at level / 2 each (Bonferroni: at
+    most `level` for both). The tokens are ordered by q / p (depth 1's q for the second, depth 2's for
+    the third), so that a verifier biased toward the drafts moves mass to low bins; the power of the
+    second token's test against each broken verifier (recovery from p; acceptance with p(d)) comes
+    from their exact distributions of that token given the sampled first one (the prefill's, drawn
+    from p alike)."""
+    from megatron_mtp.serving import speculative
+    from tests.harness import chi_square
+
+    runner = _runner(f"{root}/trained")
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(13)).tolist()
+    anchor = len(prompt) - 1  # the last prompt position: depth k there drafts the (k + 1)-th new token
+    stats = speculative.Stats(depths=2)
+    uniform = torch.Generator().manual_seed(17)
+    transforms = {2: [], 3: []}
+    alternatives = {"recover from p": torch.zeros(bins, dtype=torch.float64),
+                    "accept with p": torch.zeros(bins, dtype=torch.float64)}
+    alpha = 0.0
+    for sequence in range(samples):
+        sampler = speculative.RejectionSampler(seed=19, sequence=sequence, temperature=temperature)
+        text = prompt + speculative.speculative(runner, prompt, 3, stats, choose=sampler)
+        main, per_depth = runner.teacher_forced(torch.tensor([text]))
+        for new, depth in ((2, 1), (3, 2)):
+            position = len(prompt) + new - 1
+            p = torch.softmax(main[0, position - 1].double() / temperature, -1)
+            q = torch.softmax(per_depth[depth - 1][0, anchor].double() / temperature, -1)
+            order = torch.argsort(q / p, descending=True)
+            rank = int((order == text[position]).nonzero())
+            below = float(p[order[:rank]].sum())
+            transforms[new].append(below + float(torch.rand((), generator=uniform, dtype=torch.float64)) *
+                                   float(p[text[position]]))
+            if new == 2:
+                overlap = torch.minimum(p, q)
+                alpha += float(overlap.sum()) / samples
+                residual = (p - q).clamp(min=0)
+                alternatives["recover from p"] += _pit_bins(p, q / p, overlap + (1 - overlap.sum()) * p, bins) / samples
+                alternatives["accept with p"] += _pit_bins(
+                    p, q / p, q * p + (1 - (q * p).sum()) * residual / residual.sum(), bins) / samples
+    null = torch.full((bins,), 1.0 / bins, dtype=torch.float64)
+    threshold = chi_square.critical_value(bins - 1, level / 2)
+    out = {"threshold": threshold, "alpha": alpha, "acceptance": stats.summary(),
+           "power": {name: chi_square.power(null, bins_, samples, level / 2) for name, bins_ in alternatives.items()}}
+    for new, values in transforms.items():
+        counts = torch.bincount((torch.tensor(values) * bins).long().clamp(max=bins - 1), minlength=bins)
+        out[f"token {new}"] = chi_square.statistic(counts, null)
+    return out
+
+
 def check(root: str) -> dict:
     """Every part's result, or the traceback of the part that failed (the others still run: a test
     fails with its own part's error). `names` and `round trips` read the exports `parity` writes."""
@@ -570,7 +640,7 @@ def check(root: str) -> dict:
     for name, part in (("parity", parity), ("names", names), ("round trips", round_trips),
                        ("frozen backbone", frozen_backbone), ("speculative", speculative_cases),
                        ("kv cache", kv_cache), ("evaluate", evaluate), ("eval refusals", eval_refusals),
-                       ("mimo", mimo), ("qwen3", qwen3), ("staging", staging)):
+                       ("mimo", mimo), ("qwen3", qwen3), ("staging", staging), ("rejection", rejection)):
         try:
             results[name] = part(root)
         except Exception:

@@ -1,0 +1,185 @@
+"""Rejection sampling in the speculative decoder (speculative.RejectionSampler), on scripted runners:
+drafts whose distribution is the main head's are always accepted; the output has plain sampling's
+distribution (a chi-square test of stated power); the acceptance counters estimate sum min(p, q).
+The same test on a trained checkpoint: tests/test_serving.py (tests/bodies/serving.py:rejection)."""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_mtp.serving import speculative
+from tests.harness import chi_square
+
+LEVEL = 0.001  # significance level of every chi-square test here
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Thousands of decodes of 3-token vocabularies: thread hand-offs would cost more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class TableRunner:
+    """The main head's logits after token x are main[x]; depth k's, reading its input token x =
+    x_{t+k}, are depths[k - 1][x]: a Markov chain p(. | x) drafted by Markov chains q_k(. | x)."""
+
+    def __init__(self, main: torch.Tensor, depths: list):
+        self.table, self.tables, self.depths = main, depths, len(depths)
+
+    def main(self, tokens, start=0):
+        ids = tokens[0]
+        return torch.zeros(len(ids), 1, 1), self.table[ids].unsqueeze(0)
+
+    def depth(self, k, hidden, ahead, start=0):
+        ids = ahead[0]
+        return torch.zeros(len(ids), 1, 1), self.tables[k - 1][ids].unsqueeze(0)
+
+
+def chain(p: torch.Tensor, first: int, length: int) -> torch.Tensor:
+    """Plain sampling's distribution of `length` tokens after `first` (p [V, V] of p(. | x)), over
+    the V^length texts in itertools.product order."""
+    texts = itertools.product(range(p.shape[0]), repeat=length)
+    return torch.tensor([torch.prod(p[[first, *text[:-1]], list(text)]).item() for text in texts], dtype=torch.float64)
+
+
+def min_rule(p, q):
+    """The verifier's: accept d with min(1, p(d) / q(d)); on rejection draw from norm(max(0, p - q))."""
+    residual = (p - q).clamp(min=0)
+    return torch.minimum(torch.ones_like(p), p / q), residual / residual.sum()
+
+
+def recover_from_p(p, q):  # an alternative: the recovery step dropped, a rejection draws from p
+    return min_rule(p, q)[0], p
+
+
+def accept_with_p(p, q):  # an alternative: d accepted with probability p(d) instead of min(1, p(d) / q(d))
+    return p, min_rule(p, q)[1]
+
+
+def speculative_distribution(p: torch.Tensor, qs: list, first: int, length: int, rule) -> torch.Tensor:
+    """The exact distribution of the first `length` tokens that speculative sampling emits after
+    `first` when depth k drafts from qs[k - 1][x] (x the token before) and `rule(p, q)` gives each
+    draft's acceptance probability and the distribution drawn from on rejection: every text's
+    probability summed over where the verify steps begin (the first token is the prefill's, from p)."""
+    vocab, depths = p.shape[0], len(qs)
+    out = []
+    for text in itertools.product(range(vocab), repeat=length):
+        states = {1: float(p[first, text[0]])}  # the depth drafting the next position (depths + 1: the bonus)
+        for before, token in zip(text[:-1], text[1:], strict=True):
+            following = dict.fromkeys(range(1, depths + 2), 0.0)
+            for depth, weight in states.items():
+                if depth > depths:
+                    following[1] += weight * float(p[before, token])
+                    continue
+                q = qs[depth - 1][before]
+                accept, recovered = rule(p[before], q)
+                following[depth + 1] += weight * float(q[token] * accept[token])
+                following[1] += weight * float((1 - (q * accept).sum()) * recovered[token])
+            states = following
+        out.append(sum(states.values()))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def texts_index(texts: list, vocab: int) -> torch.Tensor:
+    """Each text's index in itertools.product order."""
+    return torch.tensor([sum(token * vocab ** (len(text) - 1 - i) for i, token in enumerate(text)) for text in texts])
+
+
+TEMPERATURE = 0.8
+MAIN = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.5, 0.5], [-0.5, 0.5, 1.0]])
+DRAFTS = [MAIN + torch.tensor([[-1.0, 1.0, 0.0], [1.0, -1.0, 0.0], [0.0, 1.0, -1.0]]),  # acceptance 0.51 .. 0.58
+          MAIN + torch.tensor([[0.0, -1.0, 1.0], [0.0, 1.0, -1.0], [-1.0, 0.0, 1.0]])]  # 0.73 .. 0.95
+LENGTH, SAMPLES = 4, 3000
+
+
+def test_rejection_sampling_is_lossless_in_distribution_on_a_scripted_runner():
+    """V = 3, D = 2, temperature 0.8, each depth's drafts unlike the main head's distribution
+    (sum min(p, q) 0.51 .. 0.95 by the token before): the 81 texts of 4 tokens after [0] (the
+    prefill's token, a verify step's drafts and bonus) from 3,000 speculative decodes (seeds 0 ..
+    2,999) against plain sampling's exact distribution, Pearson's chi-square at significance 0.001
+    (the texts expected fewer than 5 times pooled: 32 categories, 31 degrees of freedom). Its power
+    against each broken verifier (a rejection drawing from p, no recovery step; a draft accepted
+    with probability p(d) instead of min(1, p(d) / q(d))), from their exact distributions, is
+    asserted >= 0.99 (2,000 multinomial draws of each give 1.0). Plain sampling with the same
+    sampler passes the same test (its control)."""
+    p = torch.softmax(MAIN.double() / TEMPERATURE, -1)
+    qs = [torch.softmax(table.double() / TEMPERATURE, -1) for table in DRAFTS]
+    null = chain(p, 0, LENGTH)
+    # the rule itself is lossless: its exact distribution is plain sampling's
+    assert torch.allclose(speculative_distribution(p, qs, 0, LENGTH, min_rule), null, rtol=0, atol=1e-12)
+    index = chi_square.pool(null, SAMPLES)  # rare texts pooled: every expected count >= 5
+    for rule in (recover_from_p, accept_with_p):
+        alternative = speculative_distribution(p, qs, 0, LENGTH, rule)
+        power = chi_square.power(chi_square.pooled(null, index), chi_square.pooled(alternative, index), SAMPLES, LEVEL)
+        assert power >= 0.99, (rule.__name__, power)
+
+    runner = TableRunner(MAIN, DRAFTS)
+    stats = speculative.Stats(depths=2)
+    decoded = [speculative.speculative(runner, [0], LENGTH, stats,
+                                       choose=speculative.RejectionSampler(seed=0, sequence=s, temperature=TEMPERATURE))
+               for s in range(SAMPLES)]
+    plain = [speculative.greedy(runner, [0], LENGTH,
+                                choose=speculative.RejectionSampler(seed=1, sequence=s, temperature=TEMPERATURE))
+             for s in range(SAMPLES)]
+    threshold = chi_square.critical_value(int(index.max()), LEVEL)
+    summary = stats.summary()
+    assert 0.2 < summary["draft acceptance rate"] < 0.9, summary  # drafts both accepted and rejected
+    for name, texts in (("speculative", decoded), ("plain", plain)):
+        counts = chi_square.pooled(torch.bincount(texts_index(texts, 3), minlength=null.numel()), index)
+        found = chi_square.statistic(counts, chi_square.pooled(null, index))
+        assert found <= threshold, (name, found, threshold)
+
+
+
+def test_drafts_drawn_from_the_main_head_s_distribution_are_always_accepted():
+    """Each depth's logits are the main head's (q = p at every position, temperature 0.7 on both):
+    min(1, p(d) / q(d)) = 1, so every draft is accepted (acceptance 1.0 at both depths, 3 tokens
+    per verify step), though the texts are sampled (a verifier comparing the draft with a sample of
+    its own from p would accept about sum p^2 of them; one that sampled q at another temperature,
+    or read p at another position, would reject some)."""
+    noisy = torch.tensor([[0.5, 1.0, 0.0], [0.0, 0.5, 1.0], [1.0, 0.0, 0.5]])
+    runner = TableRunner(noisy, [noisy, noisy])
+    stats = speculative.Stats(depths=2)
+    texts = {tuple(speculative.speculative(runner, [0], 13, stats, choose=speculative.RejectionSampler(
+        seed=2, sequence=s, temperature=0.7))) for s in range(50)}
+    summary = stats.summary()
+    assert summary["acceptance per depth (vLLM per-position rate)"] == [1.0, 1.0], summary
+    assert summary["conditional acceptance per depth"] == [1.0, 1.0], summary
+    assert summary["mean acceptance length incl. bonus"] == 3.0 and stats.drafts == 4 * 50, summary
+    assert len(texts) > 40  # sampled: the texts differ
+
+
+def test_the_acceptance_counters_estimate_sum_min_p_q():
+    """Distributions that do not depend on the token before (depth 1 accepted with alpha_1 = sum
+    min(p, q_1) = 0.42, depth 2 with alpha_2 = 0.95 at temperature 1): over 2,000 verify steps
+    (20 tokens from each of 100 seeds) the counters as vLLM keeps them give the per-position rates
+    alpha_1 and alpha_1 alpha_2, the conditional rates alpha_1 and alpha_2 (what the trainer's
+    teacher-forced `mtp_k sampled acceptance` averages) and the mean acceptance length
+    1 + alpha_1 + alpha_1 alpha_2, each within 4 standard errors."""
+    main = torch.tensor([0.0, 1.0, 2.0]).repeat(3, 1)
+    depths = [torch.tensor([1.0, 2.0, 0.0]).repeat(3, 1), torch.tensor([0.5, 1.0, 2.0]).repeat(3, 1)]
+    p = torch.softmax(main[0].double(), -1)
+    alpha = [float(torch.minimum(p, torch.softmax(table[0].double(), -1)).sum()) for table in depths]
+    runner = TableRunner(main, depths)
+    stats = speculative.Stats(depths=2)
+    for s in range(100):
+        speculative.speculative(runner, [0], 20, stats, choose=speculative.RejectionSampler(seed=4, sequence=s))
+    summary, steps = stats.summary(), stats.drafts
+    reached = [steps, stats.accepted_per_position[0]]
+
+    def near(found, expected, trials):
+        return abs(found - expected) <= 4 * (expected * (1 - expected) / trials) ** 0.5
+
+    per_position = summary["acceptance per depth (vLLM per-position rate)"]
+    assert near(per_position[0], alpha[0], steps) and near(per_position[1], alpha[0] * alpha[1], steps), summary
+    conditional = summary["conditional acceptance per depth"]
+    assert all(near(c, a, n) for c, a, n in zip(conditional, alpha, reached, strict=True)), (conditional, alpha)
+    assert conditional[1] == stats.accepted_per_position[1] / stats.accepted_per_position[0]
+    # accepted drafts per step: 0, 1 or 2 with probabilities 1 - alpha_1, alpha_1 (1 - alpha_2), alpha_1 alpha_2
+    mean = alpha[0] + alpha[0] * alpha[1]
+    variance = alpha[0] * (1 - alpha[1]) + 4 * alpha[0] * alpha[1] - mean ** 2
+    assert abs(summary["mean acceptance length incl. bonus"] - 1 - mean) <= 4 * (variance / steps) ** 0.5, summary
