@@ -51,6 +51,15 @@ def test_the_backbone_is_bit_identical_to_a_run_without_mtp(suite):
         assert result == {"shared_names": True, "bit_identical": True, "mtp_grads_nonzero": True}, objective
 
 
+def test_the_decoder_measures_the_trainer_s_sampled_acceptance(suite):
+    # tools/eval_speculative.py's teacher-forced sampled acceptance and the trainer's metric: the
+    # same positions, the same sums (float32 logits on both sides; measured 1e-7 relative).
+    decoder = suite["decoder"]
+    assert decoder["trainer_valid"] == decoder["decoder_valid"] == [11.0, 10.0, 9.0]  # SEQ - k positions
+    for trainer, measured in zip(decoder["trainer"], decoder["decoder"], strict=True):
+        assert abs(trainer - measured) <= TOL * abs(measured), decoder
+
+
 def test_refusals_name_the_fix(suite):
     refusals = suite["refusals"]
     for objective in ("kl", "tv", "e2e_tv"):

@@ -83,6 +83,12 @@ def test_every_cut_of_the_step_matches_the_reference(single):
     assert not bad, bad
 
 
+def test_a_draft_objective_is_exact_under_every_cut_of_a_split_step(single):
+    cuts = single["draft_objective"]
+    assert len(cuts) == 6  # counts up front / streaming x three cuts
+    assert all(rel < TOL for rel in cuts.values()), cuts
+
+
 def test_dict_microbatches_are_opaque_to_the_step(single):
     """Micro-batches as dicts (RL frameworks): the step takes the schedule's shapes from its
     constructor, never from inside a micro-batch."""

@@ -1,8 +1,9 @@
 """examples/rl/grpo.py, shortened: GRPO with speculative rollouts on 2 CPU ranks (issue 29, C).
 
-Three runs from one seed, as examples/rl/compare.sh runs them (and a fourth at token level): MTP heads trained online, heads
-frozen after the warm start, no heads. The policy's trajectory is the same in all three (every
-step's reward, and the backbone's weights by sha256), so the heads cannot have touched it; the
+Four runs from one seed, as examples/rl/compare.sh runs them (and a fifth at token level): MTP heads trained online
+(cross-entropy; and e2e_tv on positive-advantage responses only), heads frozen after the warm start, no heads. The
+policy's trajectory is the same in all four (every step's reward, and the backbone's weights by sha256), so the heads
+cannot have touched it; the
 online heads change and the frozen ones do not; the drafts were accepted (the rollouts were
 speculative) and every step logged reward and acceptance in the console format that
 tools/plot_runs.py reads. The task's reward is checked by hand.
@@ -43,14 +44,20 @@ def test_the_reversal_task_rewards_exactly():
 
 def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_policy(tmp_path):
     summaries, runs = {}, {}
-    for heads in ("online", "frozen", "none"):
-        out = tmp_path / heads
-        train(2, "--heads", heads, "--out", str(out), *SHORT, script="examples/rl/grpo.py")
-        summaries[heads] = json.loads((out / "summary.json").read_text())
-        runs[heads] = read(out / "console.log")
+    variants = {"online": ("--heads", "online"), "frozen": ("--heads", "frozen"), "none": ("--heads", "none"),
+                # a draft objective of spec section 12, on positive-advantage responses only
+                "e2e_tv": ("--heads", "online", "--mtp-loss-type", "e2e_tv", "--mtp-positive-advantage")}
+    for name, options in variants.items():
+        out = tmp_path / name
+        train(2, *options, "--out", str(out), *SHORT, script="examples/rl/grpo.py")
+        summaries[name] = json.loads((out / "summary.json").read_text())
+        runs[name] = read(out / "console.log")
     online, frozen, none = summaries["online"], summaries["frozen"], summaries["none"]
     assert len(online["rewards"]) == STEPS and 0 < sum(online["rewards"])
-    for heads, other in (("frozen", frozen), ("none", none)):
+    e2e_tv = summaries["e2e_tv"]
+    assert e2e_tv["mtp loss type"] == "e2e_tv" and e2e_tv["heads sha256"] not in (
+        online["heads sha256"], e2e_tv["heads sha256 after warm start"])  # other heads, trained
+    for heads, other in (("frozen", frozen), ("none", none), ("e2e_tv", e2e_tv)):
         assert other["rewards"] == online["rewards"] and other["backbone sha256"] == online["backbone sha256"]
         for series in ("policy-gradient loss", "grad norm"):  # as logged (6 significant digits)
             assert runs[heads].series[series] == runs["online"].series[series], (heads, series)
@@ -63,7 +70,9 @@ def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_poli
     assert [series["reward"][step] for step in range(1, STEPS + 1)] == pytest.approx(online["rewards"], abs=1e-5)
     assert sum(series["mtp_1 rollout acceptance"].values()) > 0  # drafts were accepted
     assert {"mtp_2 rollout acceptance", "rollout mean acceptance length (incl. bonus)", "mtp_2 acceptance",
+            "mtp_2 sampled acceptance", "mtp_2 engine acceptance", "engine mean acceptance length (incl. bonus)",
             "mtp_2 loss", "mtp grad norm"} <= set(series)
+    assert sum(series["mtp_1 engine acceptance"].values()) > 0  # rejection sampling accepted drafts too
     assert "mtp_1 rollout acceptance" not in runs["none"].series
     assert runs["none"].tokens[STEPS] == STEPS * 4 * 4 * 8  # consumed responses x (prompt + answer - 1)
 

@@ -34,6 +34,7 @@ from megatron_mtp.runs import EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, RunErr
 PROG = "plot_runs.py"
 fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)
 ROLLOUT_LENGTH = "rollout mean acceptance length (incl. bonus)"  # examples/rl/grpo.py's decoding
+ENGINE_LENGTH = "engine mean acceptance length (incl. bonus)"  # its rejection-sampling decodes
 ITERATION_TIME = "elapsed time per iteration (ms)"
 LINE_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1)))  # a panel's second, third... series (depths)
 
@@ -70,9 +71,11 @@ def panels(depths: int) -> list[tuple[str, list[tuple[str, str]]]]:
         ("chain acceptance", depth_lines("chain acceptance")),
         ("sampled acceptance", depth_lines("sampled acceptance")),
         ("rollout acceptance (RL)", depth_lines("rollout acceptance")),
+        ("engine acceptance: rejection sampling (RL)", depth_lines("engine acceptance")),
         ("accepted length (incl. bonus token)", [(EXPECTED_LENGTH_NAME, "teacher-forced"),
                                                  (SAMPLING_LENGTH_NAME, "sampling"),
-                                                 (ROLLOUT_LENGTH, "rollouts")]),
+                                                 (ROLLOUT_LENGTH, "rollouts"),
+                                                 (ENGINE_LENGTH, "engine")]),
         ("grad norm", [("grad norm", ""), ("mtp grad norm", "mtp")]),
         ("learning rate", [("learning rate", "")]),
     ]
@@ -141,8 +144,8 @@ def table(runs) -> str:
     depths = max(run.depths() for run in runs)
     candidates = ["reward", "solved", "lm loss", "lm loss validation", *per_depth("loss", depths),
                   *per_depth("acceptance", depths), *per_depth("sampled acceptance", depths),
-                  *per_depth("rollout acceptance", depths), EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME,
-                  ROLLOUT_LENGTH, "grad norm"]
+                  *per_depth("rollout acceptance", depths), *per_depth("engine acceptance", depths),
+                  EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, ROLLOUT_LENGTH, ENGINE_LENGTH, "grad norm"]
     series = [name for name in candidates if any(name in run.series for run in runs)]
     columns = ["run", "iteration", *series, "ms per iteration"]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]

@@ -30,10 +30,18 @@ reach the backbone's gradients, and the rollouts do not depend on the drafts.
 Before RL, --sft-steps supervised steps on correct answers (the same SplitStep, advantage 1)
 give the policy a start that RL improves on, and its heads something to draft with.
 
+--mtp-loss-type: what online heads train toward (spec section 12): the rollout tokens (ce) or the
+policy's own distribution at the rollouts' temperature 1 (kl, tv, e2e_tv); with
+--mtp-positive-advantage only on responses whose advantage is > 0 (the MTP-only sample mask).
+
 Each RL step prints one line in the trainer's console format (rank 0; tools/plot_runs.py reads
-it): reward, rollout acceptance per depth (vLLM's per-position rate) and mean acceptance
-length (incl. bonus), the heads' teacher-forced acceptance on the rollouts (mtp_k acceptance),
-the policy-gradient loss, grad norms. --out DIR keeps that log (console.log) and summary.json.
+it): reward, rollout acceptance per depth (vLLM's per-position rate of the Gumbel-coupled
+rollouts) and mean acceptance length (incl. bonus); the engine's view: the same per-position
+rate and mean length of one rejection-sampling decode of each prompt (drafts from q, accepted
+with min(1, p / q), as vLLM verifies sampled drafts; its tokens are discarded, so the rollouts
+stay the same); the heads' teacher-forced acceptance on the rollouts (mtp_k acceptance, top-1)
+and sampled acceptance (mtp_k sampled acceptance: the mean of sum_v min(p, q)); the
+policy-gradient loss, grad norms. --out DIR keeps that log (console.log) and summary.json.
 Progress goes to stderr.
 """
 
@@ -63,6 +71,12 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", choices=("online", "frozen", "none"), default="online")
+    parser.add_argument("--mtp-loss-type", choices=("ce", "kl", "tv", "e2e_tv"), default="ce",
+                        help="what the heads train toward (spec section 12): the rollout token (ce) or the "
+                             "policy's own distribution at temperature 1 (kl, tv, e2e_tv)")
+    parser.add_argument("--mtp-positive-advantage", action="store_true",
+                        help="train the heads on responses with a positive advantage only (the MTP-only "
+                             "sample mask of spec section 12)")
     parser.add_argument("--depths", type=int, default=2, help="MTP depths (with --heads online or frozen)")
     parser.add_argument("--steps", type=int, default=40, help="RL steps")
     parser.add_argument("--sft-steps", type=int, default=30, help="supervised warm-start steps")
@@ -103,7 +117,8 @@ def build(args, task):
     config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=4,
                                hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
                                calculate_per_token_loss=True, mtp_num_layers=depths or None,
-                               mtp_detach_heads=bool(depths), mtp_loss_scaling_factor=0.3)
+                               mtp_detach_heads=bool(depths), mtp_loss_scaling_factor=0.3,
+                               mtp_loss_type=args.mtp_loss_type)
     # Cached SDPA: the same modules train (no cache attached to a step) and decode over a KV cache.
     chunks = build_model(config, task.vocab_size, task.sequence_length, core_attention=CachedSDPACoreAttention)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
@@ -118,12 +133,14 @@ def policy_gradient_loss(per_token_ce, advantages, loss_mask):
     return main_loss(per_token_ce * advantages, loss_mask)
 
 
-def forward_step(data_iterator, model):
-    """Micro-batch = (tokens [b, s+1], loss_mask [b, s], advantages [b, s])."""
+def forward_step(data_iterator, model, positive_advantage_only=False):
+    """Micro-batch = (tokens [b, s+1], loss_mask [b, s], advantages [b, s]). With
+    positive_advantage_only the MTP depths see only the responses whose advantage is > 0."""
     from megatron_mtp.library.step import gpt_per_token_loss
 
     tokens, loss_mask, advantages = next(data_iterator)
-    output, loss_mask = gpt_per_token_loss(model, tokens, loss_mask)
+    sample_mask = (advantages.sum(dim=1) > 0).float() if positive_advantage_only else None
+    output, loss_mask = gpt_per_token_loss(model, tokens, loss_mask, sample_mask)
     return output, partial(policy_gradient_loss, advantages=advantages.to(loss_mask.device), loss_mask=loss_mask)
 
 
@@ -144,7 +161,7 @@ def train_step(chunks, optimizer, sequences, advantages, task, args) -> dict:
     microbatches = [(tokens[i:i + size], loss_mask[i:i + size], per_token[i:i + size])
                     for i in range(0, tokens.size(0), size)]
     return step.train_step(chunks, optimizer, microbatches, tokens.size(1) - 1, args.main_loss_level,
-                           forward_step=forward_step)
+                           forward_step=partial(forward_step, positive_advantage_only=args.mtp_positive_advantage))
 
 
 def rollouts(runner, prompts, task, args, step: int, first_index: int, stats):
@@ -160,6 +177,19 @@ def rollouts(runner, prompts, task, args, step: int, first_index: int, stats):
             responses.append(speculative.speculative(runner, prompt, task.answer_length, stats, choose=choose,
                                                      stop=EOS))
     return responses
+
+
+def engine_decodes(runner, prompts, task, args, step: int, first_index: int, stats) -> None:
+    """What a serving engine would see of the heads: one rejection-sampling decode of each prompt
+    (drafts from q, accepted with min(1, p / q), vLLM's counting), at the rollouts' temperature 1.
+    Its tokens are discarded, so the rollouts and the policy's trajectory stay the same whatever the
+    heads are; its randomness is a stream of its own (keys after every rollout's)."""
+    from megatron_mtp.serving import speculative
+
+    offset = (args.steps + 1) * args.prompts_per_step * args.group_size  # beyond every rollout's key
+    for p, prompt in enumerate(prompts):
+        sampler = speculative.RejectionSampler(args.seed, offset + step * args.prompts_per_step + first_index + p)
+        speculative.speculative(runner, prompt, task.answer_length, stats, choose=sampler, stop=EOS)
 
 
 def advantages_of(rewards: list[float], group: int) -> list[float]:
@@ -242,6 +272,9 @@ def main(argv=None) -> int:
         rollout_start = time.perf_counter()
         responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
         rollout_seconds = time.perf_counter() - rollout_start
+        engine = speculative.Stats(depths=depths)
+        if depths:
+            engine_decodes(runner, prompts, task, args, step, mine.start, engine)
         expanded = [p for p in prompts for _ in range(args.group_size)]
         if len(expanded) != len(responses):
             raise RuntimeError(f"{len(responses)} responses for {len(expanded)} prompt samples")
@@ -256,7 +289,8 @@ def main(argv=None) -> int:
                     if name in frozen:
                         param.copy_(frozen[name])
         totals = all_sum([sum(rewards), len(rewards), sum(r == 1.0 for r in rewards), stats.drafts,
-                          *stats.accepted_per_position, rollout_seconds])
+                          *stats.accepted_per_position, engine.drafts, *engine.accepted_per_position,
+                          rollout_seconds])
         reward, solved, drafts = totals[0] / totals[1], totals[2] / totals[1], totals[3]
         rewards_per_step.append(reward)
         values = {"consumed samples": step * args.prompts_per_step * args.group_size, "reward": reward,
@@ -265,10 +299,15 @@ def main(argv=None) -> int:
             values[f"mtp_{k} rollout acceptance"] = totals[3 + k] / max(drafts, 1)
         if depths:
             values["rollout mean acceptance length (incl. bonus)"] = 1 + sum(totals[4:4 + depths]) / max(drafts, 1)
+            engine_drafts, engine_accepted = totals[4 + depths], totals[5 + depths:5 + 2 * depths]
+            for k in range(1, depths + 1):
+                values[f"mtp_{k} engine acceptance"] = engine_accepted[k - 1] / max(engine_drafts, 1)
+            values["engine mean acceptance length (incl. bonus)"] = 1 + sum(engine_accepted) / max(engine_drafts, 1)
         values["policy-gradient loss"] = metrics["lm loss"]  # the step's main loss
         for k in range(1, depths + 1):
             values[f"mtp_{k} loss"] = metrics[f"mtp_{k} loss"]
             values[f"mtp_{k} acceptance"] = metrics[f"mtp_{k} acceptance"]
+            values[f"mtp_{k} sampled acceptance"] = metrics[f"mtp_{k} sampled acceptance"]
         values["grad norm"] = metrics["grad norm"]
         if "mtp grad norm" in metrics:  # the MTP group's own norm (detached heads)
             values["mtp grad norm"] = metrics["mtp grad norm"]
@@ -278,7 +317,7 @@ def main(argv=None) -> int:
         progress(f"RL step {step}/{args.steps}: reward {reward:.4f}, ETA "
                  f"{time.strftime('%H:%M:%S', time.gmtime(elapsed / step * (args.steps - step)))}")
 
-    summary = {"heads": args.heads, "depths": depths, "rewards": rewards_per_step,
+    summary = {"heads": args.heads, "depths": depths, "mtp loss type": args.mtp_loss_type, "rewards": rewards_per_step,
                "backbone sha256": digest(model, heads=False), "heads sha256 after warm start": heads_after_warm_start,
                "heads sha256": digest(model, heads=True), "arguments": vars(args)}
     if dist.get_rank() == 0 and out is not None:

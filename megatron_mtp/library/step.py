@@ -16,20 +16,35 @@ from megatron.core.fork.step_loss import StepCounts, main_loss, step_counts
 from megatron.core.fork.split_step import SplitStep
 
 
-def gpt_per_token_loss(model, tokens, loss_mask):
+def gpt_per_token_loss(model, tokens, loss_mask, mtp_sample_mask=None):
     """The model's per-token cross-entropy [b, s] on tokens [b, s+1] (targets: the tokens shifted
     by one) and loss_mask [b, s], both moved to the compute device: (loss, loss_mask there).
     With context parallelism both are this CP rank's pieces of the sequences (upstream's
-    load-balanced split, megatron.core.fork.context_parallel)."""
+    load-balanced split, megatron.core.fork.context_parallel).
+
+    mtp_sample_mask [b]: spec section 12's MTP-only sample mask r (for example advantage > 0).
+    It multiplies the masks of the MTP depths and nothing else: the model is given
+    loss_mask * r, from which it derives the depths' masks, while the returned loss_mask, which
+    the main loss and the step's N_tok count, stays the caller's. The main head's dense loss
+    does not read the model's mask; its sparse form does, so the two are refused together."""
     device = compute_device.current_device()
     tokens, loss_mask = tokens.to(device), loss_mask.to(device)
+    model_mask = loss_mask
+    if mtp_sample_mask is not None:
+        if model.config.sparse_lm_loss:
+            raise ValueError("an MTP-only sample mask needs the main head's dense loss: sparse_lm_loss would "
+                             "compute the main loss only where the MTP mask is set; turn sparse_lm_loss off")
+        if mtp_sample_mask.shape != (loss_mask.size(0),):
+            raise ValueError(f"the MTP-only sample mask must be [batch] = [{loss_mask.size(0)}], "
+                             f"got shape {tuple(mtp_sample_mask.shape)}")
+        model_mask = loss_mask * mtp_sample_mask.to(device=device, dtype=loss_mask.dtype).unsqueeze(1)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1), device=device).unsqueeze(0).expand_as(inputs)
     if parallel_state.get_context_parallel_world_size() > 1:
         cp_group = parallel_state.get_context_parallel_group()
-        inputs, labels, loss_mask, positions = (context_parallel.shard(t, 1, cp_group)
-                                                for t in (inputs, labels, loss_mask, positions))
-    return model(inputs, positions, None, labels=labels, loss_mask=loss_mask), loss_mask
+        inputs, labels, loss_mask, model_mask, positions = (
+            context_parallel.shard(t, 1, cp_group) for t in (inputs, labels, loss_mask, model_mask, positions))
+    return model(inputs, positions, None, labels=labels, loss_mask=model_mask), loss_mask
 
 
 def gpt_forward_step(data_iterator, model):

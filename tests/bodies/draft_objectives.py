@@ -123,6 +123,29 @@ def refusals() -> dict:
         }
 
 
+def decoder_agrees() -> dict:
+    """The trainer's sampled-acceptance sums against the decoder's teacher-forced sum_v min(p, q)
+    (megatron_mtp.serving.speculative.teacher_forced, its own code over the KV-cache runner) on the
+    same text, every position valid: two computations of the same numbers."""
+    from megatron_mtp.serving import speculative
+    from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
+    from megatron_mtp.serving.model import Runner
+
+    with model_parallel():
+        torch.manual_seed(5)
+        config = make_config(3, detach=True, mtp_loss_type="tv", mtp_draft_temperature=TEMPERATURE)
+        model = build_gpt(config, VOCAB, SEQ + 1, core_attention=CachedSDPACoreAttention)
+        sharpen(model)
+        tokens = torch.randint(1, VOCAB, (1, SEQ + 1), generator=torch.Generator().manual_seed(9))
+        got = run_megatron(model, tokens[:, :-1], tokens[:, 1:], torch.ones(1, SEQ), None)
+        model.eval()
+        stats = speculative.Stats(depths=3)
+        with torch.no_grad():
+            speculative.teacher_forced(Runner(model, VOCAB), tokens[0].tolist(), stats, temperature=TEMPERATURE)
+        return {"trainer": got["sums"][:, 4].tolist(), "trainer_valid": got["sums"][:, 1].tolist(),
+                "decoder": stats.teacher_forced_overlap, "decoder_valid": stats.teacher_forced_total}
+
+
 def suite(tier: str) -> dict:
     return {"cases": matrix() if tier == "matrix" else default_cases(), "backbone": backbone_untouched(),
-            "refusals": refusals()}
+            "refusals": refusals(), "decoder": decoder_agrees()}

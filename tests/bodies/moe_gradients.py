@@ -102,7 +102,8 @@ def reference_model(setup: Setup, chunks, config) -> tuple[ReferenceMoEGPT, dict
                           setup.mtp_num_layers, options, ffn=config.ffn_hidden_size, tied=setup.tied,
                           repeated=setup.mtp_use_repeated_layer, detach_heads=setup.mtp_detach_heads,
                           mtp_loss_scaling_factor=config.mtp_loss_scaling_factor,
-                          mtp_inner_name=mtp_inner_layer_name(state), arch=reference_architecture(setup))
+                          mtp_inner_name=mtp_inner_layer_name(state), arch=reference_architecture(setup),
+                          mtp_loss_type=setup.mtp_loss_type, mtp_draft_temperature=setup.mtp_draft_temperature)
     ref.load_state_dict({names[k]: v for k, v in state.items()}, strict=True)
     return ref, {v: k for k, v in names.items()}
 

@@ -18,7 +18,7 @@ from megatron_mtp.library.step import global_counts, gpt_forward_step
 from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.bodies.mtp_model import max_rel as tensor_rel
 from tests.harness.layout import model_parallel
-from tests.reference.gpt_mtp import ReferenceGPT, mtp_inner_layer_name
+from tests.reference.gpt_mtp import ReferenceGPT, draft_objective_sum, mtp_inner_layer_name
 
 VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, DEPTHS, BATCH = 48, 32, 4, 2, 4, 12, 2, 8
 
@@ -39,13 +39,14 @@ def batch(kind: str = "uneven"):
     return tokens, mask
 
 
-def reference_grads(state: dict, tokens, mask, level: str, detach: bool, lam: float) -> dict:
+def reference_grads(state: dict, tokens, mask, level: str, detach: bool, lam: float, objective: str = "ce",
+                    temperature: float = 1.0) -> dict:
     ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, DEPTHS, groups=GROUPS, tied=False,
                        detach_heads=detach, mtp_loss_scaling_factor=lam,
                        mtp_inner_name=mtp_inner_layer_name(state))
     ref.load_state_dict({k: v for k, v in state.items() if not k.endswith("_extra_state")})
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    _, main, per_depth = ref.losses(inputs, labels, mask)
+    logits, main, per_depth = ref.losses(inputs, labels, mask)
     n_tok = mask.sum()
     per_seq_tokens = mask.sum(dim=1)
     if level == "token":
@@ -54,15 +55,14 @@ def reference_grads(state: dict, tokens, mask, level: str, detach: bool, lam: fl
         valid = per_seq_tokens > 0
         seq_means = (main * mask).sum(dim=1) / per_seq_tokens.clamp(min=1)
         loss = seq_means[valid].sum() / valid.sum().clamp(min=1)
-    for ce, mask_k, _, _ in per_depth:
-        loss = loss + lam / DEPTHS * (ce * mask_k).sum() / n_tok.clamp(min=1)
+    loss = loss + lam / DEPTHS * draft_objective_sum(objective, logits, per_depth, None, temperature) / n_tok.clamp(min=1)
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
 
 def build(detach: bool, lam: float = 0.3, fp16: bool = False, clip_grad: float = 1e9,
           loss_scale: float | None = None, sequence_parallel: bool = False,
-          position_embedding_type: str = "rope"):
+          position_embedding_type: str = "rope", mtp_loss_type: str = "ce", mtp_draft_temperature: float = 1.0):
     """Model chunks (one per virtual stage of the current layout) and optimizer."""
     dtype = torch.float16 if fp16 else torch.float32
     config = TransformerConfig(
@@ -74,7 +74,7 @@ def build(detach: bool, lam: float = 0.3, fp16: bool = False, clip_grad: float =
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, mtp_loss_type=mtp_loss_type, mtp_draft_temperature=mtp_draft_temperature,
     )
     chunks = build_model(config, VOCAB, SEQ, share_embeddings_and_output_weights=False,
                          position_embedding_type=position_embedding_type)
@@ -156,11 +156,29 @@ def single_process(ckpt_root: str) -> dict:
             got = run_step(chunks, optimizer, tokens, mask, 2, 2, "sequence", detach is False, as_dicts=True)
             out[f"dict_microbatches_detach{int(detach)}"] = max_rel(
                 got["grads"], torch.load(f"{ckpt_root}/ref_detach{int(detach)}_sequence.pt"))
+        out["draft_objective"] = draft_objective_cuts(ckpt_root, tokens, mask)
         out["refusal"] = refusal()
         out["zero_tokens"] = zero_token_step()
         out["lambda"] = isolation_and_lambda(tokens, mask)
         out["fp16"] = fp16_loss_scale(ckpt_root, tokens, mask)
         out["abort"] = abort_restores(tokens, mask)
+    return out
+
+
+def draft_objective_cuts(ckpt_root, tokens, mask) -> dict:
+    """A draft objective of spec section 12 (e2e_tv, which couples the depths, at temperature 0.8)
+    through split steps: sequence-level main loss, counts up front and streaming, cut three ways."""
+    chunks, optimizer, _ = build(True, mtp_loss_type="e2e_tv", mtp_draft_temperature=0.8)
+    save_checkpoint(f"{ckpt_root}/init_e2e_tv", chunks)
+    state = {k: v.clone() for k, v in chunks[0].module.state_dict().items() if v is not None}
+    want = reference_grads(state, tokens, mask, "sequence", True, 0.3, "e2e_tv", 0.8)
+    out = {}
+    for up_front in (True, False):
+        for micro_batch, n_chunks in ((1, 4), (2, 1), (4, 1)):
+            load_checkpoint(f"{ckpt_root}/init_e2e_tv", chunks)
+            got = run_step(chunks, optimizer, tokens, mask, micro_batch, n_chunks, "sequence", up_front)
+            out[f"{'upfront' if up_front else 'streaming'}-mbs{micro_batch}-chunks{n_chunks}"] = max_rel(
+                got["grads"], want)
     return out
 
 
@@ -375,3 +393,4 @@ def upstream_default_mode(ckpt_root: str) -> dict:
 
         return {"core": megatron.core.__file__, "rel_all": max_rel(got, want), "rel_mtp": max_rel(got, mtp),
                 "finite": all(torch.isfinite(g).all().item() for g in got.values())}
+

@@ -400,12 +400,14 @@ def shift_left(tensor, k, segments):
 class ReferenceGPT(nn.Module):
     def __init__(self, vocab, hidden, heads, layers, mtp_depths, groups=None, ffn=None,
                  tied=False, repeated=False, detach_heads=False, mtp_loss_scaling_factor=0.1,
-                 mtp_inner_name="transformer_layer", arch=Architecture()):
+                 mtp_inner_name="transformer_layer", arch=Architecture(), mtp_loss_type="ce",
+                 mtp_draft_temperature=1.0):
         super().__init__()
         groups, ffn = groups or heads, ffn or 4 * hidden
         self.heads, self.hidden, self.depths = heads, hidden, mtp_depths
         self.tied, self.repeated, self.detach_heads = tied, repeated, detach_heads
         self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
+        self.mtp_loss_type, self.mtp_draft_temperature = mtp_loss_type, mtp_draft_temperature  # defaults
         self.embedding = Embedding(vocab, hidden)
         self.decoder = Decoder(layers, hidden, heads, groups, ffn, arch)
         if not tied:
@@ -450,8 +452,11 @@ class ReferenceGPT(nn.Module):
             per_depth.append((ce, mask_k, labels_k, lg))
         return logits, main, per_depth
 
-    def objective_sums(self, input_ids, labels, loss_mask, segments=None, objective="ce", temperature=1.0):
-        """sum(main CE * m) + (lambda / D) * sum_k S_k; divided by N_tok it is the spec's L."""
+    def objective_sums(self, input_ids, labels, loss_mask, segments=None, objective=None, temperature=None):
+        """sum(main CE * m) + (lambda / D) * sum_k S_k; divided by N_tok it is the spec's L.
+        `objective`, `temperature`: the draft objective (default: the model's)."""
+        objective = objective or self.mtp_loss_type
+        temperature = temperature or self.mtp_draft_temperature
         logits, main, per_depth = self.losses(input_ids, labels, loss_mask, segments)
         total = (main * loss_mask).sum()
         if not per_depth:
