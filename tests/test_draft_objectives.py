@@ -60,6 +60,13 @@ def test_the_decoder_measures_the_trainer_s_sampled_acceptance(suite):
         assert abs(trainer - measured) <= TOL * abs(measured), decoder
 
 
+def test_the_mtp_only_sample_mask_reaches_the_mtp_depths_only(suite):
+    # the library's gpt_per_token_loss with r against the reference (r on the depths' masks, not on
+    # the main loss); without r the same step differs (measured 1.5), so the mask is in effect
+    assert suite["sample_mask"]["with_r"] < TOL, suite["sample_mask"]
+    assert suite["sample_mask"]["without_r"] > 0.1, suite["sample_mask"]
+
+
 def test_refusals_name_the_fix(suite):
     refusals = suite["refusals"]
     for objective in ("kl", "tv", "e2e_tv"):

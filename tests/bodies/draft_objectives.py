@@ -9,10 +9,11 @@ import torch
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron_mtp.library.model import build_gpt
 from tests.bodies.mtp_model import (
-    SEQ, SPARSE_CHUNK, VOCAB, counts_equal, make_config, max_rel, packed_batch, padded_batch, reference_for,
+    LAMBDA, SEQ, SPARSE_CHUNK, VOCAB, counts_equal, make_config, max_rel, packed_batch, padded_batch, reference_for,
     reference_sums, run_megatron,
 )
 from tests.harness.layout import model_parallel
+from tests.reference.gpt_mtp import draft_objective_sum
 
 DRAFT_OBJECTIVES = ("kl", "tv", "e2e_tv")
 TEMPERATURE = 0.7  # not 1, so a missing or misplaced 1/tau shows
@@ -146,6 +147,39 @@ def decoder_agrees() -> dict:
                 "decoder": stats.teacher_forced_overlap, "decoder_valid": stats.teacher_forced_total}
 
 
+def sample_mask() -> dict:
+    """The MTP-only sample mask r (spec section 12) through the library's gpt_per_token_loss: the
+    model's gradients against the reference whose MTP masks are multiplied by r and whose main
+    loss is not; and against the same step without r (which must differ)."""
+    from megatron.core.transformer import multi_token_prediction
+    from megatron_mtp.library.step import gpt_per_token_loss
+
+    with model_parallel():
+        torch.manual_seed(11)
+        model = build_gpt(make_config(2, detach=True, mtp_loss_type="tv", mtp_draft_temperature=TEMPERATURE),
+                          VOCAB, SEQ)
+        sharpen(model)
+        input_ids, labels, mask, _ = padded_batch(3)
+        tokens = torch.cat([input_ids, labels[:, -1:]], dim=1)
+        r = torch.tensor([1.0, 0.0, 1.0, 1.0])  # the second response: no MTP training
+        grads = {}
+        for name, sample_mask in (("with_r", r), ("without_r", None)):
+            multi_token_prediction.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+            model.zero_grad(set_to_none=True)
+            model.train()
+            per_token, main_mask = gpt_per_token_loss(model, tokens, mask, sample_mask)
+            (per_token * main_mask).sum().backward()
+            grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        ref = reference_for(model, 2, False, False, True)
+        logits, main, _ = ref.losses(input_ids, labels, mask)
+        _, _, masked_depths = ref.losses(input_ids, labels, mask * r.unsqueeze(1))
+        total = (main * mask).sum() + LAMBDA / 2 * draft_objective_sum("tv", logits, masked_depths, None, TEMPERATURE)
+        total.backward()
+        want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        return {name: max(max_rel(got[n], want[n]) for n in want) if sorted(got) == sorted(want) else float("inf")
+                for name, got in grads.items()}
+
+
 def suite(tier: str) -> dict:
     return {"cases": matrix() if tier == "matrix" else default_cases(), "backbone": backbone_untouched(),
-            "refusals": refusals(), "decoder": decoder_agrees()}
+            "refusals": refusals(), "decoder": decoder_agrees(), "sample_mask": sample_mask()}
