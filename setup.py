@@ -13,6 +13,7 @@ setup(
     name="megatron-mtp",
     version="0.1.0",
     description="Exact multi-token-prediction (MTP) training for Megatron-LM / megatron-core",
+    license="Apache-2.0",  # megatron-core's; see LICENSE and NOTICE
     python_requires=">=3.11",  # the tooling uses tomllib; the fork-owned megatron-core modules run on 3.10
     packages=find_packages(include=["megatron_mtp", "megatron_mtp.*"]),
     install_requires=[
