@@ -4,6 +4,7 @@ A wheel was committed at the top level once (a pyflakes wheel, by a commit about
 --freeze-backbone); a fresh clone must hold sources only.
 """
 
+import re
 import subprocess
 
 from tests.harness.launcher import REPO_ROOT
@@ -23,3 +24,21 @@ def test_the_license_and_notice_are_apache_2_0():
     assert "END OF TERMS AND CONDITIONS" in license_text
     notice = (REPO_ROOT / "NOTICE").read_text()
     assert "NVIDIA" in notice and "Apache License, Version 2.0" in notice
+
+
+def test_every_spec_section_cited_is_in_the_repository_s_contract():
+    """Docstrings and pages cite "spec section N" (or "spec sections N and M"): each N must be a
+    section of docs/spec.md, which a clone has (the workspace's spec is not in a user's clone)."""
+    sections = set(re.findall(r"^## (\d+)\. ", (REPO_ROOT / "docs" / "spec.md").read_text(), re.MULTILINE))
+    assert sections == {str(n) for n in range(1, 13)}, sorted(sections)
+    files = subprocess.run(["git", "ls-files", "--", "*.py", "*.md", "*.sh"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    cited = {}
+    for name in files:
+        path = REPO_ROOT / name
+        if not path.exists():
+            continue
+        for match in re.finditer(r"spec sections? (\d+(?:(?:, | and | or |-)\d+)*)", path.read_text(errors="replace")):
+            for number in re.findall(r"\d+", match.group(1)):
+                cited.setdefault(number, name)
+    assert cited and not set(cited) - sections, {n: f for n, f in cited.items() if n not in sections}
