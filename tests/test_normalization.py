@@ -83,7 +83,10 @@ def test_every_cut_of_the_step_matches_the_reference(single):
     assert not bad, bad
 
 
-def test_a_draft_objective_is_exact_under_every_cut_of_a_split_step(single):
+def test_a_draft_objective_is_exact_under_every_cut_of_a_split_step(single, build):
+    if build == "0.16.1":  # its series refuses them (tests/test_draft_objectives.py)
+        assert "draft_objective" not in single
+        return
     cuts = single["draft_objective"]
     assert len(cuts) == 6  # counts up front / streaming x three cuts
     assert all(rel < TOL for rel in cuts.values()), cuts

@@ -103,6 +103,16 @@ def backbone_untouched() -> dict:
     return out
 
 
+def refusal_on_this_build() -> str | None:
+    """An isolated tv config on this build: its refusal, or None where it is built."""
+    with model_parallel():
+        try:
+            make_config(2, detach=True, mtp_loss_type="tv")
+        except ValueError as error:
+            return str(error)
+    return None
+
+
 def refusals() -> dict:
     """Each refused configuration's one-line message, or None where it was built."""
 
