@@ -1,4 +1,4 @@
-"""Bodies for tests/test_foundation.py: the single-process reference and the parallel layouts."""
+"""Bodies for tests/test_foundation_training.py: the single-process reference and the parallel layouts."""
 
 import torch
 

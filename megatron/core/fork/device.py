@@ -1,7 +1,7 @@
 """One place that decides which device megatron-core computes on.
 
-Upstream megatron-core 0.16.1 names ``cuda`` in schedules, DDP buffers,
-optimizers, gradient clipping, RNG trackers and checkpointing. The fork routes
+Upstream megatron-core (0.16.1 and 0.19.2 alike) names ``cuda`` in schedules, DDP
+buffers, optimizers, gradient clipping, RNG trackers and checkpointing. The fork routes
 each of those choices through this module: on a machine with CUDA every helper
 returns exactly what the upstream call returned, so GPU behaviour is unchanged;
 without CUDA the stack runs on CPU with the gloo backend.
