@@ -77,9 +77,10 @@ def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, tempera
     p.div_(sums[1].unsqueeze(1))
     below = q < p  # where min(p, q) is q: only there does alpha depend on the draft
     parts = [torch.where(below, q, p).sum(dim=1), (q * below).sum(dim=1)]
-    if objective == "kl":
-        log_ratio = (z_p - sums[1].log().unsqueeze(1)) - (z_q - sums[0].log().unsqueeze(1))
-        parts.append((p * log_ratio).sum(dim=1))
+    if objective == "kl":  # p log(p / q), in z_p's buffer (no chunk-sized temporary beyond ce's)
+        log_sums = sums.log().unsqueeze(2)
+        z_p.sub_(log_sums[1]).sub_(z_q).add_(log_sums[0]).mul_(p)
+        parts.append(z_p.sum(dim=1))
     totals = _all_reduce(torch.stack(parts), tp_group)
     alpha = totals[0]
     if objective == "ce":
