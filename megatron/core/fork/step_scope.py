@@ -60,12 +60,15 @@ def reduced_sums(config, extra: torch.Tensor | None = None) -> tuple:
 
 class StepScope:
     def __init__(self, config, main_loss: str, counts: "step_loss.StepCounts | None", *,
-                 routed_tokens: int | None, grad_scale_func):
+                 routed_tokens: int | None, grad_scale_func, normalization=None):
         """`counts`: the step's global counts if known up front; `routed_tokens`: its input
         positions over all chunks and data-parallel ranks (T of spec section 11), needed with
-        MoE router losses; `grad_scale_func`: the optimizer's loss scale the routers carry."""
+        MoE router losses; `grad_scale_func`: the optimizer's loss scale the routers carry;
+        `normalization`: a framework's (step_loss.FrameworkNormalization), else the step's own
+        at the `main_loss` level."""
         router_losses.check_exact_step(config)
-        self.normalization = step_loss.StepNormalization(main_loss, bool(config.mtp_detach_heads), counts)
+        self.normalization = normalization or step_loss.StepNormalization(main_loss, bool(config.mtp_detach_heads),
+                                                                          counts)
         self.moe_scale = None
         if router_losses.active(config):
             if routed_tokens is None:
