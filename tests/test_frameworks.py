@@ -1,18 +1,20 @@
 """exact_mtp_step around RL frameworks' own steps (issue 40): AReaL's train_batch, verl's
-update_policy, NeMo-RL's train and its split path, each as a controller making the framework's
-calls in its order with its loss-function shape (tests/bodies/frameworks.py; sources cited in
+update_policy, NeMo-RL's train and its split path, each a controller making the framework's calls
+in its order with its loss-function shape (tests/bodies/frameworks.py; sources cited in
 docs/integrations/README.md).
 
-With the one call added, every copy of every parameter's full gradient equals the reference's
-(the framework's main loss on the whole global batch plus the spec's (lambda / D) sum_k S_k / N_tok)
-under uneven masks; without it the same controller's differ (its MTP branch normalized per micro-batch,
-or by the framework's sequence count). A CP rank without a single target; the refusals (an MTP forward
-without a loss mask, counts that contradict the data, streaming with attached heads, router losses in
-an averaging schedule), each before the gradient reduce and the optimizer step, leaving everything as
-it was.
+With the one call added, every copy of every parameter's full gradient equals the reference's (the
+framework's main loss on the whole global batch plus the spec's (lambda / D) sum_k S_k / N_tok) under
+uneven masks; without it the same controller's differ (its MTP branch normalized per micro-batch, or
+by the framework's sequence count). NeMo-RL's train is the exception: it sets mtp_grad_scale_func to
+1/global valid tokens itself, which on this fork's raw MTP sums is already exact, so only its run with
+the call is compared. Also: the tv draft objective through the call, a CP rank without a single
+target, and the refusals (an MTP forward without a loss mask, counts that contradict the data,
+streaming with attached heads, router losses in a schedule that averages micro-batches), each before
+the gradient reduce and the optimizer step, leaving parameters, gradients and hooks as they were.
 
-Default tier: one four-rank launch, CP=2 x DP=2 and TP=2 x PP=2 x DP=1 (no DP...: see LAYOUTS), the
-refusals. Matrix tier: DP=4, TP=2 x DP=2, PP=2 x DP=2, and MoE experts over EP=2.
+Default tier: one four-rank launch, CP=2 x DP=2 (uneven valid tokens per rank), and the refusals.
+Matrix tier: TP=2 x PP=2, TP=2 x DP=2, PP=2 x DP=2, DP=4, and MoE experts over EP=2.
 """
 
 import pytest
@@ -21,13 +23,11 @@ from tests.harness import launch
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
-# (name, TP, PP, CP) on four ranks
-LAYOUTS = [("cp2_dp2", 1, 1, 2), ("tp2_pp2", 2, 2, 1)]
-MATRIX_LAYOUTS = [("dp4", 1, 1, 1), ("tp2_dp2", 2, 1, 1), ("pp2_dp2", 1, 2, 1)]
+# (name, TP, PP, CP, EP) on four ranks
+LAYOUTS = [("cp2_dp2", 1, 1, 2, 1)]
+MATRIX_LAYOUTS = [("tp2_pp2", 2, 2, 1, 1), ("tp2_dp2", 2, 1, 1, 1), ("pp2_dp2", 1, 2, 1, 1), ("dp4", 1, 1, 1, 1)]
+MOE_LAYOUTS = [("ep2_dp4", 1, 1, 1, 2)]  # MoE experts over two expert-parallel ranks
 FRAMEWORKS = ("areal", "verl", "nemo", "nemo_split")
-# Without the call a framework's MTP branch is normalized per micro-batch (averaging mode) or by its
-# sequence count (the split path): far from the reference. NeMo-RL's train sets mtp_grad_scale_func to
-# 1/global valid tokens itself, which on this fork's raw MTP sums is already exact (see the README).
 DIFFERS_WITHOUT = ("areal", "verl", "nemo_split")
 
 
@@ -37,27 +37,31 @@ def suite(tmp_path_factory):
                   {"ckpt_root": str(tmp_path_factory.mktemp("frameworks")), "layouts": LAYOUTS}, timeout=900)
 
 
-def check_layouts(ranks, layouts):
-    for rank in ranks:
-        results = rank["layouts"]
+def check_layouts(ranks: list, layouts: list) -> None:
+    for results in ranks:
         for name, *_ in layouts:
             for framework in FRAMEWORKS:
-                call = results[f"{name}/{framework}/call"]
-                assert call["rel"] < TOL, (name, framework, call["rel"])
+                call = results[f"{name}/{framework}/call"]["rel"]
+                assert call < TOL, (name, framework, call)
+            for framework in DIFFERS_WITHOUT:
                 without = results[f"{name}/{framework}/without"]["rel"]
-                if framework in DIFFERS_WITHOUT:
-                    assert without > 1e-2, (name, framework, without)
+                assert without > 1e-2, (name, framework, without)
 
 
 def test_each_framework_step_with_the_call_matches_the_reference(suite):
-    check_layouts(suite, LAYOUTS)
+    check_layouts([rank["layouts"] for rank in suite], LAYOUTS)
+
+
+def test_a_draft_objective_through_the_call(suite):
+    for rank in suite:
+        assert rank["layouts"]["cp2_dp2/verl_tv/call"]["rel"] < TOL
 
 
 def test_the_metrics_are_the_steps(suite):
     metrics = suite[0]["layouts"]["cp2_dp2/areal/call"]["metrics"]
     assert metrics["tokens"] > 0 and 0.0 <= metrics["mtp_2 acceptance"] <= 1.0
-    assert "mtp grad norm" not in metrics  # attached heads: one group
-    assert "mtp grad norm" in suite[0]["layouts"]["cp2_dp2/verl/call"]["metrics"]  # isolated: their own group
+    assert "mtp grad norm" not in metrics  # attached heads: one gradient-norm group
+    assert suite[0]["layouts"]["cp2_dp2/verl/call"]["metrics"]["mtp grad norm"] > 0  # isolated: their own
     for rank in suite[1:]:  # the same on every rank
         assert rank["layouts"]["cp2_dp2/areal/call"]["metrics"] == metrics
 
@@ -84,11 +88,16 @@ def test_refusals_change_nothing(suite):
 
 @pytest.fixture(scope="module")
 def matrix_suite(tmp_path_factory):
-    return launch("tests.bodies.frameworks:layouts", 4,
-                  {"ckpt_root": str(tmp_path_factory.mktemp("frameworks-matrix")), "layouts": MATRIX_LAYOUTS},
-                  timeout=900)
+    root = tmp_path_factory.mktemp("frameworks-matrix")
+    dense = launch("tests.bodies.frameworks:run_layouts", 4, {"ckpt_root": str(root), "layouts": MATRIX_LAYOUTS},
+                   timeout=900)
+    moe = launch("tests.bodies.frameworks:run_layouts", 4,
+                 {"ckpt_root": str(root), "layouts": MOE_LAYOUTS, "moe": True}, timeout=900)
+    return dense, moe
 
 
 @pytest.mark.matrix
-def test_more_layouts(matrix_suite):
-    check_layouts([{"layouts": rank} for rank in matrix_suite], MATRIX_LAYOUTS)
+def test_more_layouts_and_expert_parallelism(matrix_suite):
+    dense, moe = matrix_suite
+    check_layouts(dense, MATRIX_LAYOUTS)
+    check_layouts(moe, MOE_LAYOUTS)

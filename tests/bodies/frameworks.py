@@ -38,9 +38,11 @@ from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.step import gpt_per_token_loss
 from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
+from tests.bodies.moe_full_grads import gathered_full_grads_and_buffers
 from tests.bodies.normalization import BATCH, DEPTHS, GROUPS, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, batch, build
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import ReferenceGPT, draft_objective_sum, mtp_inner_layer_name
+from tests.reference.moe import ReferenceMoEGPT
 
 LAMBDA = 0.3
 MICRO_BATCH = 2
@@ -223,10 +225,24 @@ def main_term(framework: str, main, mask, micro_batch: int = MICRO_BATCH):
     return per_sequence.sum() / main.size(0)
 
 
-def reference_grads(state, tokens, mask, framework, detach, objective="ce", temperature=1.0) -> dict:
-    ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, DEPTHS, groups=GROUPS, tied=False, detach_heads=detach,
-                       mtp_loss_scaling_factor=LAMBDA, mtp_inner_name=mtp_inner_layer_name(state))
-    ref.load_state_dict({k: v for k, v in state.items() if not k.endswith("_extra_state")})
+# MoE experts (EP=2 in the matrix tier): no router losses, which a step that averages micro-batches refuses.
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.0, add_bias_linear=False)
+MOE_OPTIONS = dict(MOE, moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                   moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
+                   moe_router_bias_update_rate=0.0, moe_shared_expert_intermediate_size=None, moe_layer_freq=1,
+                   moe_router_load_balancing_type="aux_loss", moe_z_loss_coeff=None, swiglu=False)
+
+
+def reference_grads(state, tokens, mask, framework, detach, objective="ce", temperature=1.0, moe=False) -> dict:
+    kwargs = dict(groups=GROUPS, tied=False, detach_heads=detach, mtp_loss_scaling_factor=LAMBDA,
+                  mtp_inner_name=mtp_inner_layer_name(state))
+    if moe:
+        options = dict(MOE_OPTIONS, moe_ffn_hidden_size=4 * HIDDEN)
+        ref = ReferenceMoEGPT(VOCAB, HIDDEN, HEADS, LAYERS, DEPTHS, options, **kwargs)
+    else:
+        ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, DEPTHS, **kwargs)
+    ref.load_state_dict({k: v for k, v in state.items()
+                         if not k.endswith("_extra_state") and not k.endswith("local_tokens_per_expert")})
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     logits, main, per_depth = ref.losses(inputs, labels, mask)
     mtp = draft_objective_sum(objective, logits, per_depth, None, temperature)
@@ -235,15 +251,18 @@ def reference_grads(state, tokens, mask, framework, detach, objective="ce", temp
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
 
-def _fields(objective: str) -> dict:
-    return {} if objective == "ce" else {"mtp_loss_type": objective}
+def _fields(objective: str, moe: bool) -> dict:
+    fields = {} if objective == "ce" else {"mtp_loss_type": objective}
+    if moe:
+        fields.update(MOE, expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+    return fields
 
 
-def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True) -> dict:
+def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True, moe=False) -> dict:
     """One step of the framework's controller on this layout: every copy of every full gradient
     (captured inside the optimizer's step, after the reduce) and the step's metrics."""
     chunks, optimizer, config = build(detach, lam=LAMBDA, calculate_per_token_loss=PER_TOKEN_MODE[framework],
-                                      **_fields(objective))
+                                      **_fields(objective, moe))
     load_checkpoint(ckpt, chunks)
     microbatches = rank_microbatches(tokens, mask, MICRO_BATCH)
     step_counts = StepCounts(tokens=int(mask.sum()), sequences=int((mask.sum(dim=1) > 0).sum()))
@@ -259,7 +278,7 @@ def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True
     captured, original = {}, optimizer.step
 
     def capturing_step():
-        captured["full"] = gathered_full_grads(chunks)
+        captured["full"] = gathered_full_grads_and_buffers(chunks, config)[0] if moe else gathered_full_grads(chunks)
         return original()
 
     optimizer.step = capturing_step
@@ -271,14 +290,14 @@ def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True
     return {"full": captured["full"], "metrics": {k: v for k, v in metrics.items() if k != "mtp sums"}}
 
 
-def prepare(ckpt_root: str, detach_modes=(False, True), objective="ce") -> dict:
+def prepare(ckpt_root: str, moe: bool = False) -> dict:
     """The initial weights (one checkpoint per isolation mode) and their state dicts."""
     states = {}
     with model_parallel():
-        for detach in detach_modes:
+        for detach in (False, True):
             torch.manual_seed(5)
-            chunks, _, _ = build(detach, lam=LAMBDA, **_fields(objective if detach else "ce"))
-            save_checkpoint(f"{ckpt_root}/init{int(detach)}", chunks)
+            chunks, _, _ = build(detach, lam=LAMBDA, **_fields("ce", moe))
+            save_checkpoint(f"{ckpt_root}/init{int(detach)}{'_moe' if moe else ''}", chunks)
             states[detach] = {k: v.clone() for k, v in chunks[0].module.state_dict().items() if v is not None}
     return states
 
@@ -296,21 +315,28 @@ def cp_rank_without_targets():
     return tokens, mask
 
 
-def layouts(ckpt_root: str, layouts: list, cases: list | None = None) -> dict:
-    """Each layout (name, TP, PP, CP) x controller: the worst deviation from the reference with the
-    call and without it; under CP also a step where one CP rank has no target at all (with the call)."""
-    cases = [tuple(c) for c in (cases or CASES)]
-    states = prepare(ckpt_root)
+def run_layouts(ckpt_root: str, layouts: list, moe: bool = False) -> dict:
+    """Each layout (name, TP, PP, CP, EP) x controller: the worst deviation from the reference with the
+    call and without it (NeMo-RL's train: with it only, see tests/test_frameworks.py); under CP also a
+    step where one CP rank has no target at all, and one with the tv draft objective (with the call)."""
+    states = prepare(ckpt_root, moe)
     tokens, mask = batch()
+    suffix = "_moe" if moe else ""
     out = {}
-    for name, tp, pp, cp in layouts:
-        with model_parallel(tp=tp, pp=pp, cp=cp):
-            for framework, detach, counts in cases:
-                want = reference_grads(states[detach], tokens, mask, framework, detach)
-                for call in (True, False):
-                    got = run(framework, detach, call, tokens, mask, f"{ckpt_root}/init{int(detach)}", counts=counts)
+    for name, tp, pp, cp, ep in layouts:
+        with model_parallel(tp=tp, pp=pp, cp=cp, ep=ep):
+            for framework, detach, counts in CASES:
+                want = reference_grads(states[detach], tokens, mask, framework, detach, moe=moe)
+                for call in (True, False) if framework != "nemo" else (True,):
+                    got = run(framework, detach, call, tokens, mask, f"{ckpt_root}/init{int(detach)}{suffix}",
+                              counts=counts, moe=moe)
                     out[f"{name}/{framework}/{'call' if call else 'without'}"] = {
                         "rel": max_rel_to_reference(got["full"], want), "metrics": got["metrics"]}
+            if cp > 1:  # the draft objective tv (spec section 12) through the same call, isolated heads
+                want = reference_grads(states[True], tokens, mask, "verl", True, objective="tv")
+                got = run("verl", True, True, tokens, mask, f"{ckpt_root}/init1", objective="tv")
+                out[f"{name}/verl_tv/call"] = {"rel": max_rel_to_reference(got["full"], want),
+                                               "metrics": got["metrics"]}
             if cp > 1:
                 empty_tokens, empty_mask = cp_rank_without_targets()
                 want = reference_grads(states[False], empty_tokens, empty_mask, "nemo", False)
@@ -399,6 +425,6 @@ def refusals(ckpt_root: str) -> dict:
     return out
 
 
-def suite(ckpt_root: str, layouts_to_run: list) -> dict:
+def suite(ckpt_root: str, layouts: list) -> dict:
     """The default tier's launch: the layouts, then the refusals (on this world's DP layout)."""
-    return {"layouts": layouts(ckpt_root, layouts_to_run), "refusals": refusals(ckpt_root)}
+    return {"layouts": run_layouts(ckpt_root, layouts), "refusals": refusals(ckpt_root)}
