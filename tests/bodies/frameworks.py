@@ -25,8 +25,6 @@ The reference (tests/reference/gpt_mtp.py) takes the framework's main loss over 
 plus the spec's (lambda / D) sum_k S_k / N_tok (section 12's objective where the model trains one).
 """
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 

@@ -33,6 +33,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
+from megatron.core.fork import device as compute_device
 from megatron.core.fork import router_losses, step_loss
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
@@ -53,7 +54,7 @@ def _loss_scale(optimizer, config):
         if optimizer is not None and hasattr(optimizer, "get_loss_scale"):
             return float(optimizer.get_loss_scale())
         if config.grad_scale_func is not None:
-            return float(config.grad_scale_func(torch.ones(1)).item())
+            return float(config.grad_scale_func(torch.ones(1, device=compute_device.current_device())).item())
         return 1.0
     return scale
 

@@ -1,8 +1,9 @@
 """What every exact step does around its forward/backward, for both step drivers.
 
-SplitStep (a controller's step, in chunks) and trainer/exact_step (megatron.training's
-``train_step``) differ in who draws the data and who calls finalize_model_grads and the
-optimizer. The rest is one ``StepScope``:
+SplitStep (a controller's step, in chunks), trainer/exact_step (megatron.training's
+``train_step``) and a framework's own step differ in who draws the data, who normalizes the main
+loss and who calls finalize_model_grads and the optimizer. The rest is one ``StepScope``, which
+each of them enters through its public front, megatron.core.fork.exact_mtp_step.ExactMTPStep:
 
 - ``StepScope(...)`` checks everything a step can refuse (the router losses' kind, the
   normalization's mode, the routed-token count the router losses need) and changes nothing;
