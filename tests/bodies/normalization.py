@@ -63,19 +63,20 @@ def reference_grads(state: dict, tokens, mask, level: str, detach: bool, lam: fl
 
 def build(detach: bool, lam: float = 0.3, fp16: bool = False, clip_grad: float = 1e9,
           loss_scale: float | None = None, sequence_parallel: bool = False,
-          position_embedding_type: str = "rope", mtp_loss_type: str = "ce", mtp_draft_temperature: float = 1.0):
-    """Model chunks (one per virtual stage of the current layout) and optimizer."""
+          position_embedding_type: str = "rope", calculate_per_token_loss: bool = True, **fields):
+    """Model chunks (one per virtual stage of the current layout) and optimizer; `fields`: more
+    TransformerConfig fields (MoE, a draft objective)."""
     dtype = torch.float16 if fp16 else torch.float32
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         mtp_num_layers=DEPTHS, mtp_loss_scaling_factor=lam, mtp_detach_heads=detach,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, fp16=fp16,
-        params_dtype=dtype, pipeline_dtype=dtype, calculate_per_token_loss=True,
+        params_dtype=dtype, pipeline_dtype=dtype, calculate_per_token_loss=calculate_per_token_loss,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
-        sequence_parallel=sequence_parallel, mtp_loss_type=mtp_loss_type, mtp_draft_temperature=mtp_draft_temperature,
+        sequence_parallel=sequence_parallel, **fields,
     )
     chunks = build_model(config, VOCAB, SEQ, share_embeddings_and_output_weights=False,
                          position_embedding_type=position_embedding_type)

@@ -8,7 +8,8 @@ once, runs finalize_model_grads once (which reduces the gradients and applies th
 normalization of megatron.core.fork.step_loss), clips each gradient-norm group by its
 own norm, steps the optimizer and returns the step's exact metrics. What every exact step
 does around that (checks, config hooks, normalization, router scale, the one reduce of its
-sums) is megatron.core.fork.step_scope's, shared with megatron.training's steps.
+sums) is megatron.core.fork.exact_mtp_step's, the front of step_scope's core, shared with
+megatron.training's steps and with the steps frameworks run themselves.
 
 Requires ``calculate_per_token_loss=True`` and a forward step whose loss function is
 ``step_loss.main_loss`` (or returns the same triple). Micro-batches are opaque to the
@@ -26,7 +27,7 @@ from megatron.core.fork import step_loss
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
-from megatron.core.fork.step_scope import StepScope, reduced_sums
+from megatron.core.fork.exact_mtp_step import ExactMTPStep
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
@@ -72,8 +73,8 @@ class SplitStep:
             raise RuntimeError("this step is already in progress; finish() or abort() it first")
         if not self.config.calculate_per_token_loss:
             raise ValueError("split steps need calculate_per_token_loss=True (raw loss sums per micro-batch)")
-        scope = StepScope(self.config, self.main_loss, counts, routed_tokens=routed_tokens,
-                          grad_scale_func=self.optimizer.scale_loss)
+        scope = ExactMTPStep(self.chunks, counts, main_loss=self.main_loss, routed_tokens=routed_tokens,
+                             grad_scale_func=self.optimizer.scale_loss)
         # Nothing has changed yet: everything above may refuse.
         self._mtp_loss_scale = MTPLossAutoScaler.main_loss_backward_scale
         self._moe_loss_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
@@ -124,7 +125,7 @@ class SplitStep:
         try:
             self._release_step_hooks()
             # The step's one reduce of counts and metric sums.
-            main_sums, mtp_sums = reduced_sums(self.config, self._main_sums)
+            main_sums, mtp_sums = self._scope.reduced_sums(self._main_sums)
             main_sum, tokens, sequences = main_sums.tolist()
             observed = step_loss.StepCounts(tokens=int(round(tokens)), sequences=int(round(sequences)))
             router = router_metrics.step_values(self.config, self._microbatches)

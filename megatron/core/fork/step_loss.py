@@ -66,6 +66,8 @@ def step_counts(loss_masks: list, group=None) -> tuple[StepCounts, int]:
 
 
 class StepNormalization:
+    seeds_mtp = False  # the MTP seed's loss scale comes through MTPLossAutoScaler (the step's hooks)
+
     def __init__(self, main_loss: str, isolated: bool, counts: StepCounts | None):
         if main_loss not in MAIN_LOSS_LEVELS:
             raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {main_loss!r}")
@@ -121,6 +123,55 @@ def _context_parallel_group():
     if parallel_state.get_context_parallel_world_size() == 1:
         return None
     return parallel_state.get_context_parallel_group()
+
+
+class FrameworkNormalization(StepNormalization):
+    """A framework's own step (megatron.core.fork.exact_mtp_step, main_loss=None): the framework
+    scales its main loss as it always does; the step owns only the MTP branch's seed, the whole of
+    it: lambda / D (applied by the heads) times the loss scale, 1/N_tok when the counts are given,
+    and the inverse of the uniform factor the framework's DDP applies after backward
+    (`framework_factor`: 1/(DP x CP) when each micro-batch is averaged, 1 in per-token mode), so
+    the reduced MTP gradient is (lambda / D) S_k / N_tok whatever the framework's schedule sets on
+    MTPLossAutoScaler. Without counts the seed is raw, and after the framework's finalize the
+    MTP-only parameters (isolated heads) are divided by N_tok times any factor the framework applied
+    through scale_gradients. The heads report each micro-batch's main valid targets here, so the
+    counts given can be checked against the data."""
+
+    seeds_mtp = True
+
+    def __init__(self, isolated: bool, counts: StepCounts | None, framework_factor: float, loss_scale):
+        if counts is None and not isolated:
+            raise ValueError(
+                "a framework step without counts cannot normalize attached MTP heads: their loss reaches the "
+                "backbone, whose gradient needs 1/N_tok before backward. Pass the step's counts "
+                "(exact_mtp_step(chunks, counts=StepCounts(tokens=..., sequences=...))) or isolate the heads "
+                "(mtp_detach_heads=True)"
+            )
+        super().__init__(TOKEN, isolated, counts)
+        self.main_loss = None  # the framework's
+        self.framework_factor = framework_factor
+        self.loss_scale = loss_scale
+        self.observed = torch.zeros(2, dtype=torch.float64, device=compute_device.current_device())
+
+    def observe(self, main_valid_targets: torch.Tensor) -> None:
+        """One micro-batch's valid main targets (and the micro-batch itself), as the heads see them."""
+        self.observed += torch.stack([main_valid_targets.detach().double().sum(), self.observed.new_ones(())])
+
+    def mtp_scale(self) -> float:
+        tokens = 1.0 / max(self.counts.tokens, 1) if self.counts else 1.0
+        return float(self.loss_scale()) * tokens / self.framework_factor
+
+    def normalize_reduced_gradients(self, model_chunk, applied: float = 1.0) -> None:
+        """After the framework's finalize: the MTP-only gradients (seeded raw, then times `applied`
+        by the framework) divided by N_tok; nothing when the counts were given."""
+        if self.counts is not None:
+            return
+        correction = 1.0 / (max(self.final_counts.tokens, 1) * applied)
+        for param in model_chunk.parameters():
+            if getattr(param, "grad_norm_group", None) == MTP_GRAD_NORM_GROUP and param.requires_grad:
+                grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+                if grad is not None:
+                    grad.mul_(correction)
 
 
 _ACTIVE: StepNormalization | None = None

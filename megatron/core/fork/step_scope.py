@@ -1,8 +1,9 @@
 """What every exact step does around its forward/backward, for both step drivers.
 
-SplitStep (a controller's step, in chunks) and trainer/exact_step (megatron.training's
-``train_step``) differ in who draws the data and who calls finalize_model_grads and the
-optimizer. The rest is one ``StepScope``:
+SplitStep (a controller's step, in chunks), trainer/exact_step (megatron.training's
+``train_step``) and a framework's own step differ in who draws the data, who normalizes the main
+loss and who calls finalize_model_grads and the optimizer. The rest is one ``StepScope``, which
+each of them enters through its public front, megatron.core.fork.exact_mtp_step.ExactMTPStep:
 
 - ``StepScope(...)`` checks everything a step can refuse (the router losses' kind, the
   normalization's mode, the routed-token count the router losses need) and changes nothing;
@@ -60,12 +61,15 @@ def reduced_sums(config, extra: torch.Tensor | None = None) -> tuple:
 
 class StepScope:
     def __init__(self, config, main_loss: str, counts: "step_loss.StepCounts | None", *,
-                 routed_tokens: int | None, grad_scale_func):
+                 routed_tokens: int | None, grad_scale_func, normalization=None):
         """`counts`: the step's global counts if known up front; `routed_tokens`: its input
         positions over all chunks and data-parallel ranks (T of spec section 11), needed with
-        MoE router losses; `grad_scale_func`: the optimizer's loss scale the routers carry."""
+        MoE router losses; `grad_scale_func`: the optimizer's loss scale the routers carry;
+        `normalization`: a framework's (step_loss.FrameworkNormalization), else the step's own
+        at the `main_loss` level."""
         router_losses.check_exact_step(config)
-        self.normalization = step_loss.StepNormalization(main_loss, bool(config.mtp_detach_heads), counts)
+        self.normalization = normalization or step_loss.StepNormalization(main_loss, bool(config.mtp_detach_heads),
+                                                                          counts)
         self.moe_scale = None
         if router_losses.active(config):
             if routed_tokens is None:

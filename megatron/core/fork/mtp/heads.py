@@ -30,9 +30,14 @@ def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):
     calculate_per_token_loss: lambda / D on raw sums, and the active step's normalization
     (megatron.core.fork.step_loss) makes the division by the global N_tok exact,
     either here (counts up front) or after the gradient reduce. Otherwise (each micro-batch normalized by its own
-    counts, upstream's default mode) the micro-batch's main-token count stands in for N_tok.
+    counts, upstream's default mode) the micro-batch's main-token count stands in for N_tok. In a
+    framework's step (megatron.core.fork.exact_mtp_step) the step gives the whole seed, loss scale included.
     """
     weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    step = step_loss.active()
+    if step is not None and step.seeds_mtp:  # a framework's own step: the whole seed is the step's
+        step.observe(main_valid_tokens)
+        return weight * step.mtp_scale()
     if config.calculate_per_token_loss:
         # Inside a step with counts given up front, the exact global 1/N_tok is applied here.
         return weight * step_loss.mtp_backward_scale()
@@ -51,6 +56,37 @@ def rows_of_last_depth(model, input_ids, labels, loss_mask, packed_seq_params=No
     return last_depth.taking_rows(rows)
 
 
+class _SeededLoss(torch.autograd.Function):
+    """Attaches a loss to a tensor with the backward seed 1: its weight already holds the whole
+    seed (a framework's step), not MTPLossAutoScaler's scale, which the framework's schedule sets."""
+
+    @staticmethod
+    def forward(ctx, output, loss):
+        ctx.save_for_backward(loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(loss)
+
+
+def _attach(output, weighted_loss):
+    step = step_loss.active()
+    if step is not None and step.seeds_mtp:
+        return _SeededLoss.apply(output, weighted_loss)
+    return MTPLossAutoScaler.apply(output, weighted_loss)
+
+
+def refuse_missing_mask(loss_mask) -> None:
+    """Inside an exact step an MTP forward without a loss mask is refused: upstream would train
+    every position (padding and prompts included) and count them all in N_tok."""
+    if loss_mask is None and step_loss.active() is not None:
+        raise ValueError("an MTP forward inside an exact step needs a loss_mask (without one every position, "
+                         "padding and prompt included, would be trained and counted): pass loss_mask=... to the "
+                         "model's forward")
+
+
 def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared_output_weight,
                       packed_seq_params=None, runtime_gather_output=None):
     """Split [h^0; h^1..h^D], attach every depth's loss to h^0, return h^0 for the main head."""
@@ -64,6 +100,7 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
     supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
     if supervised is None:
         return main_hidden  # generation: nothing to supervise
+    refuse_missing_mask(loss_mask)
     labels, loss_mask = supervised
     weight = isolation.output_weight(model, shared_output_weight)
     loss_weight = mtp_loss_weight(config, loss_mask.sum())
@@ -72,7 +109,7 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
         rows_of = rows_needed if config.mtp_sparse_loss else every_row
         loss_sum = sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params,
                                        rows_of)
-        return MTPLossAutoScaler.apply(main_hidden, loss_weight * loss_sum)
+        return _attach(main_hidden, loss_weight * loss_sum)
     with torch.no_grad():  # the statistics, recorded as the sparse loss records them, at every row
         sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params, every_row)
     for k, labels_k, mask_k in targets:
@@ -81,5 +118,5 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
         logits = compat.scale_logits(model, logits)
         per_token = model.compute_language_model_loss(labels_k, logits) * mask_k
         del logits  # one depth's logits alive at a time
-        main_hidden = MTPLossAutoScaler.apply(main_hidden, loss_weight * per_token)
+        main_hidden = _attach(main_hidden, loss_weight * per_token)
     return main_hidden

@@ -16,8 +16,8 @@ gives the routers their exact scale, the loss scale over T (megatron.core.fork.r
 
 ``end`` restores the config, reduces the step's MTP sums (one collective) and hands them,
 with the MTP gradient norm, to the metrics (megatron.core.fork.trainer.metrics). The checks,
-config hooks, normalization and router scale around the step are megatron.core.fork.step_scope's,
-as SplitStep's are. Exact
+config hooks, normalization and router scale around the step are megatron.core.fork.exact_mtp_step's
+(the front of step_scope's core), as SplitStep's and a framework's own step's are. Exact
 steps are on once the trainer calls ``enable`` (its loss function must then be
 step_loss.main_loss); otherwise the steps are upstream's and only the metrics come
 from here, so Megatron-LM's own pretrain_gpt.py keeps working with the series applied.
@@ -29,7 +29,8 @@ from megatron.core import parallel_state
 from megatron.core.fork import router_losses, step_loss
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
-from megatron.core.fork.step_scope import StepScope, reduced_sums
+from megatron.core.fork.exact_mtp_step import ExactMTPStep
+from megatron.core.fork.step_scope import reduced_sums
 from megatron.core.fork.trainer import loss_contract
 from megatron.core.fork.trainer import metrics
 from megatron.core.rerun_state_machine import RerunDataIterator
@@ -150,7 +151,8 @@ def begin(model, data_iterator, num_microbatches: int):
     virtual = isinstance(data_iterator, list)  # one iterator per virtual stage
     batches = _prefetch(data_iterator, num_microbatches)
     step_counts, routed = step_loss.step_counts(_counted_masks(batches, virtual))
-    scope = StepScope(config, level, step_counts, routed_tokens=routed, grad_scale_func=config.grad_scale_func)
+    scope = ExactMTPStep(model, step_counts, main_loss=level, routed_tokens=routed,
+                         grad_scale_func=config.grad_scale_func)
     overrides = {"finalize_model_grads_func": _finalize_without_count(config.finalize_model_grads_func)}
     if upstream_loss:
         overrides.update(loss_contract.main_loss_seed(config, scope.normalization.main_scale()))

@@ -1,0 +1,226 @@
+"""One call around a training step: MTP, router losses, clipping groups and metrics as the spec says.
+
+    with exact_mtp_step(model_chunks, counts=StepCounts(tokens=N_tok, sequences=N_seq),
+                        optimizer=optimizer) as step:
+        ...   # the framework's own step: zero_grad, forward_backward_func, optimizer.step()
+    step.metrics   # per-depth MTP metrics, mtp grad norm, the MTP depths' router losses
+
+This is the public front of megatron.core.fork.step_scope's StepScope, the one core of every
+exact step: SplitStep and megatron.training's exact steps enter it too (with `main_loss`, the
+level of their own step_loss.main_loss, and the hooks they drive). Without `main_loss` the step
+is a framework's (AReaL's train_batch, NeMo-RL's train, verl's update_policy): its main loss keeps
+the framework's normalization, and its forward_backward_func, finalize_model_grads and optimizer
+step run as they do. The step owns the rest (spec sections 4-7, 11, 12):
+
+- the MTP branch's seed (step_loss.FrameworkNormalization): (lambda / D) S_k / N_tok after the
+  framework's gradient reduce, whatever its schedule sets on MTPLossAutoScaler, every draft
+  objective of section 12 alike (mtp_loss_type is the model's);
+- the routers' scale (loss scale / T) through moe_grad_scale_func, refused where the schedule would
+  change it (a framework step that averages micro-batches divides it by their count);
+- the MTP clipping group: the optimizer's groups, measured and clipped in its step;
+- the metrics: the step's MTP sums and router values reduced once (in its finalize).
+
+Refused in one line before anything changes: what StepScope refuses (section 11's kinds, router
+losses with CP, streaming with attached heads), a framework without finalize_model_grads, MoE
+router losses in a step that averages micro-batches; in the first forward: an MTP forward with no
+loss mask; in finalize, before the gradient reduce and the optimizer step: counts that contradict
+the data, a finalize that would divide every gradient by a count (MTP's too), a router scale the
+framework replaced, a framework factor with counts given. A refused or failed step is aborted:
+hooks restored, gradients zeroed, no optimizer step.
+"""
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
+from megatron.core.fork import device as compute_device
+from megatron.core.fork import router_losses, step_loss
+from megatron.core.fork.mtp import router_metrics
+from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
+from megatron.core.fork.step_scope import MOE_SCALE_HOOK, StepScope, reduced_sums
+from megatron.core.utils import get_model_config
+
+
+def _counts(counts) -> "step_loss.StepCounts | None":
+    if counts is None or isinstance(counts, step_loss.StepCounts):
+        return counts
+    raise TypeError(f"counts must be a StepCounts or None, got {type(counts).__name__}")
+
+
+def _loss_scale(optimizer, config):
+    """The loss scale of the moment: the optimizer's, else the config's grad_scale_func's, else 1."""
+    def scale() -> float:
+        if optimizer is not None and hasattr(optimizer, "get_loss_scale"):
+            return float(optimizer.get_loss_scale())
+        if config.grad_scale_func is not None:
+            return float(config.grad_scale_func(torch.ones(1, device=compute_device.current_device())).item())
+        return 1.0
+    return scale
+
+
+class ExactMTPStep:
+    def __init__(self, model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
+                 main_loss: str | None = None, grad_scale_func=None):
+        """`counts`: the step's global StepCounts if known up front (else the streaming form);
+        `routed_tokens`: T of spec section 11, needed with MoE router losses; `optimizer`: the one
+        the framework steps (its loss scale; its group norms in the metrics); `main_loss`: None for a
+        framework's step, else the level of step_loss.main_loss (SplitStep, megatron.training);
+        `grad_scale_func`: the loss scale the routers carry (default: the optimizer's)."""
+        self.chunks = list(model_chunks)
+        self.config = get_model_config(self.chunks[0])
+        self.optimizer = optimizer
+        counts = _counts(counts)
+        config = self.config
+        normalization = None
+        self.framework = main_loss is None
+        if self.framework:
+            if config.finalize_model_grads_func is None:
+                raise ValueError("a framework step reduces its gradients through config.finalize_model_grads_func "
+                                 "(megatron-core's finalize_model_grads), which is not set: set it before the step")
+            if router_losses.active(config) and not config.calculate_per_token_loss:
+                raise ValueError("MoE router losses in a framework's step are exact only with "
+                                 "calculate_per_token_loss=True: otherwise its schedule divides them by its "
+                                 "micro-batch count, which the step cannot see. Set calculate_per_token_loss=True "
+                                 "(as NeMo-RL does), or turn the router losses off (moe_aux_loss_coeff=0, no z-loss)")
+            average = 1.0 if config.calculate_per_token_loss else 1.0 / parallel_state.get_data_parallel_world_size(
+                with_context_parallel=True)  # the framework's DDP, after backward, on every gradient
+            normalization = step_loss.FrameworkNormalization(bool(config.mtp_detach_heads), counts, average,
+                                                             _loss_scale(optimizer, config))
+            if router_losses.active(config) and counts is None:
+                raise ValueError("MoE router losses in a framework step need its counts: without them the MTP "
+                                 "depths' parameters are corrected after the reduce, and their router losses with "
+                                 "them. Pass exact_mtp_step(chunks, counts=StepCounts(...), routed_tokens=T)")
+        if grad_scale_func is None and optimizer is not None:
+            grad_scale_func = optimizer.scale_loss
+        self.scope = StepScope(config, main_loss, counts, routed_tokens=routed_tokens,
+                               grad_scale_func=grad_scale_func, normalization=normalization)
+        self.metrics: dict = {}
+        self._scaled = 1.0  # the factors the framework applied through scale_gradients
+        self._finalized = False
+        self._sums = None
+        self._microbatches = 0
+
+    @property
+    def normalization(self):
+        return self.scope.normalization
+
+    def enter(self, overrides: dict | None = None) -> None:
+        """Start the step: `overrides` are the config hooks a step driver sets for the step's duration
+        (a framework step sets its own: finalize_model_grads through the step's checks)."""
+        overrides = dict(overrides or {})
+        if self.framework:
+            overrides["finalize_model_grads_func"] = self._finalize_through(self.config.finalize_model_grads_func)
+            for chunk in self.chunks:
+                chunk.scale_gradients = self._recording(chunk.scale_gradients)
+        self.scope.enter(overrides)
+
+    def exit(self) -> None:
+        """The config and the chunks as before ``enter``. Idempotent."""
+        self.scope.exit()
+        if self.framework:
+            for chunk in self.chunks:
+                chunk.__dict__.pop("scale_gradients", None)
+
+    def abort(self) -> None:
+        """Drop the step: hooks restored, gradients zeroed, no optimizer step taken here."""
+        self.exit()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        reset_model_temporary_tensors(self.config, self.chunks)
+        STEP_STATISTICS.reset()
+
+    def reduced_sums(self, extra: torch.Tensor | None = None) -> tuple:
+        """(extra summed, MTP sums [D, FIELDS] or None) over the last stage's data-parallel and
+        context-parallel ranks, on every rank: the step's one collective."""
+        return reduced_sums(self.config, extra)
+
+    def __enter__(self) -> "ExactMTPStep":
+        self.enter()
+        return self
+
+    def close(self) -> dict:
+        """End a framework's step after its optimizer step: hooks restored; its metrics (also kept
+        in ``metrics``), the same on every rank (collectives: every rank calls it)."""
+        self.exit()
+        self.metrics = self._framework_metrics()
+        return self.metrics
+
+    def __exit__(self, kind, error, trace) -> bool:
+        if kind is not None:
+            self.abort()
+        elif self.framework:
+            self.close()
+        else:
+            self.exit()
+        return False
+
+    # The framework's step.
+
+    def _recording(self, scale_gradients):
+        def recorded(factor):
+            self._scaled *= float(factor)
+            return scale_gradients(factor)
+        return recorded
+
+    def _finalize_through(self, finalize):
+        def finalize_exactly(model, num_tokens=None, **kwargs):
+            self._check_before_reduce(num_tokens)
+            finalize(model, num_tokens, **kwargs)
+            for chunk in self.chunks:
+                self.normalization.normalize_reduced_gradients(chunk, self._scaled)
+        return finalize_exactly
+
+    def _check_before_reduce(self, num_tokens) -> None:
+        config, step = self.config, self.normalization
+        if self._finalized:
+            raise RuntimeError("finalize_model_grads ran twice in one exact_mtp_step: one step reduces its "
+                               "gradients once (null the hook between chunks and call it once, as NeMo-RL's split "
+                               "path does)")
+        self._finalized = True
+        divisor = torch.zeros(1, dtype=torch.float64, device=step.observed.device)
+        if num_tokens is not None:
+            divisor += num_tokens.double().sum().to(divisor.device)
+        extra, self._sums = self.reduced_sums(torch.cat([step.observed, divisor]))
+        tokens, microbatches, divisor = extra.tolist()
+        self._microbatches = round(microbatches / parallel_state.get_data_parallel_world_size(
+            with_context_parallel=True))
+        step.final_counts = step_loss.StepCounts(tokens=round(tokens), sequences=-1)
+        if divisor > 0:
+            raise ValueError(f"finalize_model_grads would divide every gradient, MTP's too, by the step's count "
+                             f"({divisor:.0f}, from (loss, count, report) loss functions in per-token mode): return "
+                             "(loss, report) normalized by your counts (as NeMo-RL does), or drive a SplitStep")
+        if step.counts is not None and step.counts.tokens != round(tokens):
+            raise ValueError(f"the counts given ({step.counts.tokens} valid next-token targets) differ from the "
+                             f"step's data ({round(tokens)}); no gradient was reduced and no optimizer step taken")
+        if step.counts is not None and self._scaled != 1.0:
+            raise ValueError(f"the framework scaled every gradient by {self._scaled:g} inside a step with counts "
+                             "given, which would scale the MTP branch too: normalize the main loss in its loss "
+                             "function, or drop the counts (the streaming form)")
+        if self.scope.moe_scale is not None and getattr(config, MOE_SCALE_HOOK) is not self.scope.moe_scale:
+            raise ValueError("the framework replaced moe_grad_scale_func inside exact_mtp_step, which gives the "
+                             "routers the spec's scale (loss scale / routed tokens): drop that assignment")
+
+    def _framework_metrics(self) -> dict:
+        if not self._finalized:
+            raise RuntimeError("the framework's step never ran finalize_model_grads (no gradient was reduced): "
+                               "exact_mtp_step wraps a training step")
+        metrics = {"tokens": self.normalization.final_counts.tokens}
+        if self._sums is not None:
+            metrics["mtp sums"] = self._sums.tolist()
+            metrics.update(metrics_from_sums(self._sums))
+        norms = getattr(self.optimizer, "grad_norms_by_group", {}) if self.optimizer is not None else {}
+        if MTP_GRAD_NORM_GROUP in norms:
+            metrics["mtp grad norm"] = float(norms[MTP_GRAD_NORM_GROUP])
+        metrics.update(router_metrics.step_values(self.config, max(self._microbatches, 1)))
+        return metrics
+
+
+def exact_mtp_step(model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None) -> ExactMTPStep:
+    """A framework's training step made exact for MTP (see the module): use it as a context manager
+    around the step, or call ``enter()`` before and ``close()`` after where the step is split over
+    calls (``abort()`` drops it)."""
+    return ExactMTPStep(model_chunks, counts, optimizer=optimizer, routed_tokens=routed_tokens)
+
