@@ -214,6 +214,13 @@ def assert_all_layouts_match_the_reference(ckpt_root: str, setups: dict):
             assert result["vs_one_rank"]["max_rel"] < TOL, (name, result["vs_one_rank"]["worst"])
 
 
+def test_a_step_without_counts_up_front_refuses_router_losses():
+    (result,) = launch("tests.bodies.moe_gradients:streaming_refusal", 1,
+                       {"setup_kwargs": SETUPS["isolated_D2_softmax_seq_z"]}, timeout=300)
+    assert result["message"] and "counts up front" in result["message"] and "\n" not in result["message"], result
+    assert result["unchanged"]
+
+
 def test_a_draft_objective_over_moe_matches_the_reference_on_every_layout(tmp_path):
     """EP = 2 (alltoall; with TP = 2 and SP; under PP = 2) and DP = 4 with micro-batches of one."""
     assert_all_layouts_match_the_reference(str(tmp_path), DRAFT_SETUPS)

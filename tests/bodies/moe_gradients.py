@@ -222,3 +222,26 @@ def layouts(ckpt_root: str, layouts: list, setups: dict) -> dict:
                     "depth_router_losses": want["depth_router_losses"],
                 }
     return out
+
+
+def streaming_refusal(setup_kwargs: dict) -> dict:
+    """A split step without counts up front, with router losses: refused in one line at begin,
+    the weights and optimizer untouched. (It was not refused: the step's division of every backbone
+    gradient by the main count after the reduce took the routers' terms, normalized by T already,
+    0.87-0.99 off in relative terms.)"""
+    from megatron_mtp.library.batches import rank_microbatches
+    from megatron_mtp.library.step import train_step as library_step
+
+    with model_parallel():
+        setup = Setup(**setup_kwargs)
+        chunks, optimizer, _ = fresh_build(setup)
+        before = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
+        tokens, mask = global_batch(setup, 0)
+        try:
+            library_step(chunks, optimizer, rank_microbatches(tokens, mask, setup.micro_batch), setup.seq_length,
+                         "token", counts_up_front=False)
+            message = None
+        except ValueError as error:
+            message = str(error)
+        unchanged = all(torch.equal(p, before[n]) for n, p in chunks[0].module.named_parameters())
+        return {"message": message, "unchanged": unchanged}

@@ -78,6 +78,13 @@ class StepScope:
                     "position of every chunk and data-parallel rank), which a router cannot see: pass "
                     "begin(..., routed_tokens=T)"
                 )
+            if counts is None and normalization is None:
+                raise ValueError(
+                    "the MoE router losses need the step's counts up front: a step without them divides every "
+                    "backbone gradient by the main count after the reduce, and the routers' terms (normalized by "
+                    "the routed tokens T) must not be divided again; pass begin(counts=...) "
+                    "(step_loss.step_counts), or turn the router losses off"
+                )
             self.moe_scale = router_losses.scale_func(config, routed_tokens, grad_scale_func)
         self.config = config
         self.saved = None
