@@ -34,12 +34,18 @@ one process).
   exported as Qwen3.5-MoE, a Qwen3.5 exported as another family.
 - Decoding the DeepSeek-V3 import over the KV cache (multi-latent attention's rotary positions
   counted from each forward's first position), speculative and greedy, gives the whole-sequence
-  recompute's tokens and draft logits (relative 1e-5); eval_speculative.py runs on it. It refuses
-  the Qwen3-Next import in one line (the cache holds no Gated DeltaNet state), as the Runner
-  refuses its forward from a later position.
+  recompute's tokens and draft logits (relative 1e-5); eval_speculative.py runs on it. So does
+  decoding the Qwen3-Next, Qwen3.5 and Qwen3.5-MoE imports, whose Gated DeltaNet layers continue
+  from the cached convolution inputs and recurrent state (greedy and Gumbel; rejection sampling's
+  verify steps against a whole-sequence forward), each verify step running its 1 + D positions
+  through each Gated DeltaNet layer whatever the prefix; eval_speculative.py runs on Qwen3-Next's.
+- Stacked experts (mlp.experts.gate_up_proj / down_proj, as transformers 5 holds them): every MoE
+  family imports them as the per-expert checkpoint, bit for bit, and exports per expert, stacked
+  or (by default) in the family's published layout, bit for bit; bad stacks refused in one line.
 - The trainer loads the Qwen3-Next and dense Qwen3.5 imports (one rank) and the DeepSeek-V3 import
   (EP = 2, matrix tier) with the flags the import wrote, and trains their MTP depths with the backbone frozen: every
-  backbone tensor after training is the imported one, bit for bit.
+  backbone tensor after training is the imported one, bit for bit; the trained checkpoint decodes
+  over its cache as the whole-sequence recompute does.
 """
 
 import pytest
