@@ -9,7 +9,11 @@ MTP depth drafting, then plain greedy decoding as the lossless reference), once 
 (tests/reference/speculative.py, what the tool did before the cache), the two taking turns
 prompt by prompt. Both sides' outputs are checked equal. Printed: each side's seconds per
 generated token and their ratio; a recompute's cost per token grows with the sequence, the
-cache's should not (compare the rows of two N).
+cache's should not (compare the rows of two N). With Gated DeltaNet layers (Qwen3-Next, Qwen3.5)
+also a count of work: the positions each side runs through the Gated DeltaNet layers per
+generated token (the cache continues from each layer's recurrent state, the recompute runs every
+position again). A checkpoint without data (an import) takes its prompts from the embedded
+corpus, as eval_speculative.py does.
 """
 
 import argparse
@@ -46,26 +50,37 @@ def main() -> None:
     serving_model.load(model, str(directory))
     runner = serving_model.Runner(model, int(run_args.vocab_size or run_args.padded_vocab_size))
     depths = runner.depths
-    prefix = next(iter(prompts.data_prefixes(run_args)))
+    from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
+
+    prefix = next(iter(prompts.data_prefixes(run_args)), None) or str(corpus_prefix(default_cache_dir()))
     print(f"{directory}: {run_args.num_layers} layers, hidden {run_args.hidden_size}, D = {depths}; "
           f"{args.num_prompts} prompts of {args.prompt_length} tokens from {prefix}; 1 thread")
-    print("| new tokens | KV cache, s per token | recompute, s per token | recompute / cache |")
-    print("| --- | --- | --- | --- |")
+    work = runner.cache.recurrent_positions  # positions run through Gated DeltaNet layers, by stream
+    recurrent = bool(getattr(run_args, "experimental_attention_variant", None) == "gated_delta_net")
+    extra = (" Gated DeltaNet positions per token, cache | recompute |", " --- | --- |") if recurrent else ("", "")
+    print("| new tokens | KV cache, s per token | recompute, s per token | recompute / cache |" + extra[0])
+    print("| --- | --- | --- | --- |" + extra[1])
     for new_tokens in args.new_tokens:
         pairs = prompts.dataset_prompts(prefix, args.num_prompts, args.prompt_length, new_tokens)
-        cached, recomputed = [], []
+        cached, recomputed, cached_work, recomputed_work = [], [], [], []
         for prompt, _ in pairs:
+            before = work.get("main", 0)
             started = time.perf_counter()
             output = speculative.speculative(runner, prompt, new_tokens, speculative.Stats(depths=depths))
             plain = speculative.greedy(runner, prompt, new_tokens)
             cached.append((time.perf_counter() - started) / new_tokens)
+            cached_work.append((work.get("main", 0) - before) / new_tokens)
+            before = work.get("main", 0)
             started = time.perf_counter()
             expected, _ = recompute.speculative(runner, prompt, new_tokens, depths)
             expected_plain = recompute.greedy(runner, prompt, new_tokens)
             recomputed.append((time.perf_counter() - started) / new_tokens)
+            recomputed_work.append((work.get("main", 0) - before) / new_tokens)
             assert output == expected and plain == expected_plain, "the two sides decoded differently"
         cache_s, recompute_s = statistics.median(cached), statistics.median(recomputed)
-        print(f"| {new_tokens} | {cache_s:.4f} | {recompute_s:.4f} | {recompute_s / cache_s:.2f} |", flush=True)
+        counts = (f" {statistics.median(cached_work):.1f} | {statistics.median(recomputed_work):.1f} |"
+                  if recurrent else "")
+        print(f"| {new_tokens} | {cache_s:.4f} | {recompute_s:.4f} | {recompute_s / cache_s:.2f} |{counts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,12 +34,18 @@ one process).
   exported as Qwen3.5-MoE, a Qwen3.5 exported as another family.
 - Decoding the DeepSeek-V3 import over the KV cache (multi-latent attention's rotary positions
   counted from each forward's first position), speculative and greedy, gives the whole-sequence
-  recompute's tokens and draft logits (relative 1e-5); eval_speculative.py runs on it. It refuses
-  the Qwen3-Next import in one line (the cache holds no Gated DeltaNet state), as the Runner
-  refuses its forward from a later position.
+  recompute's tokens and draft logits (relative 1e-5); eval_speculative.py runs on it. So does
+  decoding the Qwen3-Next, Qwen3.5 and Qwen3.5-MoE imports, whose Gated DeltaNet layers continue
+  from the cached convolution inputs and recurrent state (greedy and Gumbel; rejection sampling's
+  verify steps against a whole-sequence forward), each verify step running its 1 + D positions
+  through each Gated DeltaNet layer whatever the prefix; eval_speculative.py runs on Qwen3-Next's.
+- Stacked experts (mlp.experts.gate_up_proj / down_proj, as transformers 5 holds them): every MoE
+  family imports them as the per-expert checkpoint, bit for bit, and exports per expert, stacked
+  or (by default) in the family's published layout, bit for bit; bad stacks refused in one line.
 - The trainer loads the Qwen3-Next and dense Qwen3.5 imports (one rank) and the DeepSeek-V3 import
   (EP = 2, matrix tier) with the flags the import wrote, and trains their MTP depths with the backbone frozen: every
-  backbone tensor after training is the imported one, bit for bit.
+  backbone tensor after training is the imported one, bit for bit; the trained checkpoint decodes
+  over its cache as the whole-sequence recompute does.
 """
 
 import pytest
@@ -222,6 +228,43 @@ def test_what_the_qwen3_5_bridge_cannot_carry_is_refused_in_one_line(results, fa
     assert not refused["written"], refused
 
 
+STACKED = ["qwen3-moe", "deepseek-v3", "glm-4.5", "qwen3-next", "qwen3.5-moe"]
+
+
+@pytest.mark.parametrize("name", STACKED)
+def test_stacked_experts_import_as_the_per_expert_checkpoint(results, name):
+    """transformers' classes hold every MoE family's experts stacked (gate_up_proj [E, 2F, H], down_proj
+    [E, H, F]) and read both layouts; so does the import, the MTP depths' experts stacked or not."""
+    stacked = entry(results, "stacked_experts", name)
+    assert stacked["stacked names"] and stacked["transformers' logits equal"], stacked
+    for form in ("published", "all stacked"):
+        imported = stacked[form]
+        assert imported["import"][0] == 0, imported["import"]
+        same = imported["as the per-expert import"]
+        assert same["tensors"] and not same["names only one side"] and not same["differing"], same
+
+
+@pytest.mark.parametrize("name", STACKED)
+@pytest.mark.parametrize("export", ["default", "per_expert", "stacked"])
+def test_stacked_experts_export_bit_for_bit_in_either_layout(results, name, export):
+    """The all-stacked import written back per expert, stacked, and by default as the family's
+    published checkpoints store them (Qwen3.5-MoE: decoder layers stacked, MTP depths per expert)."""
+    written = entry(results, "stacked_experts", name)[f"export {export}"]
+    assert written["export"][0] == 0 and not written["names only one side"], written
+    shifted = SHIFTED["qwen3_next"] if name in ("qwen3-next", "qwen3.5-moe") else []  # (Gated DeltaNet's)
+    assert set(written["differing"]) <= set(shifted), written
+    assert written["differing"] == written["differing as the model computes them"], written
+
+
+@pytest.mark.parametrize("case, words", [
+    ("stack of another size", "down_proj has shape [3, 64, 32]"), ("both layouts", "both stacked"),
+    ("gate_up_proj alone", "need both gate_up_proj and down_proj"), ("dense model", "has no experts")])
+def test_stacked_experts_the_config_does_not_describe_are_refused_in_one_line(results, case, words):
+    refused = entry(results, "stacked_refusals", case)
+    assert refused["status"] == 2 and len(refused["stderr"]) == 1 and words in refused["stderr"][0], refused
+    assert not refused["written"], refused
+
+
 @pytest.mark.parametrize("case, words", [
     ("norm_topk_prob false", "norm_topk_prob false"), ("top-k over groups not 2", "topk_group 1 != 2"),
     ("rope not interleaved", "rope_interleave false"), ("yarn with another original context", "2048")])
@@ -235,17 +278,43 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(results, c
     ("mtp on a last Gated DeltaNet layer", "last layer is Gated DeltaNet"),
     ("value heads not grouped by key head", "linear_num_value_heads 3"), ("no shared expert", "shared expert"),
     ("attention biases", "attention_bias"), ("depths with their own fc", "--mtp-layout none"),
-    ("another family's MTP layout", "--mtp-layout qwen3_next"),
-    ("eval_speculative", "recurrent state")])
+    ("another family's MTP layout", "--mtp-layout qwen3_next")])
 def test_what_the_qwen3_next_bridge_cannot_carry_is_refused_in_one_line(results, case, words):
     entry = part(results, "qwen3_next_refusals")[case]
     assert entry["status"] == 2 and len(entry["stderr"]) == 1 and words in entry["stderr"][0], entry
-    if case != "eval_speculative":  # (which has no output to write)
-        assert entry["written"] is False, entry
+    assert entry["written"] is False, entry
 
 
-def test_the_runner_refuses_gated_delta_net_from_a_later_position(results):
-    assert "recurrent state" in (part(results, "qwen3_next_refusals")["runner"] or ""), results["qwen3_next_refusals"]
+GDN_IMPORTS = ["qwen3-next-mg", "qwen3.5-mg", "qwen3.5-moe-mg"]
+
+
+@pytest.mark.parametrize("name", GDN_IMPORTS)
+def test_decoding_gated_delta_net_over_its_cached_state_equals_a_whole_sequence_recompute(results, name):
+    """Greedy and Gumbel speculative decoding from the cached convolution inputs and recurrent
+    states: the recompute's tokens and every draft's logits; rejection sampling's verify steps the
+    whole-sequence forward's logits."""
+    decoded = entry(results, "gdn_decoding", name)
+    assert decoded["same"] and decoded["sampled same"] and decoded["draft calls"] > 0, decoded
+    assert decoded["worst"] <= PARITY, decoded["worst"]
+    rejection = decoded["rejection"]
+    assert rejection["tokens"] == 16 and rejection["verify steps"] > 0 and rejection["worst"] <= PARITY, rejection
+
+
+@pytest.mark.parametrize("name", GDN_IMPORTS)
+def test_gated_delta_net_work_per_step_does_not_grow_with_the_prefix(results, name):
+    """After the prefill each verify step runs its 1 + D positions through each Gated DeltaNet
+    layer, after a prompt of 4 tokens as after one of 40; the recompute runs the whole sequence."""
+    decoded = entry(results, "gdn_decoding", name)
+    layers, depths = decoded["gated delta net layers"], 2
+    for length, work in decoded["work"].items():
+        assert work["cached"] and all(positions == 1 + depths and ran == positions * layers
+                                      for positions, ran in work["cached"]), (length, work)
+        assert min(work["recomputed"]) >= int(length) * layers, (length, work)
+
+
+def test_eval_speculative_decodes_gated_delta_net(results):
+    run = entry(results, "gdn_decoding", "eval_speculative")
+    assert run["status"] == 0, run
 
 
 def test_decoding_mla_over_the_kv_cache_equals_a_whole_sequence_recompute(results):
@@ -272,3 +341,8 @@ def test_the_trainer_trains_heads_on_the_import_with_its_backbone_frozen(results
                       timeout=300)[0]
     assert compared["backbone"] and not compared["backbone changed"], compared
     assert compared["mtp changed"], compared
+    # the trained checkpoint (the trainer's own arguments) decodes over its cache as the recompute does
+    decoded = launch("tests.bodies.serving:kv_cache", 1, {"root": str(results["root"]), "names": [f"{name}-trained"],
+                                                          "lengths": [1, 19], "new_tokens": 16}, timeout=600)[0]
+    decoded = decoded[f"{name}-trained"]
+    assert decoded["same"] and decoded["sampled same"] and decoded["worst"] <= PARITY, decoded

@@ -9,7 +9,8 @@ GLM-4.5 / Qwen3-Next / Qwen3.5 backbones and their MTP heads.
 
     # a trainer checkpoint (any TP / PP / VPP layout) to Hugging Face, MTP depths in MiMo's layout
     tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout mimo|deepseek_v3|qwen3_next|none]
-        [--architecture llama|qwen2|mimo|qwen3|qwen3_next|qwen3_5_moe] [--dtype fp32|bf16] [--tokenizer DIR]
+        [--architecture llama|qwen2|mimo|qwen3|qwen3_next|qwen3_5_moe] [--expert-layout per_expert|stacked]
+        [--dtype fp32|bf16] [--tokenizer DIR]
 
 import reads config.json and safetensors (model.safetensors, or shards with
 model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM, MiMoForCausalLM (Qwen2
@@ -25,7 +26,8 @@ projections in_proj_qkv / _z / _b / _a; the published Qwen3_5ForConditionalGener
 Qwen3_5MoeForConditionalGeneration: their text_config and language model, with the MTP depths,
 the vision tower left out and said so), and MTP depths when present (MiMo's
 model.mtp_layers.{i}.*, DeepSeek-V3's model.layers.{L+k}.*, or Qwen3-Next's and Qwen3.5's
-mtp.layers.{k}.* with its one mtp.fc and set of norms, on a last full-attention layer); it writes
+mtp.layers.{k}.* with its one mtp.fc and set of norms, on a last full-attention layer), the experts
+of any MoE family stored one per expert or stacked (mlp.experts.gate_up_proj, down_proj); it writes
 a torch_dist release checkpoint that pretrain_gpt_mtp.py --load DIR --finetune loads at any PP
 layout and at the tensor-parallel size given (the vocabulary is padded as the trainer pads it
 there), and the model flags that build it, dropout included (OUT_DIR/megatron_flags.txt, also printed).
@@ -45,7 +47,9 @@ layout (default; DeepSeek-V3's for the MoE families, Qwen3-Next's for Qwen3-Next
 DeepSeek-V3's
 (with the copies of the output weight and embedding that its loaders read) or Qwen3-Next's (its
 depths' fc and norms must be the same: the layout holds one), num_nextn_predict_layers in
-config.json (and Qwen3-Next's and Qwen3.5's mtp_num_hidden_layers). A checkpoint trained with
+config.json (and Qwen3-Next's and Qwen3.5's mtp_num_hidden_layers); the experts as the family's
+published checkpoints store them (Qwen3.5-MoE's decoder layers stacked, its MTP depths and every
+other family's one per expert) or as --expert-layout says. A checkpoint trained with
 --mtp-use-repeated-layer is written as D identical depths (one per depth it was trained at).
 Checked (tests/test_serving.py, tests/test_bridges.py): the import's logits equal transformers'
 (fp32, relative 1e-5; measured <= 8.7e-7), the MTP depths equal the engines' MTP forward, import
@@ -102,6 +106,11 @@ def parse(argv):
                           "Qwen3 with q/k norms, Llama without either, Qwen3-Next with Gated DeltaNet and experts); "
                           "mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the MTP depths as MiMo's; "
                           "qwen3_next and qwen3_5_moe are the same model, stored otherwise")
+    exp.add_argument("--expert-layout", choices=["per_expert", "stacked"], default=None,
+                     help="how the routed experts are stored: one tensor each per expert (mlp.experts.{e}.gate_proj "
+                          "...) or stacked (mlp.experts.gate_up_proj [E, 2F, H], down_proj [E, H, F]); default: as "
+                          "the family's published checkpoints (stacked decoder layers and per-expert MTP depths for "
+                          "Qwen3.5-MoE, per expert for the others)")
     exp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     exp.add_argument("--tokenizer", help="tokenizer directory (or file) whose files are copied beside the model")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
@@ -155,7 +164,7 @@ def run_import(args) -> int:
 
 
 def run_export(args) -> int:
-    from megatron_mtp.serving import ServingError, files, mapping
+    from megatron_mtp.serving import ServingError, experts, files, mapping
     from megatron_mtp.serving.config import ModelConfig
     from megatron_mtp.serving.model import local_names
 
@@ -190,6 +199,9 @@ def run_export(args) -> int:
     expected = mapping.hf_shapes(cfg, layout, cfg.mtp_num_layers)
     if sorted(hf) != sorted(expected):
         raise ServingError(f"internal: exported names differ from the loaders' ({sorted(set(hf) ^ set(expected))[:3]})")
+    if args.expert_layout and not cfg.moe:
+        raise ServingError(f"--expert-layout {args.expert_layout}: the model has no experts")
+    hf = experts.stack(hf, cfg.family, args.expert_layout or "published", cfg.num_layers)
     config = cfg.to_hf(args.dtype, layout)
     with files.Staging(out) as staging:
         copied = files.write_hf(staging, config, hf, args.dtype, args.tokenizer,
@@ -201,7 +213,9 @@ def run_export(args) -> int:
             mtp += f" (the one repeated layer written {cfg.mtp_num_layers} times, identical)"
     elif cfg.mtp_num_layers:
         mtp = f"the backbone only ({cfg.mtp_num_layers} MTP depths left out)"
+    stored = experts.describe(cfg.family, args.expert_layout or "published")
     print(f"{PROG}: exported {directory} as {config['architectures'][0]} ({args.dtype}), {mtp}"
+          f"{', ' + stored if stored else ''}"
           f"{', tokenizer files ' + ', '.join(copied) if copied else ''} into {out}")
     return 0
 

@@ -46,7 +46,10 @@ controller allocate CUDA buffers, streams and graphs throughout (about 320 `cuda
 outside what the series' runtime-only CPU patches cover; its static context turns the causal mask
 off after the prefill (one new token per step), which a verify step of D + 1 tokens cannot use.
 MoE checkpoints run with upstream's MoE layers at one rank (the experts resharded by dist
-checkpointing), as the trainer builds them on CPU; a HybridModel checkpoint is refused in one line.
+checkpointing), as the trainer builds them on CPU; Gated DeltaNet layers (GPTModel's
+--experimental-attention-variant gated_delta_net: Qwen3-Next, Qwen3.5) with their convolution
+inputs and recurrent state in the same cache (megatron_mtp.serving.recurrent); a HybridModel
+checkpoint is refused in one line.
 Progress goes to stderr.
 """
 
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
         run_args, directory = files.read_arguments(args.checkpoint)
         if run_args is None:
             raise ServingError(f"{directory}: the checkpoint holds no arguments")
-        serving_model.check_supported(run_args)
+        serving_model.check_buildable(run_args)
         depths = run_args.mtp_num_layers or 0
         if not depths:
             raise ServingError(f"{directory}: the model has no MTP depths to draft with")

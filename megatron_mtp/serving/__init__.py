@@ -7,6 +7,8 @@
 - mapping: tensor names and layouts between megatron-core's global checkpoint tensors and
   Hugging Face's (fused QKV per query group, [gate; up], Gated DeltaNet's in_proj sections, MTP in
   MiMo's, DeepSeek-V3's or Qwen3-Next's layout), and a Qwen3.5 VLM checkpoint's language model.
+- experts: a layer's routed experts one tensor per expert or stacked, and each family's
+  published layout.
 - files: reading and writing Hugging Face directories and megatron-core dist checkpoints.
 - model: megatron-core's GPTModel in one process (any saved TP / PP / VPP layout is read
   through dist checkpointing), its main-head and per-depth MTP forward over a KV cache.

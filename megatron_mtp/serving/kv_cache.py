@@ -13,7 +13,9 @@ A cache holds one stream per sequence of positions a model part runs over: the m
 and one per MTP depth (a repeated MTP layer runs at every depth with different inputs, so
 streams are keyed by depth, not by module). A forward names the stream and the position its
 first token has; the stream is cut back to that position first, which drops what a rejected
-draft left behind.
+draft left behind. A Gated DeltaNet layer's entry (`recurrent.Entry`: its convolution's inputs
+and its recurrent state at each position of the last forward) is cut back the same way: to the
+state at that position, which the forward continues from.
 """
 
 import contextlib
@@ -22,13 +24,16 @@ import torch
 
 from megatron.core.fork.sdpa_attention import SDPACoreAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron_mtp.serving import recurrent
 
 
 class KVCache:
     def __init__(self):
         self.entries = {}  # (stream, module id) -> (key, value), each [s, b, groups, d]
         self.lengths = {}  # stream -> positions held
-        self.stream = None  # the stream of the forward under way (None: no caching)
+        self.recurrent = {}  # (stream, module id) -> recurrent.Entry of a Gated DeltaNet layer
+        self.recurrent_positions = {}  # stream -> positions run through Gated DeltaNet layers (a work count)
+        self.stream, self.start = None, 0  # the stream of the forward under way (None: no caching), its start
 
     @contextlib.contextmanager
     def positions(self, stream, start: int, count: int):
@@ -37,11 +42,16 @@ class KVCache:
         held = self.lengths.get(stream, 0)
         if start > held:
             raise ValueError(f"KV cache stream {stream!r} holds {held} positions; a forward at {start} leaves a gap")
+        entries = [entry for slot, entry in self.recurrent.items() if slot[0] == stream]
+        for entry in entries:  # (before anything changes)
+            entry.check(start)
+        for entry in entries:
+            entry.cut(start)
         for slot, (key, value) in list(self.entries.items()):  # also what a failed forward left
             if slot[0] == stream and key.shape[0] > start:
                 self.entries[slot] = (key[:start], value[:start])
         self.lengths[stream] = start
-        self.stream = stream
+        self.stream, self.start = stream, start
         try:
             yield
             self.lengths[stream] = start + count
@@ -56,6 +66,19 @@ class KVCache:
             key, value = torch.cat([old_k, key]), torch.cat([old_v, value])
         self.entries[slot] = (key, value)
         return key, value
+
+
+    def gated_delta_net(self, module, hidden_states, attention_mask=None, packed_seq_params=None, **_):
+        """GatedDeltaNet's forward (the Runner puts this in its place) over this stream's positions,
+        from the layer's state at the forward's start; without a stream, the module's own."""
+        if self.stream is None:
+            return type(module).forward(module, hidden_states, attention_mask, packed_seq_params=packed_seq_params)
+        if packed_seq_params is not None:
+            raise ValueError("the decoding cache serves causal, unpacked rows")
+        entry = self.recurrent.setdefault((self.stream, id(module)), recurrent.Entry())
+        entry.check(self.start)
+        self.recurrent_positions[self.stream] = self.recurrent_positions.get(self.stream, 0) + hidden_states.shape[0]
+        return recurrent.forward(module, entry, self.start, hidden_states)
 
 
 class CachedSDPACoreAttention(SDPACoreAttention):

@@ -56,7 +56,7 @@ import re
 
 import torch
 
-from megatron_mtp.serving import ServingError
+from megatron_mtp.serving import ServingError, experts
 from megatron_mtp.serving.config import GATED_DELTA_NET_FAMILIES, VLM_WRAPPERS, ModelConfig
 
 MTP_LAYOUTS = ("mimo", "deepseek_v3", "qwen3_next")
@@ -470,7 +470,8 @@ def check_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: in
 
 def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: int) -> dict:
     """Hugging Face tensors (checked) -> megatron-core model tensors (state-dict names), fp32 as the
-    trainer holds them."""
+    trainer holds them; the experts stored one per expert or stacked (serving.experts)."""
+    tensors = experts.unstack(tensors, hf_shapes(cfg, mtp_layout, depths))
     check_hf(tensors, cfg, mtp_layout, depths)
     t = {k: v.float() for k, v in tensors.items() if not IGNORED_HF.match(k)}
     out = {"embedding.word_embeddings.weight": _pad(t["model.embed_tokens.weight"], cfg)}

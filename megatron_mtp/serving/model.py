@@ -74,20 +74,6 @@ def check_buildable(args) -> None:
                                "which this tool does not run")
 
 
-def check_supported(args) -> None:
-    """A checkpoint the Runner cannot decode exactly is refused in one line: one it cannot build,
-    and one with Gated DeltaNet layers, whose recurrent state its cache does not hold."""
-    check_buildable(args)
-    if _recurrent(args):
-        raise ServingError("the checkpoint's model has Gated DeltaNet layers (--experimental-attention-variant "
-                           "gated_delta_net), whose recurrent state this tool's decoding does not carry (its cache "
-                           "holds attention's keys and values only), so it cannot decode them exactly")
-
-
-def _recurrent(config_or_args) -> bool:
-    return getattr(config_or_args, "experimental_attention_variant", None) == "gated_delta_net"
-
-
 def trained_config(args):
     """The TransformerConfig (MLATransformerConfig with multi-latent attention) the trainer builds
     from a checkpoint's arguments (Megatron-LM's core_transformer_config_from_args); arguments
@@ -229,6 +215,7 @@ class Runner:
     only its new positions, and a forward at an earlier position drops what came after it."""
 
     def __init__(self, model, vocab_size: int):
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNet
         from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
         from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention, KVCache
 
@@ -243,6 +230,8 @@ class Runner:
                 module.cache = self.cache
             if isinstance(module, MultiLatentAttention):
                 self.mla_ropes.append(module.rotary_pos_emb)
+            if isinstance(module, GatedDeltaNet):  # its convolution inputs and recurrent state in the cache
+                module.forward = functools.partial(self.cache.gated_delta_net, module)
 
     def _output_weight(self):
         return self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights \
@@ -259,12 +248,7 @@ class Runner:
     def _positions(self, stream, start: int, count: int):
         """The cache's positions `start` on, and multi-latent attention's rotary positions with them:
         MLA computes its own rotary embedding from position 0 at every forward (the other attentions
-        take `_rope`'s), so for this forward its rotary module counts from `start` (its `offset`).
-        Gated DeltaNet layers would need their recurrent state at `start`, which is not kept: a model
-        with them runs whole sequences only (the teacher-forced forward)."""
-        if start and _recurrent(self.model.config):
-            raise ServingError(f"a forward from position {start} needs the Gated DeltaNet layers' recurrent state "
-                               "there, which the Runner does not keep (it runs such a model from position 0)")
+        take `_rope`'s), so for this forward its rotary module counts from `start` (its `offset`)."""
         for rope in self.mla_ropes:
             rope.forward = functools.partial(type(rope).forward, rope, offset=start)
         try:

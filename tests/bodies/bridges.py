@@ -282,7 +282,10 @@ def _mtp_forward(name: str, tensors: dict, full, depth: int, previous_hidden, ne
 
 def _with_mtp(root: Path, name: str) -> dict:
     model, full, tensors = _checkpoint_with_mtp(root, name)
-    out, per_depth = _import_export(root, name, model)
+    # this checkpoint stores every expert on its own (transformers' save), which Qwen3.5-MoE's
+    # published checkpoints do not: its export asks for that layout (stacked_experts: the published one)
+    layout = ("--expert-layout", "per_expert") if name == "qwen3.5-moe" else ()
+    out, per_depth = _import_export(root, name, model, *layout)
     with torch.no_grad():
         hidden = model.eval().model(TOKENS).last_hidden_state  # after model.norm
     out["depths"] = len(per_depth)
@@ -487,12 +490,7 @@ def qwen3_next_refusals(root: Path) -> dict:
     depths on a last Gated DeltaNet layer, value heads not grouped by key head, no shared expert,
     attention biases), an export of MTP depths with their own fc (a third depth added at import,
     newly initialized) in Qwen3-Next's layout, which holds one, and in DeepSeek-V3's layout (whose
-    norms scale by w); and decoding it: eval_speculative
-    refuses, the Runner refuses a forward from a later position."""
-    import eval_speculative
-
-    from megatron_mtp.serving import ServingError
-
+    norms scale by w)."""
     out = _refused(root, "qwen3-next", {
         "mtp on a last Gated DeltaNet layer": dict(layer_types=["linear_attention", "full_attention",
                                                                 "linear_attention"]),
@@ -505,14 +503,6 @@ def qwen3_next_refusals(root: Path) -> dict:
     out["another family's MTP layout"] = _status(
         ("export", str(root / "qwen3-next-mg"), str(root / "qwen3-next-ds"), "--mtp-layout", "deepseek_v3"),
         root / "qwen3-next-ds")
-    status, stderr = _run(eval_speculative.main, [str(root / "qwen3-next-mg"), "--num-prompts", "1", "--new-tokens", "4"])
-    out["eval_speculative"] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()]}
-    runner = _runner(root / "qwen3-next-mg")
-    try:
-        runner.main(TOKENS[:, 8:12], start=8)
-        out["runner"] = None
-    except ServingError as error:
-        out["runner"] = str(error)
     return out
 
 
@@ -526,6 +516,188 @@ def mla_decoding(root: Path) -> dict:
 
     out = kv_cache(str(root), names=("deepseek-v3-mg",))["deepseek-v3-mg"]
     status, stderr = _run(eval_speculative.main, [str(root / "deepseek-v3-mg"), "--num-prompts", "2", "--new-tokens", "8"])
+    out["eval_speculative"] = {"status": status, "stderr": stderr[-2000:]}
+    return out
+
+
+# ---------------------------------------------------------------- stacked experts
+
+# Each MoE family's per-expert test checkpoint (the parts above wrote it and its import) and the
+# prefixes of its MTP depths' tensors, which transformers' classes do not hold.
+STACKED_FAMILIES = {"qwen3-moe": (), "deepseek-v3": (f"model.layers.{L}.", f"model.layers.{L + 1}."),
+                    "glm-4.5": (f"model.layers.{L}.", f"model.layers.{L + 1}."), "qwen3-next": ("mtp.",),
+                    "qwen3.5-moe": ("mtp.",)}
+
+
+def _stack_mtp(tensors: dict) -> dict:
+    """The MTP depths' experts stacked as transformers stacks a decoder layer's: gate_up_proj
+    [E, 2F, H] (expert e's gate rows, then its up rows), down_proj [E, H, F]."""
+    import re
+
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        if m := re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name):
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = tensor
+        else:
+            out[name] = tensor
+    for prefix, parts in experts.items():
+        count = len(parts) // 3
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]])
+                                                     for e in range(count)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+    return out
+
+
+def _write_like(root: Path, source: str, name: str, tensors: dict) -> Path:
+    from safetensors.torch import save_file
+
+    directory = root / name
+    directory.mkdir()
+    (directory / "config.json").write_text((root / source / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    return directory
+
+
+def _megatron_equal(a: Path, b: Path) -> dict:
+    from megatron_mtp.serving import files
+
+    _, first, _ = files.read_megatron(str(a))
+    _, second, _ = files.read_megatron(str(b))
+    return {"tensors": len(first), "names only one side": sorted(set(first) ^ set(second)),
+            "differing": sorted(n for n in set(first) & set(second) if not torch.equal(first[n], second[n]))}
+
+
+def stacked_experts(root: Path) -> dict:
+    """Every MoE family's checkpoint with its experts stacked (mlp.experts.gate_up_proj [E, 2F, H],
+    down_proj [E, H, F]): the decoder layers as transformers saves them without converting back to
+    its per-expert names (save_original_format=False), the MTP depths' per expert ("published":
+    Qwen3.5-MoE's published form) or stacked too ("all stacked"). transformers loads the stacked form
+    to logits equal to the per-expert original's; the imports equal the per-expert import bit for
+    bit; the exports of the all-stacked import give back the original per-expert checkpoint
+    (--expert-layout per_expert), the all-stacked one (stacked) and, by default, the family's
+    published form, bit for bit (as _compared: the shifted output norms as the model computes them)."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, mtp in STACKED_FAMILIES.items():
+        result = out[name] = {}
+        with torch.no_grad():
+            original = AutoModelForCausalLM.from_pretrained(str(root / name), dtype=torch.float32).eval()
+            original.save_pretrained(root / f"{name}-transformers-stacked", save_original_format=False)
+        per_expert = _tensors(root / name)
+        decoder = _tensors(root / f"{name}-transformers-stacked")
+        depths = {k: v for k, v in per_expert.items() if k.startswith(mtp)} if mtp else {}
+        forms = {"published": _write_like(root, name, f"{name}-published", {**decoder, **depths}),
+                 "all stacked": _write_like(root, name, f"{name}-all-stacked", {**decoder, **_stack_mtp(depths)})}
+        result["stacked names"] = sorted(n for n in _tensors(forms["published"]) if n.endswith("gate_up_proj"))
+        with torch.no_grad():
+            reloaded = AutoModelForCausalLM.from_pretrained(str(forms["published"]), dtype=torch.float32).eval()
+            result["transformers' logits equal"] = torch.equal(reloaded(TOKENS).logits, original(TOKENS).logits)
+        for form, directory in forms.items():
+            imported = root / f"{directory.name}-mg"
+            status = _convert("import", str(directory), str(imported))
+            result[form] = {"import": status}
+            if status[0] != 0:  # (the part reports the import's error line, as the tests read it)
+                return out
+            result[form]["as the per-expert import"] = _megatron_equal(root / f"{name}-mg", imported)
+        exports = {"default": (), "per_expert": ("--expert-layout", "per_expert"),
+                   "stacked": ("--expert-layout", "stacked")}
+        for export, flags in exports.items():
+            target = root / f"{name}-all-stacked-{export}"
+            status = _convert("export", str(root / f"{name}-all-stacked-mg"), str(target), *flags)
+            expected = {"per_expert": root / name, "stacked": forms["all stacked"],
+                        "default": forms["published"] if name == "qwen3.5-moe" else root / name}[export]
+            result[f"export {export}"] = {"export": status, **_compared(_tensors(expected), _tensors(target))}
+    return out
+
+
+def stacked_refusals(root: Path) -> dict:
+    """Stacked experts the config does not describe, a layer holding both layouts, and
+    --expert-layout on a model without experts: one line each, nothing written."""
+    tensors = _tensors(root / "qwen3.5-moe-published")
+    prefix = "model.layers.0.mlp.experts."
+    cases = {"stack of another size": {**tensors, prefix + "down_proj": tensors[prefix + "down_proj"][:3]},
+             "both layouts": {**tensors, **{k: v for k, v in _tensors(root / "qwen3.5-moe").items()
+                                           if k.startswith(prefix)}},
+             "gate_up_proj alone": {k: v for k, v in tensors.items() if k != prefix + "down_proj"}}
+    out = {}
+    for i, (case, changed) in enumerate(cases.items()):
+        directory = _write_like(root, "qwen3.5-moe", f"stacked-refused-{i}", changed)
+        out[case] = _status(("import", str(directory), str(root / f"stacked-refused-{i}-mg")),
+                            root / f"stacked-refused-{i}-mg")
+    out["dense model"] = _status(("export", str(root / "qwen3.5-mg"), str(root / "dense-stacked"), "--expert-layout",
+                                  "stacked"), root / "dense-stacked")
+    return out
+
+
+# ---------------------------------------------------------------- decoding Gated DeltaNet
+
+GDN_IMPORTS = ("qwen3-next-mg", "qwen3.5-mg", "qwen3.5-moe-mg")
+
+
+class _Counting:
+    """A Runner whose main-head forwards are recorded: (start, positions, positions each Gated
+    DeltaNet layer ran, the logits) and, with `recompute`, the same positions' logits of a
+    whole-sequence forward from position 0 on a second Runner."""
+
+    def __init__(self, runner, recompute=None):
+        self.runner, self.recompute, self.tokens, self.calls = runner, recompute, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def main(self, tokens, start=0):
+        before = self.runner.cache.recurrent_positions.get("main", 0)
+        hidden, logits = self.runner.main(tokens, start=start)
+        self.tokens = self.tokens[:start] + tokens[0].tolist()
+        call = {"start": start, "positions": tokens.shape[1],
+                "layer positions": self.runner.cache.recurrent_positions["main"] - before}
+        if self.recompute is not None:
+            _, whole = self.recompute.main(torch.tensor([self.tokens]))
+            call["against whole"] = _rel(logits[0], whole[0, start:])
+        self.calls.append(call)
+        return hidden, logits
+
+
+def gdn_decoding(root: Path) -> dict:
+    """Decoding the Gated DeltaNet imports (Qwen3-Next; Qwen3.5 dense and MoE) over the cache that
+    holds each layer's convolution inputs and recurrent state: greedy, Gumbel and speculative
+    decoding against tests/reference/speculative.py's whole-sequence recompute (tests/bodies/serving.py's
+    kv_cache check: the same tokens, every draft's logits); rejection sampling, each verify step's
+    main logits against a whole-sequence forward; the work per step (positions each Gated DeltaNet
+    layer runs) after prompts of 4 and 40 tokens, against the recompute's; eval_speculative.py on
+    the Qwen3-Next import."""
+    import eval_speculative
+
+    from megatron_mtp.serving import speculative
+    from tests.bodies.serving import kv_cache
+    from tests.reference import speculative as reference
+
+    out = kv_cache(str(root), names=GDN_IMPORTS, lengths=(1, 19), new_tokens=16)
+    generator = torch.Generator().manual_seed(12)
+    for name in GDN_IMPORTS:
+        runner = _runner(root / name)
+        layers = sum(1 for x in json.loads((root / name.replace("-mg", "") / "config.json").read_text())
+                     .get("layer_types", []) if x == "linear_attention")
+        sampler = speculative.RejectionSampler(seed=3, sequence=0, temperature=0.8)
+        checked = _Counting(runner, recompute=_runner(root / name))
+        tokens = speculative.speculative(checked, TOKENS[0, :9].tolist(), 16, speculative.Stats(runner.depths),
+                                         choose=sampler)
+        out[name]["rejection"] = {"tokens": len(tokens), "worst": max(c["against whole"] for c in checked.calls),
+                                  "verify steps": len(checked.calls) - 1}
+        work = {}
+        for length in (4, 40):
+            prompt = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+            cached = _Counting(runner)
+            speculative.speculative(cached, prompt, 12, speculative.Stats(runner.depths))
+            recomputed = _Counting(runner)
+            reference.speculative(recomputed, prompt, 12, runner.depths)
+            work[length] = {"cached": [(c["positions"], c["layer positions"]) for c in cached.calls[1:]],
+                            "recomputed": [c["layer positions"] for c in recomputed.calls[1:]]}
+        out[name]["work"], out[name]["gated delta net layers"] = work, layers
+    status, stderr = _run(eval_speculative.main, [str(root / "qwen3-next-mg"), "--num-prompts", "2",
+                                                  "--new-tokens", "8"])
     out["eval_speculative"] = {"status": status, "stderr": stderr[-2000:]}
     return out
 
@@ -553,7 +725,9 @@ def check(root: str) -> dict:
                        ("refusals", refusals), ("mla_decoding", mla_decoding), ("qwen3_next", qwen3_next),
                        ("qwen3_next_layers", qwen3_next_layers), ("qwen3_next_bf16", qwen3_next_bf16),
                        ("qwen3_next_refusals", qwen3_next_refusals), ("qwen3_5", qwen3_5), ("qwen3_5_vlm", qwen3_5_vlm),
-                       ("qwen3_5_refusals", qwen3_5_refusals)):
+                       ("qwen3_5_refusals", qwen3_5_refusals), ("gdn_decoding", gdn_decoding),
+                       ("stacked_experts", stacked_experts),
+                       ("stacked_refusals", stacked_refusals)):
         try:
             results[name] = part(Path(root))
         except Exception:

@@ -427,13 +427,14 @@ def eval_refusals(root: str) -> dict:
     return results
 
 
-def kv_cache(root: str, names=("trained", "qwen-mg", "trained-moe")) -> dict:
+def kv_cache(root: str, names=("trained", "qwen-mg", "trained-moe"), lengths=(1, 6, 19), new_tokens=30) -> dict:
     """Speculative and greedy decoding over the KV cache against tests/reference/speculative.py's
     whole-sequence recompute, on the checkpoints `names` under `root` (here the trained checkpoint,
     the imported random Qwen2 (its second depth new) and the MoE checkpoint with an output gate, q/k
     norms and zero-centred norms; tests/bodies/bridges.py's
-    DeepSeek-V3 import, multi-latent attention): the same outputs, and every draft's logits (each
-    depth call's last position, in order) within float32 round-off."""
+    DeepSeek-V3 import, multi-latent attention; its Gated DeltaNet imports): the same outputs, and
+    every draft's logits (each depth call's last position, in order) within float32 round-off;
+    prompts of `lengths` tokens, `new_tokens` decoded."""
     from megatron_mtp.serving import speculative
     from tests.reference import speculative as reference
 
@@ -450,7 +451,7 @@ def kv_cache(root: str, names=("trained", "qwen-mg", "trained-moe")) -> dict:
             return out, logits
 
     generator = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (1, 6, 19)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
     results = {}
     for name in names:
         runner = _runner(f"{root}/{name}")
@@ -459,12 +460,13 @@ def kv_cache(root: str, names=("trained", "qwen-mg", "trained-moe")) -> dict:
         for index, prompt in enumerate(prompts):
             # Sampled (temperature 1, per-position Gumbel noise): the drafts change nothing either.
             sampler = speculative.GumbelSampler(seed=7, sequence=index)
-            sampled_same &= speculative.speculative(runner, prompt, 30, sampled_stats, choose=sampler) \
-                == speculative.greedy(runner, prompt, 30, choose=sampler)
+            sampled_same &= speculative.speculative(runner, prompt, new_tokens, sampled_stats, choose=sampler) \
+                == speculative.greedy(runner, prompt, new_tokens, choose=sampler)
             cached, recomputed = Recorder(runner), Recorder(runner)
-            output = speculative.speculative(cached, prompt, 30, speculative.Stats(depths=runner.depths))
-            expected, _ = reference.speculative(recomputed, prompt, 30, runner.depths)
-            same &= output == expected and speculative.greedy(runner, prompt, 30) == reference.greedy(runner, prompt, 30)
+            output = speculative.speculative(cached, prompt, new_tokens, speculative.Stats(depths=runner.depths))
+            expected, _ = reference.speculative(recomputed, prompt, new_tokens, runner.depths)
+            same &= output == expected
+            same &= speculative.greedy(runner, prompt, new_tokens) == reference.greedy(runner, prompt, new_tokens)
             same &= [k for k, _ in cached.drafted] == [k for k, _ in recomputed.drafted]
             calls += len(recomputed.drafted)
             same &= len(cached.drafted) == len(recomputed.drafted)
