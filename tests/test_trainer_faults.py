@@ -13,9 +13,12 @@
   off is not a shape (the same checkpoint, optimizer included, loads either way).
 - A damaged checkpoint (truncated tensor file, unreadable index, garbage in the tracker)
   is named in one line.
+- Every file and directory of a checkpoint, the tracker included, takes the umask's mode, so
+  another user of a shared run directory can resume, export or evaluate it.
 """
 
 import json
+import os
 import shutil
 import signal
 import time
@@ -228,6 +231,16 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(moment, dataset, tm
     resumed = train(2, *args, "--load", str(save))
     assert sorted(resumed.iterations) == [3, 4, 5, 6], resumed.tail()
     assert tracked(save) == "6"
+
+
+def test_every_checkpoint_file_takes_the_umask_s_mode(checkpoint):
+    umask = os.umask(0)
+    os.umask(umask)  # the trainer's processes inherited this one
+    modes = {path.relative_to(checkpoint).as_posix(): (path.stat().st_mode & 0o777, 0o777 if path.is_dir() else 0o666)
+             for path in checkpoint.rglob("*")}  # not the directory itself, which pytest made private
+    assert "latest_checkpointed_iteration.txt" in modes and "iter_0000004/.metadata" in modes, sorted(modes)
+    wrong = {name: oct(mode) for name, (mode, full) in modes.items() if mode != full & ~umask}
+    assert not wrong, (oct(umask), wrong)
 
 
 # ---------------------------------------------------------------- shape and damage

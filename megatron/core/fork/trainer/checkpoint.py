@@ -64,6 +64,14 @@ def restore(common_state: dict) -> None:
     metrics.load_state_dict(((common_state or {}).get(KEY) or {}).get("metrics"))
 
 
+def umask_mode(full: int) -> int:
+    """`full` (0o666 for a file, 0o777 for a directory) less the process's umask: the mode open()
+    and mkdir() give, which files made private by mkstemp or mkdtemp must be given back."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return full & ~umask
+
+
 def write_tracker(path: str, text: str) -> None:
     """Write the tracker file so that it holds either its old or its new text, never a part."""
     if MultiStorageClientFeature.is_enabled():  # object stores replace an object whole
@@ -73,6 +81,7 @@ def write_tracker(path: str, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
     try:
+        os.fchmod(descriptor, umask_mode(0o666))  # mkstemp's 0600 would keep other users from resuming
         with os.fdopen(descriptor, "w") as file:
             file.write(text)
             file.flush()
