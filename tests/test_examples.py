@@ -121,6 +121,24 @@ def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, t
         assert f"64 experts (top-6, grouped GEMM), EP {extra['EP']}" in summary, summary
 
 
+@pytest.mark.parametrize("nvidia_smi", [None, "echo 'NVIDIA-SMI has failed because it could not communicate with "
+                                                "the NVIDIA driver.'; exit 9"], ids=["absent", "no driver"])
+@pytest.mark.parametrize("script", ["examples/gpu_single_node.sh", "examples/gpu_multi_node.sh"])
+def test_gpu_scripts_without_a_gpu_name_gpus_per_node_in_one_line(script, nvidia_smi, tmp_path):
+    """A login node (no nvidia-smi, or one that sees no GPU) and no GPUS_PER_NODE: one line, before torchrun."""
+    if nvidia_smi is not None:
+        (tmp_path / "nvidia-smi").write_text(f"#!/bin/bash\n{nvidia_smi}\n")
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    environment = {key: value for key, value in os.environ.items() if key != "GPUS_PER_NODE"}
+    environment.update(PATH=f"{tmp_path}:/usr/bin:/bin", PYTHON=sys.executable, DATA="data/corpus_text_document",
+                       NNODES="2", MASTER_ADDR="127.0.0.1")
+    result = subprocess.run(["bash", script, "--dry-run"], cwd=REPO_ROOT, env=environment, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == "", (result.returncode, result.stdout, result.stderr[-2000:])
+    assert result.stderr == ("no GPU found here (nvidia-smi lists none): set GPUS_PER_NODE to the GPUs of each node "
+                             "the run is for (a --dry-run on a login node checks the arguments for that many)\n")
+
+
 def test_only_a_dry_run_checks_cuda_only_moe_flags_for_the_gpus_it_targets():
     """The MoE GPU config's dry run passes here as for its GPUs; a CPU run of it is still refused."""
     from types import SimpleNamespace
