@@ -288,7 +288,14 @@ def _check_checkpoints(args) -> None:
                 raise ArgumentError(f"--save {args.save} holds checkpoints of another model that this run would "
                                     f"overwrite ({'; '.join(differences)}): give another --save for this run, "
                                     f"or resume them with --load {args.save} and their model flags")
-        checkpoint.check_shape(saved, _shape_of(args), args.finetune)
+        try:
+            checkpoint.check_shape(saved, _shape_of(args), args.finetune)
+        except checkpoint.CheckpointError as error:
+            if not loads_from_save:
+                raise
+            # resuming was not the point: the way out is a directory of this run's own
+            raise ArgumentError(f"{error} Or give this run another --save: its --load is its --save, "
+                                f"{args.save}") from None
         if saved is not None and args.finetune and not _given("--dist-ckpt-strictness") and \
                 (saved["model_shape"].get("mtp_num_layers") or 0) < (args.mtp_num_layers or 0):
             # heads added to a pretrained model: their tensors are not in the checkpoint and keep

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.slow
 CONFIGS = ("deepseek_v3_d1", "repeated_d3", "draft_heads_frozen_backbone")
 
 
-def bash(script: str, *args: str, env: dict, timeout: float = 300) -> str:
+def bash(script: str, *args: str, env: dict, timeout: float = 300, check: bool = True) -> str:
     environment = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env)
     result = subprocess.run(["bash", script, *args], cwd=REPO_ROOT, env=environment, capture_output=True,
                             text=True, timeout=timeout, start_new_session=True)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    assert (result.returncode == 0) == check, output[-4000:]
     return output
 
 
@@ -44,9 +44,10 @@ def test_the_readme_main_command_trains_on_the_embedded_default(tmp_path):
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "20"
 
 
-# The script's own model, made smaller and shorter by its pass-through arguments (time).
+# The script's own model, made smaller and shorter by its pass-through arguments (time); its
+# warmup is its own (a tenth of whatever --train-iters).
 SHORTER = ("--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
-           "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
+           "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
            "--eval-interval", "2", "--eval-iters", "1", "--save-interval", "2", "--log-interval", "1")
 
 
@@ -61,6 +62,13 @@ def quickstart(config: str, work, *args: str, **env) -> dict:
 def test_cpu_quickstart(tmp_path):
     d1 = quickstart("deepseek_v3_d1", tmp_path / "d1")
     assert "mtp_1 loss" in d1[4] and "mtp_2 loss" not in d1[4]
+
+    # another config in the same WORK: refused before anything is built, naming the way out
+    output = bash("examples/cpu_quickstart.sh", *SHORTER, check=False,
+                  env={"WORK": str(tmp_path / "d1"), "CONFIG": "examples/configs/repeated_d3.sh"})
+    (error,) = [line for line in output.splitlines() if "pretrain_gpt_mtp.py: error: " in line]
+    assert "mtp_num_layers: checkpoint 1, model 3" in error, error
+    assert error.endswith(f"Or give this run another --save: its --load is its --save, {tmp_path / 'd1' / 'checkpoints'}")
 
 
 @pytest.mark.matrix  # the default tier trains draft heads on a frozen backbone in test_serving's pipeline
