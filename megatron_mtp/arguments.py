@@ -311,7 +311,10 @@ def _check_checkpoints(args) -> None:
     elif args.finetune:
         why = "--finetune restarts at iteration 0"
     elif args.ckpt_step is not None and args.ckpt_step != latest:
-        why = f"it resumes from iteration {args.ckpt_step} (--ckpt-step)"
+        # --load is already that directory: only another --save goes on from the earlier step
+        raise ArgumentError(f"--save {args.save} holds checkpoints up to iteration {latest} that this run would "
+                            f"overwrite (it resumes from iteration {args.ckpt_step} (--ckpt-step)): keep --load "
+                            f"{args.load} --ckpt-step {args.ckpt_step} and give another --save")
     else:
         return
     raise ArgumentError(f"--save {args.save} holds checkpoints up to iteration {latest} that this run would "

@@ -131,6 +131,9 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
         ([*data, "--vocab-size", "1000"], one, "--vocab-size 1000 does not match the dataset's tokenizer bytes"),
         ([*data, "--data-path", "0.5", str(dataset), "0.5", str(other_tokenizer)], one, "the datasets were written with different tokenizers"),
         ([*data, "--load", str(damaged)], one, f"{distcp}: truncated"),
+        # the way out of a damaged latest checkpoint: an earlier one, into a new --save (issue 41)
+        ([*data, "--load", str(damaged)], one, f"to go on from an earlier checkpoint, give --load {damaged} "
+         "--ckpt-step 2 --save NEW_DIRECTORY"),
         ([*data, "--load", str(unreadable), "--ckpt-step", "2"], one,
          f"{unreadable / 'iter_0000002' / '.metadata'}: unreadable"),
         ([*data, "--load", str(garbage)], one,
@@ -143,7 +146,8 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
          one,
          f"(it loads {unreadable})"),
         ([*data, "--mtp-num-layers", "2", "--load", str(checkpoint), "--save", str(checkpoint), "--save-interval", "2",
-          "--ckpt-step", "2"], one, "would overwrite (it resumes from iteration 2 (--ckpt-step))"),
+          "--ckpt-step", "2"], one, f"would overwrite (it resumes from iteration 2 (--ckpt-step)): keep --load "
+         f"{checkpoint} --ckpt-step 2 and give another --save"),
         ([*data, "--load", str(checkpoint), "--save", str(checkpoint), "--save-interval", "2", "--finetune"], one,
          "would overwrite (--finetune restarts at iteration 0)"),
         ([*data, "--load", str(checkpoint), "--mtp-num-layers", "3"], one,  # before anything is built

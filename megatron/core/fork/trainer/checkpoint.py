@@ -129,9 +129,23 @@ def verify(load_dir: str, step: int | None = None) -> str | None:
                               f"{'--ckpt-step' if step is not None else os.path.join(load_dir, TRACKER)})")
     metadata = os.path.join(directory, "metadata.json")
     if os.path.isfile(metadata):
-        _read(metadata, lambda path: json.load(open(path)))
-        _verify_torch_dist(directory)
+        try:
+            _read(metadata, lambda path: json.load(open(path)))
+            _verify_torch_dist(directory)
+        except CheckpointError as error:
+            earlier = [i for i in _iterations(load_dir) if i < iteration]
+            if step is not None or not earlier:
+                raise
+            # resuming from an earlier one into the same directory would overwrite the later ones
+            raise CheckpointError(f"{error}; to go on from an earlier checkpoint, give --load {load_dir} "
+                                  f"--ckpt-step {earlier[-1]} --save NEW_DIRECTORY") from None
     return directory
+
+
+def _iterations(load_dir: str) -> list[int]:
+    """The iterations of the iter_NNNNNNN directories in `load_dir`, ascending."""
+    names = (name[len("iter_"):] for name in os.listdir(load_dir) if name.startswith("iter_"))
+    return sorted(int(number) for number in names if number.isdigit())
 
 
 def saved_entry(load_dir: str, step: int | None = None) -> dict | None:
