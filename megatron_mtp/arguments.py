@@ -482,7 +482,8 @@ def _parse():
             args = parse_args(_provider(defaults))
         _check(args)
         deferred = _capability_deferred(args)
-        with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext():
+        with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext(), \
+                _without_writers() if args.dry_run else contextlib.nullcontext():
             args = parse_and_validate_args(_provider(defaults))
         args.moe_grouped_gemm |= deferred
         core_transformer_config_from_args(args)  # the config's own checks (the MTP options'), before anything is built
@@ -508,6 +509,20 @@ def _capability_deferred(args) -> bool:
 
 
 @contextlib.contextmanager
+def _without_writers():
+    """Megatron-LM's global setup without its TensorBoard and W&B writers, which create their
+    directories and an events file: a dry run builds nothing and writes nothing."""
+    from megatron.training import global_vars
+
+    writers = global_vars._set_tensorboard_writer, global_vars._set_wandb_writer
+    global_vars._set_tensorboard_writer = global_vars._set_wandb_writer = lambda args: None
+    try:
+        yield
+    finally:
+        global_vars._set_tensorboard_writer, global_vars._set_wandb_writer = writers
+
+
+@contextlib.contextmanager
 def _without_argument(flag: str):
     argv = sys.argv
     sys.argv = [arg for arg in argv if arg != flag]
@@ -525,13 +540,16 @@ def summary(args) -> str:
            + (f"sparse MTP loss in chunks of {args.sparse_loss_chunk_size} rows" if args.mtp_sparse_loss
               else "dense MTP loss")
            if args.mtp_num_layers else "no MTP")
+    attention = ("multi-latent attention" if args.multi_latent_attention
+                 else f"grouped-query attention, {args.num_query_groups} groups" if args.group_query_attention
+                 else "multi-head attention")
     return (f"pretrain_gpt_mtp.py: arguments OK: world {args.world_size} = DP {args.data_parallel_size} x "
             f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"
             f"{f' (VPP {args.virtual_pipeline_model_parallel_size})' if args.virtual_pipeline_model_parallel_size else ''}"
             f" x CP {args.context_parallel_size}; "
             f"{f'HybridModel {args.hybrid_layer_pattern!r}, ' if args.hybrid_layer_pattern else ''}"
             f"{args.num_layers} layers, hidden {args.hidden_size}, "
-            f"{args.num_attention_heads} heads, vocabulary {args.padded_vocab_size}; {mtp}; "
+            f"{args.num_attention_heads} heads ({attention}), vocabulary {args.padded_vocab_size}; {mtp}; "
             + (f"{args.num_experts} experts (top-{args.moe_router_topk}"
                f"{', grouped GEMM' if args.moe_grouped_gemm else ''}), EP {args.expert_model_parallel_size}"
                f"{' (compute capability checked on the GPUs)' if _capability_deferred(args) else ''}; "

@@ -125,8 +125,12 @@ def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, t
     layers = "HybridModel 'GEGEGE*E/*E', 8 layers" if config == "qwen3_next_tiny" else "24 layers"
     assert "transformer_engine layers, bf16" in summary and f"{layers}, hidden 2048" in summary, summary
     assert f"TP {extra.get('TP', '1')}" in summary
+    # the script's grouped-query attention unless the config's is multi-latent (gpu_args.sh)
+    assert ("(multi-latent attention)" if config == "deepseek_v3_tiny" else "(grouped-query attention, 4 groups)") \
+        in summary, summary
     if "EP" in extra:
         assert f"64 experts (top-6, grouped GEMM), EP {extra['EP']}" in summary, summary
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing: no TensorBoard events under --save
 
 
 @pytest.mark.parametrize("nvidia_smi", [None, "echo 'NVIDIA-SMI has failed because it could not communicate with "
