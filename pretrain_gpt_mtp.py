@@ -18,6 +18,7 @@ tools/preprocess_data.py carry their vocabulary, which --data-path takes from th
 import os
 import signal
 import sys
+import warnings
 from functools import partial
 
 # No module-level import of torch or megatron: megatron-core's asynchronous checkpoint saves
@@ -211,6 +212,9 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def main() -> int:
+    last_rank = int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+    if not last_rank:  # every rank would print the same upstream warnings: the last prints them, once
+        warnings.simplefilter("ignore")
     from megatron_mtp import arguments
 
     args = arguments.parse()
@@ -225,6 +229,10 @@ def main() -> int:
         if os.environ.get("RANK", "0") == "0":
             print(done, flush=True)
         return 0
+    if args.log_file and last_rank:
+        from megatron_mtp import console_log
+
+        console_log.tee(args.log_file)
     from megatron.core.fork.trainer import exact_step
 
     exact_step.enable(args.main_loss_level)

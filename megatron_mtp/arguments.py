@@ -34,6 +34,7 @@ EMBEDDED_DEFAULTS = dict(
     lr_decay_style="cosine", lr_warmup_iters=20, weight_decay=0.01, clip_grad=1.0,
     mtp_num_layers=2, mtp_loss_scaling_factor=0.3, eval_interval=100, eval_iters=4, log_interval=10,
     save="runs/default", save_interval=100, split="98,2,0",
+    exit_signal_handler=True,  # SIGTERM (a preempted job, kill) saves before the run exits
 )
 CPU_DEFAULTS = dict(
     transformer_impl="local", use_cpu_initialization=True, apply_rope_fusion=False,
@@ -61,6 +62,9 @@ def _provider(defaults: dict):
                            help="build the dataset's causal attention mask every micro-batch (Megatron-LM's "
                                 "default; off here: the attention is causal without it, SDPA or Transformer "
                                 "Engine, and the model does not read it)")
+        group.add_argument("--log-file", default=None,
+                           help="append the console output of the rank that prints the iteration lines (the "
+                                "last) to this file; the embedded default writes SAVE/train.log")
         group.add_argument("--dry-run", action="store_true",
                            help="check the arguments, the data and the checkpoint to load, print the "
                                 "layout, and exit without building anything")
@@ -479,11 +483,16 @@ def _parse():
                 defaults["no_persist_layer_norm"] = True
             if embedded and not _given("--load") and args.save:
                 defaults["load"] = args.save  # the embedded default resumes from its own directory
+            if embedded and not _given("--tensorboard-dir") and args.save:
+                # and keeps its curves beside its checkpoints (tools/plot_runs.py reads the --save directory)
+                defaults["tensorboard_dir"] = os.path.join(args.save, "tensorboard")
+            if embedded and not _given("--log-file") and args.save:
+                defaults["log_file"] = os.path.join(args.save, "train.log")
             args = parse_args(_provider(defaults))
         _check(args)
         deferred = _capability_deferred(args)
         with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext(), \
-                _without_writers() if args.dry_run else contextlib.nullcontext():
+                _without_writers() if args.dry_run or finished(args) else contextlib.nullcontext():
             args = parse_and_validate_args(_provider(defaults))
         args.moe_grouped_gemm |= deferred
         core_transformer_config_from_args(args)  # the config's own checks (the MTP options'), before anything is built
@@ -511,7 +520,7 @@ def _capability_deferred(args) -> bool:
 @contextlib.contextmanager
 def _without_writers():
     """Megatron-LM's global setup without its TensorBoard and W&B writers, which create their
-    directories and an events file: a dry run builds nothing and writes nothing."""
+    directories and an events file: a dry run, or a rerun of a finished run, writes nothing."""
     from megatron.training import global_vars
 
     writers = global_vars._set_tensorboard_writer, global_vars._set_wandb_writer

@@ -27,6 +27,7 @@ import pytest
 
 from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness import argument_cases
+from tests.harness.launcher import REPO_ROOT
 from tests.harness.trainer import TINY, finish, last_rank_output, start, torchrun_workers, train
 
 pytestmark = pytest.mark.slow
@@ -220,6 +221,20 @@ def test_sigterm_saves_and_exits_zero_then_the_run_resumes(dataset, tmp_path):
     assert changed.returncode != 0 and len(changed.errors()) == 1, changed.tail()
     assert "do not match" in changed.errors()[0] and "--override-opt_param-scheduler" in changed.errors()[0]
     assert "[rank" not in changed.output
+
+
+def test_sigterm_to_the_main_command_saves(tmp_path):
+    """The README's main command (no flags: the embedded default) saves on SIGTERM by default."""
+    proc, log = start(2, "--train-iters", "100000", "--log-interval", "1", cwd=tmp_path,
+                      script=str(REPO_ROOT / "pretrain_gpt_mtp.py"), log=tmp_path / "run.log")
+    wait_for_iteration(proc, log, 2)
+    workers = torchrun_workers(proc, script=str(REPO_ROOT / "pretrain_gpt_mtp.py"))
+    assert len(workers) == 2, workers
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    run = finish(proc, log, timeout=120)
+    assert run.returncode == 0 and "exiting program after receiving SIGTERM" in run.output, run.tail()
+    assert int(tracked(tmp_path / "runs" / "default")) >= 2
 
 
 @pytest.mark.parametrize("moment", [pytest.param("after-tensor-files", marks=pytest.mark.matrix), "replacing-tracker"])
