@@ -11,8 +11,12 @@ evaluation, checkpointing (--save-interval, resume), --exit-signal-handler,
 the spec's objective (counts up front, one normalization, separate MTP clipping under
 --mtp-detach-heads) and logs per-depth MTP metrics. With no data flag it trains on the
 embedded default corpus (the Python Language Reference's topics, tokenized as bytes).
-This script adds one flag, --main-loss-level {token,sequence}; datasets written by
-tools/preprocess_data.py carry their vocabulary, which --data-path takes from them.
+This script adds five flags: --main-loss-level {token,sequence}, --freeze-backbone (train the
+MTP heads only), --create-attention-mask-in-dataloader (off by default here), --dry-run (check
+everything, build nothing) and --log-file (the console output kept in a file); datasets written
+by tools/preprocess_data.py carry their vocabulary, which --data-path takes from them. The
+embedded default also keeps TensorBoard and its console log in its --save directory and saves
+on SIGTERM (--exit-signal-handler).
 """
 
 import os
