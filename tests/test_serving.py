@@ -482,6 +482,10 @@ def test_the_main_command_with_the_readme_s_llama_flags_exports_as_llama(tmp_pat
                     timeout=300)[0]
     assert result["architectures"] == ["LlamaForCausalLM"], result
     assert result["logits"] < 1e-5, result
+    # what a user then meets in transformers and the engines is said at export (issue 41)
+    assert "no tokenizer files written: give --tokenizer DIR" in result["printed"], result["printed"]
+    assert "transformers' LlamaForCausalLM runs no MTP: it loads the backbone and leaves the MTP depths' tensors " \
+        "unused" in result["printed"], result["printed"]
 
 
 def test_a_hybridmodel_checkpoint_s_export_is_refused_naming_the_gptmodel_form(pipeline, tmp_path):
