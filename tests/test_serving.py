@@ -457,15 +457,21 @@ def example_flags(name: str) -> list[str]:
                           check=True).stdout.splitlines()
 
 
-def test_the_deepseek_v3_example_exports_as_deepseek_v3_and_computes_what_transformers_computes(tmp_path):
-    """examples/configs/deepseek_v3_tiny.sh (MLA with YaRN by default, grouped sigmoid routing) is
-    exported as DeepSeek-V3 with nothing refused, and transformers computes its logits."""
+@pytest.mark.parametrize("config, architecture", [
+    ("deepseek_v3_tiny", "DeepseekV3ForCausalLM"),
+    pytest.param("qwen3_next_gpt_tiny", "Qwen3NextForCausalLM", marks=pytest.mark.matrix),
+])
+def test_an_example_config_exports_to_its_family_and_computes_what_transformers_computes(config, architecture,
+                                                                                          tmp_path):
+    """The example configs that name a Hugging Face family: deepseek_v3_tiny.sh (MLA with YaRN by
+    default, grouped sigmoid routing) as DeepSeek-V3, qwen3_next_gpt_tiny.sh as Qwen3-Next, with
+    nothing refused, and transformers computes their logits."""
     trained = tmp_path / "trained"
-    train(1, *TINY, *example_flags("deepseek_v3_tiny"), "--num-layers", "4", "--lr", "1e-3", "--train-iters", "1",
+    train(1, *TINY, *example_flags(config), "--num-layers", "4", "--lr", "1e-3", "--train-iters", "1",
           "--save", str(trained), "--save-interval", "1", timeout=300)
     result = launch("tests.bodies.serving:example_export", 1, {"trained": str(trained), "out": str(tmp_path / "hf")},
                     timeout=300)[0]
-    assert result["architectures"] == ["DeepseekV3ForCausalLM"], result
+    assert result["architectures"] == [architecture], result
     assert result["logits"] < 1e-5, result
 
 
