@@ -11,13 +11,18 @@ evaluation, checkpointing (--save-interval, resume), --exit-signal-handler,
 the spec's objective (counts up front, one normalization, separate MTP clipping under
 --mtp-detach-heads) and logs per-depth MTP metrics. With no data flag it trains on the
 embedded default corpus (the Python Language Reference's topics, tokenized as bytes).
-This script adds one flag, --main-loss-level {token,sequence}; datasets written by
-tools/preprocess_data.py carry their vocabulary, which --data-path takes from them.
+This script adds five flags: --main-loss-level {token,sequence}, --freeze-backbone (train the
+MTP heads only), --create-attention-mask-in-dataloader (off by default here), --dry-run (check
+everything, build nothing) and --log-file (the console output kept in a file); datasets written
+by tools/preprocess_data.py carry their vocabulary, which --data-path takes from them. The
+embedded default also keeps TensorBoard and its console log in its --save directory and saves
+on SIGTERM (--exit-signal-handler).
 """
 
 import os
 import signal
 import sys
+import warnings
 from functools import partial
 
 # No module-level import of torch or megatron: megatron-core's asynchronous checkpoint saves
@@ -211,6 +216,9 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def main() -> int:
+    last_rank = int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+    if not last_rank:  # every rank would print the same upstream warnings: the last prints them, once
+        warnings.simplefilter("ignore")
     from megatron_mtp import arguments
 
     args = arguments.parse()
@@ -225,6 +233,10 @@ def main() -> int:
         if os.environ.get("RANK", "0") == "0":
             print(done, flush=True)
         return 0
+    if args.log_file and last_rank:
+        from megatron_mtp import console_log
+
+        console_log.tee(args.log_file)
     from megatron.core.fork.trainer import exact_step
 
     exact_step.enable(args.main_loss_level)

@@ -6,8 +6,18 @@
 #
 # Environment: DATA (dataset prefix(es), e.g. "0.7 data/a_text_document 0.3 data/b_text_document"),
 # SAVE (checkpoint directory, resumed from when it holds one), CONFIG (an MTP config from
-# examples/configs/), TP, PP (parallel sizes), TRAIN_ITERS, SAVE_INTERVAL.
+# examples/configs/), TP, PP (parallel sizes), TRAIN_ITERS, SAVE_INTERVAL, GPUS_PER_NODE (default:
+# the GPUs nvidia-smi lists here; a login node has none, so a --dry-run there needs it set).
 : "${DATA:?set DATA to a dataset prefix written by tools/preprocess_data.py (or a blend)}"
+if [ -z "${GPUS_PER_NODE:-}" ]; then
+    # "GPU 0: ..." lines only: nvidia-smi without a driver prints its failure on stdout
+    GPUS_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | { grep -c '^GPU ' || true; })
+    if (( GPUS_PER_NODE == 0 )); then
+        echo "no GPU found here (nvidia-smi lists none): set GPUS_PER_NODE to the GPUs of each node the run is" \
+            "for (a --dry-run on a login node checks the arguments for that many)" >&2
+        exit 2
+    fi
+fi
 SAVE=${SAVE:-runs/gpu}
 CONFIG=${CONFIG:-examples/configs/deepseek_v3_d1.sh}
 TP=${TP:-1}

@@ -11,6 +11,6 @@ cd "$(dirname "$0")/.."
 : "${MASTER_ADDR:?set MASTER_ADDR to the rendezvous host}" "${NNODES:?set NNODES}"
 source examples/gpu_args.sh
 exec "${PYTHON:-.venv/bin/python}" -m torch.distributed.run \
-    --nnodes "$NNODES" --nproc-per-node "${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}" \
+    --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RUN_ID:-megatron-mtp}" \
     pretrain_gpt_mtp.py "${TRAIN_ARGS[@]}" "$@"

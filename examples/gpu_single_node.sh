@@ -3,6 +3,7 @@
 #
 #   DATA=data/corpus_text_document bash examples/gpu_single_node.sh
 #   CONFIG=examples/configs/repeated_d3.sh TP=2 DATA=... bash examples/gpu_single_node.sh --train-iters 5000
+#   GPUS_PER_NODE=8 DATA=... bash examples/gpu_single_node.sh --dry-run   # on a login node, no GPU
 #
 # See examples/gpu_args.sh for the model, the schedule and the environment variables; extra
 # arguments go to pretrain_gpt_mtp.py (--dry-run checks everything and exits).
@@ -10,5 +11,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/gpu_args.sh
 exec "${PYTHON:-.venv/bin/python}" -m torch.distributed.run --standalone \
-    --nproc-per-node "${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}" \
+    --nproc-per-node "$GPUS_PER_NODE" \
     pretrain_gpt_mtp.py "${TRAIN_ARGS[@]}" "$@"

@@ -34,6 +34,7 @@ EMBEDDED_DEFAULTS = dict(
     lr_decay_style="cosine", lr_warmup_iters=20, weight_decay=0.01, clip_grad=1.0,
     mtp_num_layers=2, mtp_loss_scaling_factor=0.3, eval_interval=100, eval_iters=4, log_interval=10,
     save="runs/default", save_interval=100, split="98,2,0",
+    exit_signal_handler=True,  # SIGTERM (a preempted job, kill) saves before the run exits
 )
 CPU_DEFAULTS = dict(
     transformer_impl="local", use_cpu_initialization=True, apply_rope_fusion=False,
@@ -61,6 +62,9 @@ def _provider(defaults: dict):
                            help="build the dataset's causal attention mask every micro-batch (Megatron-LM's "
                                 "default; off here: the attention is causal without it, SDPA or Transformer "
                                 "Engine, and the model does not read it)")
+        group.add_argument("--log-file", default=None,
+                           help="append the console output of the rank that prints the iteration lines (the "
+                                "last) to this file; the embedded default writes SAVE/train.log")
         group.add_argument("--dry-run", action="store_true",
                            help="check the arguments, the data and the checkpoint to load, print the "
                                 "layout, and exit without building anything")
@@ -288,7 +292,14 @@ def _check_checkpoints(args) -> None:
                 raise ArgumentError(f"--save {args.save} holds checkpoints of another model that this run would "
                                     f"overwrite ({'; '.join(differences)}): give another --save for this run, "
                                     f"or resume them with --load {args.save} and their model flags")
-        checkpoint.check_shape(saved, _shape_of(args), args.finetune)
+        try:
+            checkpoint.check_shape(saved, _shape_of(args), args.finetune)
+        except checkpoint.CheckpointError as error:
+            if not loads_from_save:
+                raise
+            # resuming was not the point: the way out is a directory of this run's own
+            raise ArgumentError(f"{error} Or give this run another --save: its --load is its --save, "
+                                f"{args.save}") from None
         if saved is not None and args.finetune and not _given("--dist-ckpt-strictness") and \
                 (saved["model_shape"].get("mtp_num_layers") or 0) < (args.mtp_num_layers or 0):
             # heads added to a pretrained model: their tensors are not in the checkpoint and keep
@@ -304,7 +315,10 @@ def _check_checkpoints(args) -> None:
     elif args.finetune:
         why = "--finetune restarts at iteration 0"
     elif args.ckpt_step is not None and args.ckpt_step != latest:
-        why = f"it resumes from iteration {args.ckpt_step} (--ckpt-step)"
+        # --load is already that directory: only another --save goes on from the earlier step
+        raise ArgumentError(f"--save {args.save} holds checkpoints up to iteration {latest} that this run would "
+                            f"overwrite (it resumes from iteration {args.ckpt_step} (--ckpt-step)): keep --load "
+                            f"{args.load} --ckpt-step {args.ckpt_step} and give another --save")
     else:
         return
     raise ArgumentError(f"--save {args.save} holds checkpoints up to iteration {latest} that this run would "
@@ -469,10 +483,16 @@ def _parse():
                 defaults["no_persist_layer_norm"] = True
             if embedded and not _given("--load") and args.save:
                 defaults["load"] = args.save  # the embedded default resumes from its own directory
+            if embedded and not _given("--tensorboard-dir") and args.save:
+                # and keeps its curves beside its checkpoints (tools/plot_runs.py reads the --save directory)
+                defaults["tensorboard_dir"] = os.path.join(args.save, "tensorboard")
+            if embedded and not _given("--log-file") and args.save:
+                defaults["log_file"] = os.path.join(args.save, "train.log")
             args = parse_args(_provider(defaults))
         _check(args)
         deferred = _capability_deferred(args)
-        with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext():
+        with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext(), \
+                _without_writers() if args.dry_run or finished(args) else contextlib.nullcontext():
             args = parse_and_validate_args(_provider(defaults))
         args.moe_grouped_gemm |= deferred
         core_transformer_config_from_args(args)  # the config's own checks (the MTP options'), before anything is built
@@ -498,6 +518,20 @@ def _capability_deferred(args) -> bool:
 
 
 @contextlib.contextmanager
+def _without_writers():
+    """Megatron-LM's global setup without its TensorBoard and W&B writers, which create their
+    directories and an events file: a dry run, or a rerun of a finished run, writes nothing."""
+    from megatron.training import global_vars
+
+    writers = global_vars._set_tensorboard_writer, global_vars._set_wandb_writer
+    global_vars._set_tensorboard_writer = global_vars._set_wandb_writer = lambda args: None
+    try:
+        yield
+    finally:
+        global_vars._set_tensorboard_writer, global_vars._set_wandb_writer = writers
+
+
+@contextlib.contextmanager
 def _without_argument(flag: str):
     argv = sys.argv
     sys.argv = [arg for arg in argv if arg != flag]
@@ -515,13 +549,16 @@ def summary(args) -> str:
            + (f"sparse MTP loss in chunks of {args.sparse_loss_chunk_size} rows" if args.mtp_sparse_loss
               else "dense MTP loss")
            if args.mtp_num_layers else "no MTP")
+    attention = ("multi-latent attention" if args.multi_latent_attention
+                 else f"grouped-query attention, {args.num_query_groups} groups" if args.group_query_attention
+                 else "multi-head attention")
     return (f"pretrain_gpt_mtp.py: arguments OK: world {args.world_size} = DP {args.data_parallel_size} x "
             f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"
             f"{f' (VPP {args.virtual_pipeline_model_parallel_size})' if args.virtual_pipeline_model_parallel_size else ''}"
             f" x CP {args.context_parallel_size}; "
             f"{f'HybridModel {args.hybrid_layer_pattern!r}, ' if args.hybrid_layer_pattern else ''}"
             f"{args.num_layers} layers, hidden {args.hidden_size}, "
-            f"{args.num_attention_heads} heads, vocabulary {args.padded_vocab_size}; {mtp}; "
+            f"{args.num_attention_heads} heads ({attention}), vocabulary {args.padded_vocab_size}; {mtp}; "
             + (f"{args.num_experts} experts (top-{args.moe_router_topk}"
                f"{', grouped GEMM' if args.moe_grouped_gemm else ''}), EP {args.expert_model_parallel_size}"
                f"{' (compute capability checked on the GPUs)' if _capability_deferred(args) else ''}; "

@@ -148,6 +148,29 @@ def _require_applied_series() -> None:
             "`tools/fork export --for-users` writes (git am) to this checkout"
         )
     _require_fork_files("Run from this checkout, or install it (pip install -e .) instead of that copy.")
+    _require_dataset_helpers(core)
+
+
+def _require_dataset_helpers(core: Path) -> None:
+    """Upstream's first use of a checkout's datasets compiles their C++ helpers with `make`,
+    which asks the system's python3-config and python3 for pybind11: another Python's module,
+    or a compiler error. The command here builds them for this Python, as the sdist's build does."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    datasets = core / "datasets"
+    if any((datasets / f"helpers_cpp{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        return
+    python = sys.executable
+    pybind11 = "" if importlib.util.find_spec("pybind11") else f"{python} -m pip install pybind11 && "
+    # setup.py runs `python3 -m pybind11`: this Python's directory first on PATH
+    raise PatchedCoreError(
+        f"the C++ dataset helpers (megatron/core/datasets/helpers.cpp) are not built for this Python ({python}): "
+        f"build them with `cd {core.parent.parent} && {pybind11}PATH={os.path.dirname(python)}:$PATH {python} "
+        "setup.py build_ext --inplace`"
+    )
 
 
 def _require_fork_files(fix: str) -> None:

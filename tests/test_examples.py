@@ -20,12 +20,12 @@ pytestmark = pytest.mark.slow
 CONFIGS = ("deepseek_v3_d1", "repeated_d3", "draft_heads_frozen_backbone")
 
 
-def bash(script: str, *args: str, env: dict, timeout: float = 300) -> str:
+def bash(script: str, *args: str, env: dict, timeout: float = 300, check: bool = True) -> str:
     environment = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env)
     result = subprocess.run(["bash", script, *args], cwd=REPO_ROOT, env=environment, capture_output=True,
                             text=True, timeout=timeout, start_new_session=True)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    assert (result.returncode == 0) == check, output[-4000:]
     return output
 
 
@@ -44,9 +44,10 @@ def test_the_readme_main_command_trains_on_the_embedded_default(tmp_path):
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "20"
 
 
-# The script's own model, made smaller and shorter by its pass-through arguments (time).
+# The script's own model, made smaller and shorter by its pass-through arguments (time); its
+# warmup is its own (a tenth of whatever --train-iters).
 SHORTER = ("--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--max-position-embeddings", "64",
-           "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
+           "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
            "--eval-interval", "2", "--eval-iters", "1", "--save-interval", "2", "--log-interval", "1")
 
 
@@ -61,6 +62,13 @@ def quickstart(config: str, work, *args: str, **env) -> dict:
 def test_cpu_quickstart(tmp_path):
     d1 = quickstart("deepseek_v3_d1", tmp_path / "d1")
     assert "mtp_1 loss" in d1[4] and "mtp_2 loss" not in d1[4]
+
+    # another config in the same WORK: refused before anything is built, naming the way out
+    output = bash("examples/cpu_quickstart.sh", *SHORTER, check=False,
+                  env={"WORK": str(tmp_path / "d1"), "CONFIG": "examples/configs/repeated_d3.sh"})
+    (error,) = [line for line in output.splitlines() if "pretrain_gpt_mtp.py: error: " in line]
+    assert "mtp_num_layers: checkpoint 1, model 3" in error, error
+    assert error.endswith(f"Or give this run another --save: its --load is its --save, {tmp_path / 'd1' / 'checkpoints'}")
 
 
 @pytest.mark.matrix  # the default tier trains draft heads on a frozen backbone in test_serving's pipeline
@@ -117,8 +125,30 @@ def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, t
     layers = "HybridModel 'GEGEGE*E/*E', 8 layers" if config == "qwen3_next_tiny" else "24 layers"
     assert "transformer_engine layers, bf16" in summary and f"{layers}, hidden 2048" in summary, summary
     assert f"TP {extra.get('TP', '1')}" in summary
+    # the script's grouped-query attention unless the config's is multi-latent (gpu_args.sh)
+    assert ("(multi-latent attention)" if config == "deepseek_v3_tiny" else "(grouped-query attention, 4 groups)") \
+        in summary, summary
     if "EP" in extra:
         assert f"64 experts (top-6, grouped GEMM), EP {extra['EP']}" in summary, summary
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing: no TensorBoard events under --save
+
+
+@pytest.mark.parametrize("nvidia_smi", [None, "echo 'NVIDIA-SMI has failed because it could not communicate with "
+                                                "the NVIDIA driver.'; exit 9"], ids=["absent", "no driver"])
+@pytest.mark.parametrize("script", ["examples/gpu_single_node.sh", "examples/gpu_multi_node.sh"])
+def test_gpu_scripts_without_a_gpu_name_gpus_per_node_in_one_line(script, nvidia_smi, tmp_path):
+    """A login node (no nvidia-smi, or one that sees no GPU) and no GPUS_PER_NODE: one line, before torchrun."""
+    if nvidia_smi is not None:
+        (tmp_path / "nvidia-smi").write_text(f"#!/bin/bash\n{nvidia_smi}\n")
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    environment = {key: value for key, value in os.environ.items() if key != "GPUS_PER_NODE"}
+    environment.update(PATH=f"{tmp_path}:/usr/bin:/bin", PYTHON=sys.executable, DATA="data/corpus_text_document",
+                       NNODES="2", MASTER_ADDR="127.0.0.1")
+    result = subprocess.run(["bash", script, "--dry-run"], cwd=REPO_ROOT, env=environment, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == "", (result.returncode, result.stdout, result.stderr[-2000:])
+    assert result.stderr == ("no GPU found here (nvidia-smi lists none): set GPUS_PER_NODE to the GPUs of each node "
+                             "the run is for (a --dry-run on a login node checks the arguments for that many)\n")
 
 
 def test_only_a_dry_run_checks_cuda_only_moe_flags_for_the_gpus_it_targets():

@@ -113,6 +113,7 @@ def test_the_tool_overlays_both_kinds_of_run_and_tables_their_last_values(consol
                         "| 1.0000 | 500.0 |")
     text = svg.read_text()
     assert text.startswith("<?xml") and "attached mtp_2" in text and "no MTP" in text
+    assert "attached validation" in text and "no MTP validation" in text  # the lm loss panel's validation lines
     again = tmp_path / "again.svg"
     assert plot(f"no MTP={tensorboard}", str(console), "-o", str(again), "--x", "tokens").returncode == 0
     assert again.read_bytes() == svg.read_bytes()  # byte-reproducible figures (committed to docs)

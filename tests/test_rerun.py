@@ -7,7 +7,14 @@ writes nothing; the line's way to train on works. A quick experiment with other 
 flags and no --save is refused before anything is built, naming --load and another
 --save, and leaves runs/default as it was. (A --save directory holding checkpoints a run
 does not load, with data of one's own, is refused in tests/test_trainer_faults.py.)
+The first run (fresh interpreters, as a user's) prints each upstream warning once and writes
+its TensorBoard events and its console log into runs/default, which tools/plot_runs.py draws.
 """
+
+import re
+import subprocess
+import sys
+from collections import Counter
 
 import pytest
 
@@ -27,9 +34,17 @@ def files(directory) -> dict:
 
 def test_the_main_command_run_again_resumes_and_overwrites_nothing(tmp_path):
     runs = tmp_path / "runs" / "default"
-    first = train(2, "--train-iters", "4", *SHORT, cwd=tmp_path, script=SCRIPT)
+    first = train(2, "--train-iters", "4", *SHORT, cwd=tmp_path, script=SCRIPT, fresh=True)
     assert sorted(first.iterations) == [1, 2, 3, 4], first.tail()
     assert (runs / "latest_checkpointed_iteration.txt").read_text() == "4"
+    warned = Counter(re.sub(r"^\[default\d+\]:", "", line) for line in first.output.splitlines() if "Warning: " in line)
+    assert warned and max(warned.values()) == 1, warned.most_common(3)
+    assert list((runs / "tensorboard").glob("events.out.tfevents.*")), sorted(runs.rglob("*"))
+    assert "iteration        4/       4" in (runs / "train.log").read_text()
+    drawn = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "plot_runs.py"), "runs/default", "-o",
+                            str(tmp_path / "curves.svg"), "--table"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+    assert drawn.returncode == 0 and "| default | 4 |" in drawn.stdout, drawn.stderr
     saved = files(runs)
 
     again = train(2, "--train-iters", "4", *SHORT, cwd=tmp_path, script=SCRIPT)

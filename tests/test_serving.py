@@ -503,3 +503,56 @@ def test_gumbel_sampling_draws_from_the_softmax_by_position_and_drafts_change_no
             assert stopped == (output[: output.index(7) + 1] if 7 in output else output), (drafts, sequence)
     assert len({tuple(speculative.greedy(NoisyMain([]), [0], 12, choose=speculative.GumbelSampler(3, s)))
                 for s in range(5)}) > 1  # the keys do sample different texts
+
+
+def example_flags(name: str) -> list[str]:
+    """An example config's MTP_ARGS, as the example scripts source them."""
+    script = f'source examples/configs/{name}.sh && printf "%s\\n" "${{MTP_ARGS[@]}}"'
+    return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+
+
+@pytest.mark.parametrize("config, architecture", [
+    ("deepseek_v3_tiny", "DeepseekV3ForCausalLM"),
+    pytest.param("qwen3_next_gpt_tiny", "Qwen3NextForCausalLM", marks=pytest.mark.matrix),
+])
+def test_an_example_config_exports_to_its_family_and_computes_what_transformers_computes(config, architecture,
+                                                                                          tmp_path):
+    """The example configs that name a Hugging Face family: deepseek_v3_tiny.sh (MLA with YaRN by
+    default, grouped sigmoid routing) as DeepSeek-V3, qwen3_next_gpt_tiny.sh as Qwen3-Next, with
+    nothing refused, and transformers computes their logits."""
+    trained = tmp_path / "trained"
+    train(1, *TINY, *example_flags(config), "--num-layers", "4", "--lr", "1e-3", "--train-iters", "1",
+          "--save", str(trained), "--save-interval", "1", timeout=300)
+    result = launch("tests.bodies.serving:example_export", 1, {"trained": str(trained), "out": str(tmp_path / "hf")},
+                    timeout=300)[0]
+    assert result["architectures"] == [architecture], result
+    assert result["logits"] < 1e-5, result
+
+
+# the README's flag set that makes the main command's model Llama-shaped (RMSNorm, SwiGLU, no biases)
+LLAMA_SHAPED = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear")
+
+
+def test_the_main_command_with_the_readme_s_llama_flags_exports_as_llama(tmp_path):
+    assert " ".join(LLAMA_SHAPED) in (REPO_ROOT / "README.md").read_text()
+    trained = tmp_path / "runs" / "llama"
+    train(2, *LLAMA_SHAPED, "--save", str(trained), "--train-iters", "2", "--save-interval", "2", "--eval-iters", "0",
+          cwd=tmp_path, script=str(REPO_ROOT / "pretrain_gpt_mtp.py"), timeout=300)
+    result = launch("tests.bodies.serving:example_export", 1, {"trained": str(trained), "out": str(tmp_path / "hf")},
+                    timeout=300)[0]
+    assert result["architectures"] == ["LlamaForCausalLM"], result
+    assert result["logits"] < 1e-5, result
+    # what a user then meets in transformers and the engines is said at export (issue 41)
+    assert "no tokenizer files written: give --tokenizer DIR" in result["printed"], result["printed"]
+    assert "transformers' LlamaForCausalLM runs no MTP: it loads the backbone and leaves the MTP depths' tensors " \
+        "unused" in result["printed"], result["printed"]
+
+
+def test_a_hybridmodel_checkpoint_s_export_is_refused_naming_the_gptmodel_form(pipeline, tmp_path):
+    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", str(pipeline[0] / "trained-hybrid"),
+                             str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert "is a HybridModel (--hybrid-layer-pattern *-*-/*-), which export does not read" in errors[0], errors
+    assert "--experimental-attention-variant gated_delta_net" in errors[0], errors

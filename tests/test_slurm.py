@@ -6,8 +6,13 @@ The job must be signalled, checkpoint, requeue itself, resume from that checkpoi
 finish (after one or more such rounds); its final checkpoint (every model and optimizer tensor) and its TensorBoard
 scalars must equal those of the same training run uninterrupted. The single-node script
 runs a short training to completion without a requeue.
+
+Both are submitted as shipped (their own --output) from a fresh clone's files: the tracked
+files only, so nothing the repository ignores (runs/, say) is there to help.
 """
 
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,15 +53,28 @@ def training_arguments(dataset, save: Path, iterations: int) -> tuple[str, ...]:
             "50", "--tensorboard-dir", str(save / "tensorboard"))
 
 
-def submit(slurm, script: str, arguments: tuple[str, ...], tmp_path: Path, *options: str) -> str:
+def fresh_clone(tmp_path: Path) -> Path:
+    """A directory holding what a clone holds: each tracked top-level entry, linked."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in sorted({line.split("/")[0] for line in tracked.splitlines()}):
+        (clone / name).symlink_to(REPO_ROOT / name)
+    return clone
+
+
+def submit(slurm, script: str, arguments: tuple[str, ...], tmp_path: Path, *options: str) -> tuple[str, Path]:
+    """Submit `script` from a fresh clone; (the job id, the log the script's #SBATCH --output names)."""
     args_file = tmp_path / "train_args.sh"
     args_file.write_text("TRAIN_ARGS=(" + " ".join(f"'{a}'" for a in arguments) + ")\n")
     environment = dict(slurm.environment, ARGS_FILE=str(args_file), GPUS_PER_NODE="2", PYTHON=sys.executable,
                        RDZV_PORT=str(free_port()), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    result = slurm.run("sbatch", "--parsable", "--gpus-per-node=0", f"--output={tmp_path}/slurm-%j.out",
-                       *options, script, cwd=REPO_ROOT, env=environment)
+    clone = fresh_clone(tmp_path)
+    result = slurm.run("sbatch", "--parsable", "--gpus-per-node=0", *options, script, cwd=clone, env=environment)
     assert result.returncode == 0, result.stderr
-    return result.stdout.strip().split(";")[0]
+    job_id = result.stdout.strip().split(";")[0]
+    output = re.search(r"^#SBATCH --output=(\S+)$", (REPO_ROOT / script).read_text(), re.MULTILINE)
+    return job_id, clone / (output.group(1) if output else "slurm-%j.out").replace("%j", job_id)
 
 
 def wait_until_done(slurm, job_id: str, timeout: float) -> dict:
@@ -73,13 +91,13 @@ def wait_until_done(slurm, job_id: str, timeout: float) -> dict:
 @pytest.mark.matrix  # Slurm's 30-s timer makes it 1.5-15 minutes; the default tier runs the single-node script
 def test_the_time_limit_checkpoints_requeues_and_resumes_exactly(slurm, dataset, tmp_path):
     save = tmp_path / "job"
-    job_id = submit(slurm, "examples/slurm/pretrain_gpt_mtp_multinode.sbatch",
+    job_id, log = submit(slurm, "examples/slurm/pretrain_gpt_mtp_multinode.sbatch",
                     training_arguments(dataset, save, ITERATIONS), tmp_path,
                     "--nodes=1", "--time=2", "--signal=B:USR1@90")
     # Each restart trains for what is left of its 30 s once torchrun has started (fresh
     # interpreters): 12 restarts and 8 minutes on a quiet host; a busy one needs more.
     job = wait_until_done(slurm, job_id, timeout=900)
-    output = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    output = log.read_text(errors="replace") if log.is_file() else f"no log at {log}"
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", (job, output[-3000:])
     assert int(job["Restarts"]) >= 1, output[-3000:]
     assert "pre-timeout signal: saving and stopping" in output and "requeueing job" in output
@@ -99,9 +117,9 @@ def test_the_time_limit_checkpoints_requeues_and_resumes_exactly(slurm, dataset,
 
 def test_the_single_node_script_runs_to_the_end(slurm, dataset, tmp_path):
     save = tmp_path / "job"
-    job_id = submit(slurm, "examples/slurm/pretrain_gpt_mtp.sbatch", training_arguments(dataset, save, 20),
+    job_id, log = submit(slurm, "examples/slurm/pretrain_gpt_mtp.sbatch", training_arguments(dataset, save, 20),
                     tmp_path, "--time=15")  # the pre-timeout signal (300 s before the limit) never comes
     job = wait_until_done(slurm, job_id, timeout=300)
-    output = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    output = log.read_text(errors="replace") if log.is_file() else f"no log at {log}"
     assert job["JobState"] == "COMPLETED" and int(job["Restarts"]) == 0, (job, output[-3000:])
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "20"

@@ -13,9 +13,12 @@
   off is not a shape (the same checkpoint, optimizer included, loads either way).
 - A damaged checkpoint (truncated tensor file, unreadable index, garbage in the tracker)
   is named in one line.
+- Every file and directory of a checkpoint, the tracker included, takes the umask's mode, so
+  another user of a shared run directory can resume, export or evaluate it.
 """
 
 import json
+import os
 import shutil
 import signal
 import time
@@ -24,6 +27,7 @@ import pytest
 
 from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness import argument_cases
+from tests.harness.launcher import REPO_ROOT
 from tests.harness.trainer import TINY, finish, last_rank_output, start, torchrun_workers, train
 
 pytestmark = pytest.mark.slow
@@ -128,6 +132,9 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
         ([*data, "--vocab-size", "1000"], one, "--vocab-size 1000 does not match the dataset's tokenizer bytes"),
         ([*data, "--data-path", "0.5", str(dataset), "0.5", str(other_tokenizer)], one, "the datasets were written with different tokenizers"),
         ([*data, "--load", str(damaged)], one, f"{distcp}: truncated"),
+        # the way out of a damaged latest checkpoint: an earlier one, into a new --save (issue 41)
+        ([*data, "--load", str(damaged)], one, f"to go on from an earlier checkpoint, give --load {damaged} "
+         "--ckpt-step 2 --save NEW_DIRECTORY"),
         ([*data, "--load", str(unreadable), "--ckpt-step", "2"], one,
          f"{unreadable / 'iter_0000002' / '.metadata'}: unreadable"),
         ([*data, "--load", str(garbage)], one,
@@ -140,7 +147,8 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
          one,
          f"(it loads {unreadable})"),
         ([*data, "--mtp-num-layers", "2", "--load", str(checkpoint), "--save", str(checkpoint), "--save-interval", "2",
-          "--ckpt-step", "2"], one, "would overwrite (it resumes from iteration 2 (--ckpt-step))"),
+          "--ckpt-step", "2"], one, f"would overwrite (it resumes from iteration 2 (--ckpt-step)): keep --load "
+         f"{checkpoint} --ckpt-step 2 and give another --save"),
         ([*data, "--load", str(checkpoint), "--save", str(checkpoint), "--save-interval", "2", "--finetune"], one,
          "would overwrite (--finetune restarts at iteration 0)"),
         ([*data, "--load", str(checkpoint), "--mtp-num-layers", "3"], one,  # before anything is built
@@ -215,6 +223,20 @@ def test_sigterm_saves_and_exits_zero_then_the_run_resumes(dataset, tmp_path):
     assert "[rank" not in changed.output
 
 
+def test_sigterm_to_the_main_command_saves(tmp_path):
+    """The README's main command (no flags: the embedded default) saves on SIGTERM by default."""
+    proc, log = start(2, "--train-iters", "100000", "--log-interval", "1", cwd=tmp_path,
+                      script=str(REPO_ROOT / "pretrain_gpt_mtp.py"), log=tmp_path / "run.log")
+    wait_for_iteration(proc, log, 2)
+    workers = torchrun_workers(proc, script=str(REPO_ROOT / "pretrain_gpt_mtp.py"))
+    assert len(workers) == 2, workers
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    run = finish(proc, log, timeout=120)
+    assert run.returncode == 0 and "exiting program after receiving SIGTERM" in run.output, run.tail()
+    assert int(tracked(tmp_path / "runs" / "default")) >= 2
+
+
 @pytest.mark.parametrize("moment", [pytest.param("after-tensor-files", marks=pytest.mark.matrix), "replacing-tracker"])
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint(moment, dataset, tmp_path):
     save = tmp_path / "run"
@@ -228,6 +250,16 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(moment, dataset, tm
     resumed = train(2, *args, "--load", str(save))
     assert sorted(resumed.iterations) == [3, 4, 5, 6], resumed.tail()
     assert tracked(save) == "6"
+
+
+def test_every_checkpoint_file_takes_the_umask_s_mode(checkpoint):
+    umask = os.umask(0)
+    os.umask(umask)  # the trainer's processes inherited this one
+    modes = {path.relative_to(checkpoint).as_posix(): (path.stat().st_mode & 0o777, 0o777 if path.is_dir() else 0o666)
+             for path in checkpoint.rglob("*")}  # not the directory itself, which pytest made private
+    assert "latest_checkpointed_iteration.txt" in modes and "iter_0000004/.metadata" in modes, sorted(modes)
+    wrong = {name: oct(mode) for name, (mode, full) in modes.items() if mode != full & ~umask}
+    assert not wrong, (oct(umask), wrong)
 
 
 # ---------------------------------------------------------------- shape and damage

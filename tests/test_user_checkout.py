@@ -5,11 +5,12 @@ megatron (not this project's build), and gets this checkout's steps. A checkout 
 not applied to is refused in one line.
 
 The checkout is the pristine sdist of the current version (a Megatron-LM checkout at that tag
-has the same megatron/ paths). The sdist has no Makefile for the dataset helpers, which a
-checkout compiles at first use, so the compiled helpers are copied from this checkout's build.
+has the same megatron/ paths). Its C++ dataset helpers are not built for the Python that runs
+the trainer (upstream's first-use `make` compiles them with the system's python3-config and
+pybind11): the trainer refuses in one line that names the command building them for its
+Python, and the test runs that command, as the user would, before training.
 """
 
-import shutil
 import subprocess
 import sys
 
@@ -19,7 +20,6 @@ from megatron_mtp.patched_core import (
     BUILD_DIR,
     EXPORT_MARK,
     REPO_ROOT,
-    build_tree,
     current_upstream_version,
     expected_build_version,
 )
@@ -30,12 +30,6 @@ CURRENT = current_upstream_version()
 SDIST = BUILD_DIR / "downloads" / f"megatron_core-{CURRENT}.tar.gz"
 ARGS = (*TINY, "--mtp-num-layers", "2", "--train-iters", "3", "--eval-interval", "1000", "--save-interval", "1000")
 COMPARED = ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm")
-
-
-def copy_dataset_helpers(tree):
-    helpers = "megatron/core/datasets"
-    for compiled in (build_tree(CURRENT) / helpers).glob("helpers_cpp*.so"):
-        shutil.copy2(compiled, tree / helpers)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +43,11 @@ def series(tmp_path_factory):
 
 def test_the_exported_series_runs_the_trainer_from_a_megatron_lm_checkout(series, tmp_path):
     tree = applied_checkout(series, SDIST, tmp_path / "user")
-    copy_dataset_helpers(tree)
+    error = refusal(tree)
+    assert "the C++ dataset helpers (megatron/core/datasets/helpers.cpp) are not built for this Python" in error
+    command = error.split("build them with `", 1)[1].rsplit("`", 1)[0]
+    built = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     probe = subprocess.run(
         [sys.executable, "-c", "import megatron.core.fork, megatron.training, megatron_mtp, pretrain_gpt_mtp as t\n"
          "print(megatron.core.fork.__file__, megatron.training.__file__, megatron_mtp.__file__, t.__file__)"],

@@ -217,6 +217,13 @@ def run_export(args) -> int:
     print(f"{PROG}: exported {directory} as {config['architectures'][0]} ({args.dtype}), {mtp}"
           f"{', ' + stored if stored else ''}"
           f"{', tokenizer files ' + ', '.join(copied) if copied else ''} into {out}")
+    if not copied:  # what the engines (and transformers' pipelines) read beside the weights
+        print(f"{PROG}: no tokenizer files written: give --tokenizer DIR (the run's tokenizer.json or its "
+              "directory) for the engines; a run tokenized as bytes has none of Hugging Face's")
+    if cfg.mtp_num_layers and layout:
+        print(f"{PROG}: transformers' {config['architectures'][0]} runs no MTP: it loads the backbone and leaves "
+              "the MTP depths' tensors unused (some classes list them as unexpected); the depths are the drafts of "
+              "vLLM's and SGLang's speculative decoding (docs/serving.md), and --mtp-layout none leaves them out")
     return 0
 
 

@@ -8,8 +8,8 @@ Each RUN is a TensorBoard directory (the trainer's --tensorboard-dir) or a conso
 torchrun printed), optionally named as NAME=PATH (default: the file's or directory's name;
 the last "=" separates them).
 Runs are overlaid, one colour each, against iterations or tokens (--x; tokens = consumed
-samples x sequence length), in panels: lm loss; each depth's MTP loss (line style by depth);
-acceptance, chain acceptance and sampled acceptance per depth; expected accepted length (incl. bonus
+samples x sequence length), in panels: lm loss (and the validation's); each depth's MTP loss (line style by
+depth); acceptance, chain acceptance and sampled acceptance per depth; expected accepted length (incl. bonus
 token), teacher-forced and sampling;
 grad norm (and, with --mtp-detach-heads, the MTP group's); learning rate; and for the RL
 example's log (examples/rl/grpo.py) reward and solved fraction, the rollouts' acceptance per
@@ -64,7 +64,7 @@ def panels(depths: int) -> list[tuple[str, list[tuple[str, str]]]]:
 
     return [
         ("reward (RL)", [("reward", ""), ("solved", "solved")]),
-        ("lm loss", [("lm loss", "")]),
+        ("lm loss", [("lm loss", ""), ("lm loss validation", "validation")]),
         ("policy-gradient loss (RL)", [("policy-gradient loss", "")]),
         ("MTP loss", depth_lines("loss")),
         ("acceptance", depth_lines("acceptance")),

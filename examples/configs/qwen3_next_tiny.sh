@@ -5,7 +5,8 @@
 # Left out because upstream's hybrid attention layer has none, and refused in one line rather than
 # dropped: q/k RMSNorms. Qwen3-Next's GPTModel form has them: --experimental-attention-variant
 # gated_delta_net --linear-attention-freq 4 --qk-layernorm in place of the pattern
-# (docs/architectures.md).
+# (docs/architectures.md); qwen3_next_gpt_tiny.sh is that form, which exports to Hugging Face
+# (this HybridModel form does not).
 MTP_ARGS=(--hybrid-layer-pattern "GEGEGE*E/*E" --mtp-loss-scaling-factor 0.3
           --normalization RMSNorm --apply-layernorm-1p --swiglu --disable-bias-linear
           --attention-output-gate --rotary-percent 0.25

@@ -14,9 +14,9 @@
 # pretrain_gpt_mtp.py; GPUS_PER_NODE, PYTHON and RDZV_PORT have defaults.
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:?submit with sbatch from the repository root}"
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}  # the allocation's, before gpu_args.sh probes
 source "${ARGS_FILE:-examples/gpu_args.sh}"
 PYTHON=${PYTHON:-.venv/bin/python}
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) x $GPUS_PER_NODE process(es)," \
     "rendezvous at $HEAD"

@@ -53,6 +53,14 @@ MLA_YARN_CONSTANTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.
 LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+def hybrid_refusal(pattern: str, what: str) -> str:
+    """The one line for a HybridModel checkpoint where only GPTModel ones are read."""
+    return (f"the checkpoint's model is a HybridModel (--hybrid-layer-pattern {pattern}), which {what}: it reads "
+            "GPTModel checkpoints. Qwen3-Next's and Qwen3.5's layers train as a GPTModel with "
+            "--experimental-attention-variant gated_delta_net --linear-attention-freq N --qk-layernorm in place of "
+            "the pattern (docs/architectures.md)")
+
+
 @dataclass
 class ModelConfig:
     family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3" | "qwen3_moe" | "deepseek_v3" | "glm4_moe" |
@@ -266,6 +274,9 @@ class ModelConfig:
         def get(name, default=None):
             return getattr(args, name, default)
 
+        pattern = get("hybrid_layer_pattern")
+        if pattern:  # its layers' differences from a family would be beside the point
+            raise ServingError(hybrid_refusal(pattern, "export does not read"))
         problems = []
         if get("normalization") != "RMSNorm":
             problems.append(f"--normalization {get('normalization')} (needs RMSNorm)")
@@ -296,7 +307,7 @@ class ModelConfig:
         heads = get("num_attention_heads")
         groups = get("num_query_groups") if get("group_query_attention") else heads
         scaling = None
-        if mla is not None and get("rope_type", "yarn") == "yarn":
+        if mla is not None and _mla_rope_type(get) == "yarn":
             scaling = dict(rope_type="yarn", factor=float(get("rotary_scaling_factor")), mscale=float(get("mscale")),
                            mscale_all_dim=float(get("mscale_all_dim")), **MLA_YARN_CONSTANTS)
         elif get("use_rope_scaling"):
@@ -323,7 +334,7 @@ class ModelConfig:
             ffn_hidden_size=int(get("ffn_hidden_size")), num_layers=int(get("num_layers")),
             num_attention_heads=int(heads), num_query_groups=int(groups),
             head_dim=int(mla["qk_nope_head_dim"] if mla else get("kv_channels") or get("hidden_size") // heads),
-            norm_epsilon=float(get("layernorm_epsilon", get("norm_epsilon", 1e-5))),
+            norm_epsilon=_norm_epsilon(get),
             rope_theta=float(get("rotary_base", 10000)), max_position_embeddings=int(get("max_position_embeddings")),
             tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")),
             qk_layernorm=bool(get("qk_layernorm")), rotary_percent=float(get("rotary_percent", 1.0)),
@@ -554,6 +565,17 @@ def _mla_yarn(scaling: dict) -> dict:
             "mscale_all_dim": float(mscale_all_dim or 0.0), **MLA_YARN_CONSTANTS}
 
 
+def _norm_epsilon(get) -> float:
+    """The norms' epsilon of a trainer checkpoint's arguments: --norm-epsilon's destination."""
+    return float(get("layernorm_epsilon", get("norm_epsilon", 1e-5)))
+
+
+def _mla_rope_type(get) -> str:
+    """Multi-latent attention's rotary kind: without --rope-type (None) megatron-core's MLA config
+    keeps its own default, YaRN."""
+    return get("rope_type") or "yarn"
+
+
 def _mla_from_args(get, problems: list) -> dict | None:
     """Multi-latent attention of a trainer checkpoint's arguments (DeepSeek-V3's), or None."""
     if not get("multi_latent_attention"):
@@ -563,7 +585,10 @@ def _mla_from_args(get, problems: list) -> dict | None:
     if not get("qk_layernorm"):
         problems.append("multi-latent attention without --qk-layernorm (DeepSeek-V3 has q_a_layernorm, "
                         "kv_a_layernorm)")
-    if get("rope_type", "yarn") not in ("rope", "yarn"):
+    if _norm_epsilon(get) != 1e-6:  # transformers builds q_a_layernorm and kv_a_layernorm with 1e-6
+        problems.append(f"multi-latent attention with --norm-epsilon {_norm_epsilon(get)} (DeepSeek-V3's "
+                        "q_a_layernorm and kv_a_layernorm normalize with 1e-6 in transformers)")
+    if _mla_rope_type(get) not in ("rope", "yarn"):
         problems.append(f"--rope-type {get('rope_type')}")
     return {"q_lora_rank": get("q_lora_rank"), "kv_lora_rank": get("kv_lora_rank"),
             "qk_nope_head_dim": get("qk_head_dim"), "qk_rope_head_dim": get("qk_pos_emb_head_dim"),

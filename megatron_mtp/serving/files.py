@@ -42,14 +42,14 @@ class Staging:
         return self.path
 
     def _permissions(self):  # mkdtemp (and safetensors) create private files; a checkpoint is shared as usual
-        umask = os.umask(0)
-        os.umask(umask)
+        from megatron.core.fork.trainer.checkpoint import umask_mode
+
         for root, dirs, names in os.walk(self.path):
             for name in dirs:
-                os.chmod(os.path.join(root, name), 0o777 & ~umask)
+                os.chmod(os.path.join(root, name), umask_mode(0o777))
             for name in names:
-                os.chmod(os.path.join(root, name), 0o666 & ~umask)
-        os.chmod(self.path, 0o777 & ~umask)
+                os.chmod(os.path.join(root, name), umask_mode(0o666))
+        os.chmod(self.path, umask_mode(0o777))
 
     def __exit__(self, kind, error, traceback):
         if kind is not None:

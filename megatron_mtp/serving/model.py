@@ -15,6 +15,7 @@ import os
 import torch
 
 from megatron_mtp.serving import ServingError
+from megatron_mtp.serving.config import hybrid_refusal
 
 # Flags under which the forward differs from what this module builds.
 UNSUPPORTED = ("apply_layernorm_1p", "squared_relu")
@@ -66,8 +67,7 @@ def check_buildable(args) -> None:
     """A checkpoint whose forward differs from what this module builds is refused in one line."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:
-        raise ServingError(f"the checkpoint's model is a HybridModel (--hybrid-layer-pattern {pattern}), which this "
-                           "tool does not run (it runs GPTModel checkpoints)")
+        raise ServingError(hybrid_refusal(pattern, "this tool does not run"))
     for flag in UNSUPPORTED:
         if getattr(args, flag, None):
             raise ServingError(f"the checkpoint's model has --{flag.replace('_', '-')} {getattr(args, flag)}, "

@@ -767,3 +767,23 @@ def repeated_layer(root: str) -> dict:
     results["differing depths"] = {"status": status, "stderr": [line for line in stderr.splitlines() if line.strip()],
                                    "written": _leftovers(root, "reimport-differing")}
     return results
+
+
+def example_export(trained: str, out: str) -> dict:
+    """An example config's trained checkpoint exported with its family's defaults, loaded by
+    transformers, and its logits against this checkpoint's own (the serving model's)."""
+    import contextlib
+    import io
+
+    from transformers import AutoModelForCausalLM
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        convert("export", trained, out)
+    config, _ = _hf(out)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, config["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(5))
+    _, logits = _runner(trained).main(tokens)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    return {"architectures": config["architectures"], "logits": _rel(logits, expected), "printed": printed.getvalue()}

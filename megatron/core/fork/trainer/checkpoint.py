@@ -64,6 +64,14 @@ def restore(common_state: dict) -> None:
     metrics.load_state_dict(((common_state or {}).get(KEY) or {}).get("metrics"))
 
 
+def umask_mode(full: int) -> int:
+    """`full` (0o666 for a file, 0o777 for a directory) less the process's umask: the mode open()
+    and mkdir() give, which files made private by mkstemp or mkdtemp must be given back."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return full & ~umask
+
+
 def write_tracker(path: str, text: str) -> None:
     """Write the tracker file so that it holds either its old or its new text, never a part."""
     if MultiStorageClientFeature.is_enabled():  # object stores replace an object whole
@@ -73,6 +81,7 @@ def write_tracker(path: str, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
     try:
+        os.fchmod(descriptor, umask_mode(0o666))  # mkstemp's 0600 would keep other users from resuming
         with os.fdopen(descriptor, "w") as file:
             file.write(text)
             file.flush()
@@ -120,9 +129,23 @@ def verify(load_dir: str, step: int | None = None) -> str | None:
                               f"{'--ckpt-step' if step is not None else os.path.join(load_dir, TRACKER)})")
     metadata = os.path.join(directory, "metadata.json")
     if os.path.isfile(metadata):
-        _read(metadata, lambda path: json.load(open(path)))
-        _verify_torch_dist(directory)
+        try:
+            _read(metadata, lambda path: json.load(open(path)))
+            _verify_torch_dist(directory)
+        except CheckpointError as error:
+            earlier = [i for i in _iterations(load_dir) if i < iteration]
+            if step is not None or not earlier:
+                raise
+            # resuming from an earlier one into the same directory would overwrite the later ones
+            raise CheckpointError(f"{error}; to go on from an earlier checkpoint, give --load {load_dir} "
+                                  f"--ckpt-step {earlier[-1]} --save NEW_DIRECTORY") from None
     return directory
+
+
+def _iterations(load_dir: str) -> list[int]:
+    """The iterations of the iter_NNNNNNN directories in `load_dir`, ascending."""
+    names = (name[len("iter_"):] for name in os.listdir(load_dir) if name.startswith("iter_"))
+    return sorted(int(number) for number in names if number.isdigit())
 
 
 def saved_entry(load_dir: str, step: int | None = None) -> dict | None:
