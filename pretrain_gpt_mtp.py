@@ -40,6 +40,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.core.transformer.spec_utils import import_module
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
+
     from megatron_mtp.library.model import build_gpt, build_hybrid, gpt_options
 
     args = get_args()
@@ -120,6 +121,7 @@ def get_embedding_ranks(pp_ranks):
     holds a copy of the embedding)."""
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
+
     from megatron_mtp.library.initialize import embedding_ranks
 
     args = get_args()
@@ -134,11 +136,11 @@ def get_batch(data_iterator, vp_stage=None):
     cut for this context-parallel rank (upstream's load-balanced split); nothing on pipeline
     stages that neither embed nor compute a loss."""
     import torch
-
     from megatron.core import parallel_state
-    from megatron.core.fork import device as compute_device
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
+
+    from megatron.core.fork import device as compute_device
 
     args = get_args()
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -178,10 +180,10 @@ def loss_func(loss_mask, output_tensor, model=None):
     machine before any reduction: NaN or Inf (--check-for-nan-in-loss-and-grad, on by
     default) and, with --check-for-spiky-loss, a spike."""
     import torch
-
-    from megatron.core.fork.step_loss import main_loss
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args
+
+    from megatron.core.fork.step_loss import main_loss
 
     args = get_args()
     loss, count, report = main_loss(output_tensor, loss_mask)
@@ -252,11 +254,11 @@ def main() -> int:
 
 def _pretrain(args) -> int:
     from megatron.core.enums import ModelType
-    from megatron.core.fork.specs import SpecError
-    from megatron.core.fork.trainer import checkpoint
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron.core.fork.specs import SpecError
+    from megatron.core.fork.trainer import checkpoint
     from megatron_mtp import arguments
 
     try:

@@ -49,8 +49,8 @@ def build(depths: int, detach: bool = False, repeated: bool = False, vocab: int 
     attention; `hybrid_layer_pattern`: a HybridModel of that pattern instead)."""
     import torch
     import torch.nn.functional as F
-
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
     from megatron_mtp.library.model import build_gpt, build_hybrid
 
     pattern = config_fields.pop("hybrid_layer_pattern", None)

@@ -35,8 +35,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch.distributed as dist
-
     from megatron.core import parallel_state
+
     from megatron_mtp.library.initialize import initialize_model_parallel
 
     dist.init_process_group("gloo")

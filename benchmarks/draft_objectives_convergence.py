@@ -27,10 +27,10 @@ VOCAB, SEQ, BATCH = 48, 12, 16
 
 def train_heads(objective: str, optimizer_name: str, steps: int) -> list[float]:
     import torch
-
-    from megatron.core.fork.mtp.statistics import SAMPLED_ACCEPTED, STEP_STATISTICS, VALID
     from megatron.core.transformer import multi_token_prediction
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.core.fork.mtp.statistics import SAMPLED_ACCEPTED, STEP_STATISTICS, VALID
     from megatron_mtp.library.model import build_gpt
 
     torch.manual_seed(0)

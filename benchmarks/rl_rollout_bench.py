@@ -41,12 +41,12 @@ def main() -> None:
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    import torch
-
     import grpo
+    import torch
+    from task import EOS, Reversal
+
     from megatron_mtp.serving import speculative
     from megatron_mtp.serving.model import Runner
-    from task import EOS, Reversal
 
     torch.set_num_threads(1)
     args = grpo.parse(["--num-layers", "8", "--depths", "1", "--heads", "online", "--sft-steps",

@@ -23,9 +23,10 @@ def main(rounds: int = 10):
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29300 + os.getpid() % 500))
     dist.init_process_group("gloo")
-    from megatron.core.fork.split_step import SplitStep
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.core.fork.split_step import SplitStep
     from megatron_mtp.library.batches import rank_microbatches
     from megatron_mtp.library.initialize import initialize_model_parallel
     from megatron_mtp.library.model import build_model

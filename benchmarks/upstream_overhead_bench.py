@@ -145,6 +145,7 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     from fork_tool.series import make_upstream_tree
+
     from megatron_mtp.patched_core import build_tree, current_upstream_version
 
     version = args.version or current_upstream_version()

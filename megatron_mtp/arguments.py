@@ -265,8 +265,9 @@ def _check(args) -> None:
 
 def _shape_of(args) -> dict:
     """The model_shape (megatron.core.fork.model_shape) the arguments build, without building it."""
-    from megatron.core.fork.model_shape import config_shape
     from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron.core.fork.model_shape import config_shape
 
     shape = config_shape(core_transformer_config_from_args(args), args.hybrid_layer_pattern)
     shape["vocab_size"] = args.padded_vocab_size
@@ -455,9 +456,9 @@ def _parse():
         fail(error)
         return None
     import torch
+    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args, parse_args
 
     from megatron.core.fork.trainer import checkpoint
-    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args, parse_args
 
     on_cpu = not torch.cuda.is_available()
     unusable = _unusable_gpus() if on_cpu else None

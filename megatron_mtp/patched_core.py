@@ -11,9 +11,9 @@ names builds with this module.
 """
 
 import hashlib
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -2,8 +2,8 @@ import os
 
 import pytest
 import torch
-
 from fork_tool.series import make_upstream_tree
+
 from megatron_mtp.patched_core import build_tree, carried_versions, expected_build_version
 
 # Every carried upstream version (a series in patches/), newest first. Tests that run

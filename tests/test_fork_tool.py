@@ -5,8 +5,8 @@ import ast
 import hashlib
 import os
 import re
-import symtable
 import subprocess
+import symtable
 import sys
 import tarfile
 from pathlib import Path

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from megatron_mtp import patched_core
-from megatron_mtp.patched_core import PatchedCoreError, REPO_ROOT
+from megatron_mtp.patched_core import REPO_ROOT, PatchedCoreError
 
 
 def test_installed_build_matches_this_checkout():

@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness import argument_cases
+from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness.launcher import REPO_ROOT
 from tests.harness.trainer import TINY, finish, last_rank_output, start, torchrun_workers, train
 

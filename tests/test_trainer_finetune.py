@@ -20,8 +20,8 @@ Here: the tensors, bit for bit, and the refusal of this very load without --fine
 import pytest
 import torch
 
-from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness import argument_cases
+from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness.trainer import TINY, checkpoint_tensors, train
 
 pytestmark = pytest.mark.slow

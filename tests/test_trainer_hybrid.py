@@ -15,8 +15,8 @@ import subprocess
 
 import pytest
 
-from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness import argument_cases
+from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness.launcher import REPO_ROOT
 from tests.harness.trainer import TINY, close, scalars, train
 

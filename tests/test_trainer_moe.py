@@ -24,8 +24,8 @@ start; bad MoE input is refused in one line before anything is built.
 
 import pytest
 
-from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness import argument_cases
+from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness.trainer import TINY, checkpoint_tensors, close, parse, scalars, train
 from tests.test_examples import bash
 

@@ -108,6 +108,7 @@ def progress(message: str) -> None:
 def build(args, task):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from megatron_mtp.library.initialize import initialize_distributed
     from megatron_mtp.library.model import build_model
     from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
@@ -230,6 +231,7 @@ def main(argv=None) -> int:
     task = Reversal(args.length, args.alphabet)
     chunks, optimizer, depths = build(args, task)
     from megatron.core import parallel_state
+
     from megatron_mtp.serving import speculative
     from megatron_mtp.serving.model import Runner
 

@@ -12,7 +12,6 @@ import importlib.util
 from pathlib import Path
 
 import torch
-
 from megatron.core import parallel_state
 
 BYTE_VOCAB_SIZE = 256

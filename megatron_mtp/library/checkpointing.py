@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
-
 from megatron.core import dist_checkpointing, parallel_state
+
 from megatron.core.fork import step_loss
 from megatron.core.fork.model_shape import check_same_shape, model_shape
 

@@ -5,10 +5,10 @@ import os
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
-from megatron.core.fork import device as compute_device
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron.core.fork import device as compute_device
 
 
 def initialize_distributed(tp: int, pp: int, vpp: int | None, seed: int, timeout_minutes: int = 10) -> None:

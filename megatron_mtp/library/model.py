@@ -2,16 +2,20 @@
 megatron-core DDP."""
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.fork.specs import (
-    SpecError, get_hybrid_stack_spec, gpt_specs, refuse_dropped, refuse_gated_delta_net_head_split,
-)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.core.fork.specs import (
+    SpecError,
+    get_hybrid_stack_spec,
+    gpt_specs,
+    refuse_dropped,
+    refuse_gated_delta_net_head_split,
+)
 
 
 def gpt_options(args) -> dict:

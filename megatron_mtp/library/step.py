@@ -8,12 +8,12 @@ all-reduced once up front and every loss branch is seeded with its exact global 
 from functools import partial
 
 import torch
-
 from megatron.core import parallel_state
+
 from megatron.core.fork import context_parallel
 from megatron.core.fork import device as compute_device
-from megatron.core.fork.step_loss import StepCounts, main_loss, step_counts
 from megatron.core.fork.split_step import SplitStep
+from megatron.core.fork.step_loss import StepCounts, main_loss, step_counts
 
 
 def gpt_per_token_loss(model, tokens, loss_mask, mtp_sample_mask=None):

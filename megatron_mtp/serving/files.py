@@ -208,9 +208,9 @@ def write_megatron(staging: Path, args, tensors: dict, depths_in_tensors: int, s
     initialization), given the tensors (by the model's state-dict names: mapping.hf_to_megatron),
     and saved through dist checkpointing, so the trainer loads it at any layout. Returns the names of the tensors that were initialized rather than imported."""
     from megatron.core import dist_checkpointing
+
     from megatron.core.fork.model_shape import model_shape
     from megatron.core.fork.trainer import checkpoint as trainer_checkpoint
-
     from megatron_mtp.serving import model as serving_model
 
     serving_model.setup(seed)

@@ -21,9 +21,9 @@ state at that position, which the forward continues from.
 import contextlib
 
 import torch
+from megatron.core.transformer.enums import AttnMaskType
 
 from megatron.core.fork.sdpa_attention import SDPACoreAttention
-from megatron.core.transformer.enums import AttnMaskType
 from megatron_mtp.serving import recurrent
 
 

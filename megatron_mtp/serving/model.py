@@ -50,8 +50,8 @@ def _free_port() -> str:
 
 def setup(seed: int = 1234) -> None:
     import torch.distributed as dist
-
     from megatron.core import parallel_state
+
     from megatron_mtp.library.initialize import initialize_distributed, initialize_model_parallel
 
     if not dist.is_initialized():
@@ -111,7 +111,6 @@ def architecture_fields(args) -> dict:
 
 def transformer_config(args, mtp_num_layers=None):
     import torch.nn.functional as F
-
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_buildable(args)
@@ -217,6 +216,7 @@ class Runner:
     def __init__(self, model, vocab_size: int):
         from megatron.core.ssm.gated_delta_net import GatedDeltaNet
         from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
         from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention, KVCache
 
         self.model = model

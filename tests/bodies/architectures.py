@@ -76,12 +76,12 @@ def _loss(model, vocab: int) -> float:
 
 
 def builder_cases(cases: dict, save: str) -> dict:
-    from megatron.core.fork.specs import SpecError
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.training.arguments import core_transformer_config_from_args
 
     import pretrain_gpt_mtp
+    from megatron.core.fork.specs import SpecError
     from megatron_mtp.serving.model import setup
 
     results = {}

@@ -183,10 +183,23 @@ GATED_DELTA_NET = ("qwen3-next", "qwen3.5", "qwen3.5-moe")  # their layer_types,
 
 
 def _families():
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model, Glm4MoeConfig,
-                              Glm4MoeForCausalLM, Glm4MoeModel, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
-                              Qwen3_5MoeTextConfig, Qwen3_5MoeTextModel, Qwen3_5TextConfig, Qwen3_5TextModel,
-                              Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3NextModel)
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        DeepseekV3Model,
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
+        Glm4MoeModel,
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5MoeTextModel,
+        Qwen3_5TextConfig,
+        Qwen3_5TextModel,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+        Qwen3NextModel,
+    )
 
     return {"deepseek-v3": (DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model, DEEPSEEK),
             "glm-4.5": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeModel, GLM),

@@ -9,8 +9,18 @@ import torch
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron_mtp.library.model import build_gpt
 from tests.bodies.mtp_model import (
-    LAMBDA, SEQ, SPARSE_CHUNK, VOCAB, counts_equal, make_config, max_rel, packed_batch, padded_batch, reference_for,
-    reference_sums, run_megatron,
+    LAMBDA,
+    SEQ,
+    SPARSE_CHUNK,
+    VOCAB,
+    counts_equal,
+    make_config,
+    max_rel,
+    packed_batch,
+    padded_batch,
+    reference_for,
+    reference_sums,
+    run_megatron,
 )
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import draft_objective_sum
@@ -162,6 +172,7 @@ def sample_mask() -> dict:
     model's gradients against the reference whose MTP masks are multiplied by r and whose main
     loss is not; and against the same step without r (which must differ)."""
     from megatron.core.transformer import multi_token_prediction
+
     from megatron_mtp.library.step import gpt_per_token_loss
 
     with model_parallel():

@@ -1,8 +1,8 @@
 """Bodies for tests/test_foundation_training.py: the single-process reference and the parallel layouts."""
 
 import torch
-
 from megatron.core import parallel_state
+
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel
@@ -159,8 +159,9 @@ def sdpa_matches_upstream_attention() -> dict:
     """SDPACoreAttention against upstream's local DotProductAttention on the same weights."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.fork.specs import on_this_device
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.core.fork.specs import on_this_device
 
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,

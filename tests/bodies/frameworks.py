@@ -27,11 +27,11 @@ plus the spec's (lambda / D) sum_k S_k / N_tok (section 12's objective where the
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
 from megatron.core.fork.exact_mtp_step import exact_mtp_step
 from megatron.core.fork.step_loss import StepCounts
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.step import gpt_per_token_loss

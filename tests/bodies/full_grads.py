@@ -12,7 +12,6 @@ are equal after the reduce). Every copy must equal the reference's gradient.
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 
 

@@ -3,9 +3,9 @@
 import importlib.util
 
 import torch
-
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
+
 from megatron_mtp.library.batches import BYTE_VOCAB_SIZE, embedded_corpus, global_batch, rank_microbatches
 from megatron_mtp.library.model import build_model
 from megatron_mtp.library.step import train_step

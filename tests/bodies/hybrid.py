@@ -9,8 +9,20 @@ import torch.nn.functional as F
 
 from megatron_mtp.library.model import build_gpt, build_hybrid
 from tests.bodies.mtp_model import (
-    GROUPS, HEADS, HIDDEN, LAMBDA, SEQ, SPARSE_CHUNK, VOCAB, make_config, max_rel, padded_batch, reference_for,
-    counts_equal, reference_sums, run_megatron,
+    GROUPS,
+    HEADS,
+    HIDDEN,
+    LAMBDA,
+    SEQ,
+    SPARSE_CHUNK,
+    VOCAB,
+    counts_equal,
+    make_config,
+    max_rel,
+    padded_batch,
+    reference_for,
+    reference_sums,
+    run_megatron,
 )
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import Architecture, DeltaNet, ReferenceGPT

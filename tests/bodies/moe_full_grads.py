@@ -13,8 +13,8 @@ a Gated DeltaNet's input projection and convolution are joined section by sectio
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
+
 from tests.bodies.full_grads import global_name, shard_sections
 
 

@@ -11,8 +11,8 @@ run's, the main and MTP group norms, the loss and the per-depth MTP sums.
 
 
 import torch
-
 from megatron.core import parallel_state
+
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies import tiny_gpt
 from tests.bodies.full_grads import all_gather_distributed_optimizer_shards, gathered_full_grads, max_rel_to_reference

@@ -5,11 +5,11 @@ import dataclasses
 import itertools
 
 import torch
-
-from megatron.core.fork.mtp.statistics import COUNT_FIELDS, STEP_STATISTICS
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.core.fork.mtp.statistics import COUNT_FIELDS, STEP_STATISTICS
 from megatron_mtp.library.model import build_gpt
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import Architecture, ReferenceGPT, acceptances, draft_terms, mtp_inner_layer_name

@@ -5,15 +5,15 @@ objective L = L_main + (lambda / D) * sum_k S_k / N_tok, token- or sequence-leve
 """
 
 import torch
-
 from megatron.core import parallel_state
-from megatron.core.fork import compat
-from megatron.core.fork.step_loss import StepCounts, active
-from megatron.core.fork.split_step import SplitStep
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
+
+from megatron.core.fork import compat
+from megatron.core.fork.split_step import SplitStep
+from megatron.core.fork.step_loss import StepCounts, active
 from megatron_mtp.library.batches import rank_microbatches
+from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.model import build_model
 from megatron_mtp.library.step import global_counts, gpt_forward_step
 from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference

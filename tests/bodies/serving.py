@@ -233,9 +233,8 @@ def _hf(path):
 
 
 def _runner(path):
-    from megatron_mtp.serving import model as serving_model
-
     from megatron_mtp.serving import files
+    from megatron_mtp.serving import model as serving_model
 
     args, directory = files.read_arguments(path)
     serving_model.setup()

@@ -5,13 +5,23 @@ import dataclasses
 import itertools
 
 import torch
-
 from megatron.core import parallel_state
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.transformer import multi_token_prediction
+
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron_mtp.library.model import build_gpt
-from tests.bodies.mtp_model import (SEQ, VOCAB, Capture, against_reference, make_config, max_rel,
-                                    reference_for, reference_sums, run_megatron, counts_equal)
+from tests.bodies.mtp_model import (
+    SEQ,
+    VOCAB,
+    Capture,
+    against_reference,
+    counts_equal,
+    make_config,
+    max_rel,
+    reference_for,
+    reference_sums,
+    run_megatron,
+)
 from tests.harness.layout import model_parallel
 
 DEPTHS = 3

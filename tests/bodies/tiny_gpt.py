@@ -10,14 +10,13 @@ from one process on the whole batch.
 from dataclasses import dataclass
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
+
 from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.model import build_model
 from megatron_mtp.library.step import train_step as trainer_step
-
 
 
 @dataclass
@@ -110,7 +109,6 @@ def architecture_config(setup: Setup):
     """(the config class, its fields) of the setup's architecture: MLA's config class, or this
     module's TransformerConfig (which tests.bodies.mtp_layouts may wrap for a call)."""
     import torch.nn.functional as F
-
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     fields = dict(ARCHITECTURES[setup.arch])

@@ -9,11 +9,11 @@ masked CE sums are compared with upstream's per-position CE.
 """
 
 import torch
-
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.transformer_config import TransformerConfig
+
 from tests.harness.layout import model_parallel
 
 VOCAB, SEQ = 48, 12

@@ -25,8 +25,8 @@ def die() -> None:
 
 def install() -> None:
     import torch.distributed as dist
-
     from megatron.core import dist_checkpointing
+
     from megatron.core.fork.trainer import checkpoint
 
     if MOMENT == "after-tensor-files":

@@ -3,6 +3,7 @@
 import contextlib
 
 from megatron.core import parallel_state
+
 from megatron_mtp.library.initialize import initialize_model_parallel
 
 

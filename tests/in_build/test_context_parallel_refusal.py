@@ -7,9 +7,9 @@ tests/test_normalization.py and tests/test_mtp_layouts.py)."""
 import os
 
 import pytest
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core.fork.split_step import SplitStep
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 EXACT_ROLL = os.environ["MEGATRON_MTP_BUILD"] == "0.19.2"
 

@@ -6,10 +6,10 @@ variant rather than build plain attention layers under its name."""
 
 import pytest
 import torch.nn.functional as F
-
 from megatron.core import package_info
-from megatron.core.fork.specs import SpecError, gpt_specs
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.core.fork.specs import SpecError, gpt_specs
 
 
 def test_the_variant_is_refused_where_its_layers_are_not_selected():

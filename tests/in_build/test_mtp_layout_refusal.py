@@ -8,7 +8,6 @@ measured relative gradient errors 0.048 and 1.05; tied, the build hung).
 
 import pytest
 import torch
-
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 

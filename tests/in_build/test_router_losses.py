@@ -3,9 +3,9 @@
 from types import SimpleNamespace
 
 import pytest
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core.fork import compat, router_losses
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def moe_config(**overrides):

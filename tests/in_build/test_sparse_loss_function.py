@@ -6,10 +6,10 @@ protocol of upstream's output layer."""
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core.fork.mtp.sparse_loss import rows_needed
 from megatron.core.fork.sparse_cross_entropy import ChunkedVocabParallelCrossEntropy
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 ROWS, HIDDEN, VOCAB = 23, 16, 40
 

@@ -8,7 +8,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async

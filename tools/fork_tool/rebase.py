@@ -7,8 +7,16 @@ from pathlib import Path
 from fork_tool import upstream
 from fork_tool.errors import ForkError
 from fork_tool.git import git, init_pristine
-from fork_tool.series import (PRISTINE_TAG, apply_series, check_part_names, default_workdir, describe_failure,
-                              format_series, link_fork_owned, parts)
+from fork_tool.series import (
+    PRISTINE_TAG,
+    apply_series,
+    check_part_names,
+    default_workdir,
+    describe_failure,
+    format_series,
+    link_fork_owned,
+    parts,
+)
 from megatron_mtp.patched_core import series_dir, series_patches
 
 OLD_SERIES_REF = "refs/heads/series-{version}"

@@ -30,16 +30,16 @@ hooks restored, gradients zeroed, no optimizer step.
 """
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
+from megatron.core.utils import get_model_config
+
 from megatron.core.fork import device as compute_device
 from megatron.core.fork import router_losses, step_loss
 from megatron.core.fork.mtp import router_metrics
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
 from megatron.core.fork.step_scope import MOE_SCALE_HOOK, StepScope, reduced_sums
-from megatron.core.utils import get_model_config
 
 
 def _counts(counts) -> "step_loss.StepCounts | None":

@@ -17,8 +17,9 @@ tensors read as w or as 1 + w), and the shared expert's gate (a model without on
 rest and drop it).
 """
 
-from megatron.core.fork import compat
 from megatron.core.utils import get_attr_wrapped_model
+
+from megatron.core.fork import compat
 
 SHAPE_FIELDS = (
     "num_layers",

@@ -18,16 +18,16 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from megatron.core import tensor_parallel
-from megatron.core.fork import context_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+from torch import Tensor
+
+from megatron.core.fork import context_parallel
 
 
 def causal_mask(q_positions: Tensor, k_positions: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:

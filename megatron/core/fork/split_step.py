@@ -20,17 +20,17 @@ are given to the constructor. Not thread-safe: one step per process at a time.
 import contextlib
 
 import torch
-
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads, reset_model_temporary_tensors
-from megatron.core.fork import device as compute_device
-from megatron.core.fork import step_loss
-from megatron.core.fork.mtp import router_metrics
-from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
-from megatron.core.fork.exact_mtp_step import ExactMTPStep
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+from megatron.core.fork import device as compute_device
+from megatron.core.fork import step_loss
+from megatron.core.fork.exact_mtp_step import ExactMTPStep
+from megatron.core.fork.mtp import router_metrics
+from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
 
 MAIN_GRAD_NORM_GROUP = "main"
 

@@ -17,8 +17,8 @@ each of them enters through its public front, megatron.core.fork.exact_mtp_step.
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
+
 from megatron.core.fork import device as compute_device
 from megatron.core.fork import router_losses, step_loss
 from megatron.core.fork.mtp import router_metrics

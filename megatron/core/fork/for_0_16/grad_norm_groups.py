@@ -15,9 +15,9 @@ checkpoints, are the same with and without isolation.
 import math
 
 import torch
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 
 from megatron.core.fork import device as compute_device
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 
 GRAD_NORM_GROUP_ATTR = "grad_norm_group"
 SEPARATE_GROUPS = ("mtp",)

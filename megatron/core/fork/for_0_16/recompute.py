@@ -7,7 +7,6 @@ checkpoint, and everything else is bound by name in a closure.
 """
 
 import torch
-
 from megatron.core import tensor_parallel
 
 

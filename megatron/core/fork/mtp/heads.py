@@ -15,13 +15,13 @@ projection at every row.
 """
 
 import torch
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from megatron.core.fork import compat, step_loss
 from megatron.core.fork.mtp import isolation, last_depth
 from megatron.core.fork.mtp.draft_objectives import objective_of
 from megatron.core.fork.mtp.sparse_loss import every_row, rows_needed, sparse_depth_losses
 from megatron.core.fork.mtp.supervision import depth_targets, labels_and_mask
-from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 
 def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):

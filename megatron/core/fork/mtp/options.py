@@ -9,9 +9,10 @@ config is built, before any module or state exists.
 
 from dataclasses import dataclass
 
+from megatron.core.model_parallel_config import ModelParallelConfig
+
 from megatron.core.fork import compat
 from megatron.core.fork.mtp import draft_objectives
-from megatron.core.model_parallel_config import ModelParallelConfig
 
 
 @dataclass

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
 from megatron.core import parallel_state
+
 from megatron.core.fork import device as compute_device
 from megatron.core.fork import router_losses
 from megatron.core.fork.mtp import last_depth

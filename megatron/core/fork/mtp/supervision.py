@@ -9,7 +9,6 @@ would cross the end of the row or of a packed (THD) segment. Rolling uses upstre
 from typing import Iterator, Optional
 
 import torch
-
 from megatron.core.transformer.multi_token_prediction import roll_tensor
 
 

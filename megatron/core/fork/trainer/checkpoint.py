@@ -19,12 +19,11 @@ import os
 import pickle
 import tempfile
 
-import torch
+from megatron.core.msc_utils import MultiStorageClientFeature, maybe_msc
 
 from megatron.core.fork import chained_optimizer_state
 from megatron.core.fork.model_shape import check_same_shape, model_shape
 from megatron.core.fork.trainer import metrics
-from megatron.core.msc_utils import MultiStorageClientFeature, maybe_msc
 
 KEY = "mtp_training"
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -24,17 +24,16 @@ from here, so Megatron-LM's own pretrain_gpt.py keeps working with the series ap
 """
 
 import torch
-
 from megatron.core import parallel_state
-from megatron.core.fork import router_losses, step_loss
-from megatron.core.fork.mtp import router_metrics
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS
-from megatron.core.fork.exact_mtp_step import ExactMTPStep
-from megatron.core.fork.step_scope import reduced_sums
-from megatron.core.fork.trainer import loss_contract
-from megatron.core.fork.trainer import metrics
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
+
+from megatron.core.fork import router_losses, step_loss
+from megatron.core.fork.exact_mtp_step import ExactMTPStep
+from megatron.core.fork.mtp import router_metrics
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.fork.step_scope import reduced_sums
+from megatron.core.fork.trainer import loss_contract, metrics
 
 
 def loss_mask_of(batch) -> torch.Tensor:

@@ -16,6 +16,7 @@ import time
 import torch
 
 from megatron.core.fork.mtp.statistics import EXPECTED_LENGTH, EXPECTED_LENGTH_SAMPLING, metrics_from_sums, widened
+
 ROUTER_LOSS_SUFFIXES = ("load balancing loss", "z loss")
 
 
