@@ -56,8 +56,8 @@ def _provider(defaults: dict):
                                 "token count)")
         group.add_argument("--freeze-backbone", action="store_true",
                            help="train the MTP heads only (draft heads beside a backbone another objective "
-                                "owns): every parameter outside the MTP block is frozen, and every MoE router's expert bias "
-                                "there; needs --mtp-detach-heads. The main loss is still computed and logged.")
+                                "owns): every parameter outside the MTP block is frozen, and every MoE router's expert "
+                                "bias there; needs --mtp-detach-heads. The main loss is still computed and logged.")
         group.add_argument("--create-attention-mask-in-dataloader", action="store_true",
                            help="build the dataset's causal attention mask every micro-batch (Megatron-LM's "
                                 "default; off here: the attention is causal without it, SDPA or Transformer "
@@ -555,7 +555,8 @@ def summary(args) -> str:
                  else "multi-head attention")
     return (f"pretrain_gpt_mtp.py: arguments OK: world {args.world_size} = DP {args.data_parallel_size} x "
             f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size}"
-            f"{f' (VPP {args.virtual_pipeline_model_parallel_size})' if args.virtual_pipeline_model_parallel_size else ''}"
+            + (f" (VPP {args.virtual_pipeline_model_parallel_size})" if args.virtual_pipeline_model_parallel_size
+               else "") +
             f" x CP {args.context_parallel_size}; "
             f"{f'HybridModel {args.hybrid_layer_pattern!r}, ' if args.hybrid_layer_pattern else ''}"
             f"{args.num_layers} layers, hidden {args.hidden_size}, "

@@ -39,7 +39,8 @@ OLDER_BUILDS_BY_DEFAULT = {
     # 0.16.1's series refuses the draft objectives in one line
     "tests/test_draft_objectives.py": {"test_each_series_builds_or_refuses_the_draft_objectives"},
     # one rank: the 0.16.1 backports of the router losses' weights and scale
-    "tests/test_moe_gradients.py": {"test_one_rank_matches_the_reference", "test_a_wrong_router_loss_denominator_is_detected"},
+    "tests/test_moe_gradients.py": {"test_one_rank_matches_the_reference",
+                                    "test_a_wrong_router_loss_denominator_is_detected"},
 }
 
 

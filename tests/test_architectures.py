@@ -72,7 +72,8 @@ CASES = {
     # its MTP layer is the decoder's last: dense here, where a plain GPT layer would be MoE
     "gated_delta_net_moe_dense_last": ("--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq",
                                        "2", *GATED_DELTA_NET, "--num-experts", "4", "--moe-router-topk", "2",
-                                       "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,1,1,0]", "--disable-bias-linear"),
+                                       "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,1,1,0]",
+                                       "--disable-bias-linear"),
     "refused_gated_delta_net_without_swiglu": ("--experimental-attention-variant", "gated_delta_net",
                                                "--linear-attention-freq", "2"),
     "refused_dsa": ("--experimental-attention-variant", "dsa", *MLA, "--disable-bias-linear"),
@@ -176,7 +177,8 @@ def test_zero_centred_gamma_makes_every_norm_zero_centred(results):
     assert results["apply_layernorm_1p"]["norms"] == ["ZeroCenteredLayerNorm"]  # decoder, final, MTP norms alike
     assert results["apply_layernorm_1p_qk_rmsnorm"]["norms"] == ["ZeroCenteredRMSNorm"]
     # w starts at zero (a scale of 1), as Transformer Engine's; torch's plain norms start at a weight of 1
-    assert results["apply_layernorm_1p"]["norm_weights_zero"] and results["apply_layernorm_1p_qk_rmsnorm"]["norm_weights_zero"]
+    assert (results["apply_layernorm_1p"]["norm_weights_zero"]
+            and results["apply_layernorm_1p_qk_rmsnorm"]["norm_weights_zero"])
     assert not results["default"]["norm_weights_zero"]
 
 

@@ -35,7 +35,8 @@ def bootstrap(tmp_path: Path, probe: str, torch_build: str | None,
     python = tmp_path / "venv" / "bin" / "python"
     # `-c` is the bootstrap's is-torch-installed probe: answer no; without a local wheel the CPU
     # build's first attempt (no index added) fails; any other command succeeds
-    no_local = "" if local_wheel else '[ "$*" = "-m pip --disable-pip-version-check install --quiet torch==2.13.0+cpu" ] && exit 1\n'
+    no_local = ("" if local_wheel else
+                '[ "$*" = "-m pip --disable-pip-version-check install --quiet torch==2.13.0+cpu" ] && exit 1\n')
     python.write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" >> {calls}; echo >> {calls}\n{no_local}[ "$1" != -c ]\n')
     python.chmod(0o755)
     if PROBES[probe] is not None:

@@ -16,7 +16,8 @@ one process).
   experts in every layer (Gated DeltaNet's in_proj_qkv / _z / _b / _a, the multimodal rotary's
   sections at text positions).
 - The two MTP depths of DeepSeek-V3 and GLM-4.5, in DeepSeek-V3's layout, and of Qwen3-Next and
-  Qwen3.5 (dense and MoE), in Qwen3-Next's (mtp.layers.{k}, one mtp.fc and set of norms), equal a forward written from the engines' MTP
+  Qwen3.5 (dense and MoE), in Qwen3-Next's (mtp.layers.{k}, one mtp.fc and set of norms), equal a forward
+  written from the engines' MTP
   semantics on the Hugging Face tensors (relative 1e-5).
 - Import then export gives the original tensors bit for bit (the MTP depths and the copies its
   loaders read included; Qwen3-Next's Gated DeltaNet output norm, shifted by one, below 0.5 too),

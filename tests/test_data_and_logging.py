@@ -167,7 +167,8 @@ def test_training_on_a_blend_reports_every_metric_to_console_tensorboard_and_wan
     assert "ETA: " in run.output
     assert 0 < line["expected accepted length (incl. bonus token)"] - 1 <= 2
     check_expected_accepted_length(run.iterations, scalars(tmp_path / "tb"), depths=2)
-    check_blend_and_split(tmp_path / "cache", {str(tmp_path / "first"): (0.7, 250), str(tmp_path / "second"): (0.3, 150)},
+    check_blend_and_split(tmp_path / "cache", {str(tmp_path / "first"): (0.7, 250),
+                                               str(tmp_path / "second"): (0.3, 150)},
                           (0.90, 0.05, 0.05), train_samples=4 * 8)
     for iteration in (2, 4):  # evaluation reports the MTP metrics too
         validation = run.validations[iteration]

@@ -68,7 +68,8 @@ def test_cpu_quickstart(tmp_path):
                   env={"WORK": str(tmp_path / "d1"), "CONFIG": "examples/configs/repeated_d3.sh"})
     (error,) = [line for line in output.splitlines() if "pretrain_gpt_mtp.py: error: " in line]
     assert "mtp_num_layers: checkpoint 1, model 3" in error, error
-    assert error.endswith(f"Or give this run another --save: its --load is its --save, {tmp_path / 'd1' / 'checkpoints'}")
+    assert error.endswith(f"Or give this run another --save: its --load is its --save, "
+                          f"{tmp_path / 'd1' / 'checkpoints'}")
 
 
 @pytest.mark.matrix  # the default tier trains draft heads on a frozen backbone in test_serving's pipeline

@@ -94,7 +94,8 @@ def test_prepare_refuses_a_dirty_working_tree(tmp_path):
 
 def test_unknown_version_is_a_clear_error():
     result = fork("check", "--version", "9.9.9", check_rc=2)
-    assert "no patch series for megatron-core 9.9.9" in result.stderr or "unknown megatron-core version" in result.stderr
+    assert ("no patch series for megatron-core 9.9.9" in result.stderr
+            or "unknown megatron-core version" in result.stderr)
 
 
 def test_hash_mismatch_is_a_clear_error(tmp_path):
@@ -342,7 +343,8 @@ def test_the_series_carries_past_what_megatron_lm_main_changed_beside_its_hooks(
         _replace(training, "    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()\n",
                  "    with nullcontext() as _span:\n"
                  "        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()\n")
-        _replace(training, "                setup_fault_injection(fault_injector_config)\n        if should_checkpoint:\n",
+        _replace(training, "                setup_fault_injection(fault_injector_config)\n"
+                 "        if should_checkpoint:\n",
                  "                setup_fault_injection(fault_injector_config)\n"
                  "                _mark_step_span(skipped_iter)\n        if should_checkpoint:\n")
         _replace(tree / "megatron/training/checkpointing.py",

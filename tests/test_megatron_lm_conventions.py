@@ -150,7 +150,8 @@ GPU_DEFAULTS = """
               ("transformer_impl", "apply_rope_fusion", "gradient_accumulation_fusion", "distributed_backend")})
         print("norms", len(installed), [arguments.uses_torch_norms(SimpleNamespace(transformer_impl=impl,
                                                                                    normalization=norm))
-                                        for impl in ("local", "transformer_engine") for norm in ("LayerNorm", "RMSNorm")])
+                                        for impl in ("local", "transformer_engine")
+                                        for norm in ("LayerNorm", "RMSNorm")])
     for on_gpu, pattern, variant, dry_run in ((True, "G*", None, False), (True, None, "gated_delta_net", False),
                                               (False, "G*", None, False), (True, "G*", None, True),
                                               (True, "**", None, False)):
@@ -191,8 +192,9 @@ def test_gpu_defaults_follow_what_is_installed_and_what_is_missing_is_refused():
         "gpu 3 {'transformer_impl': None, 'apply_rope_fusion': None, 'gradient_accumulation_fusion': None, "
         "'distributed_backend': None}",
         "norms 3 [False, True, False, False]"], lines
-    assert lines[6] == ("te False [\"pretrain_gpt_mtp.py: error: --transformer-impl transformer_engine needs Transformer "
-                        "Engine, which is not installed (pip install -e '.[gpu]'), or --transformer-impl local\"]"), lines
+    assert lines[6] == ("te False [\"pretrain_gpt_mtp.py: error: --transformer-impl transformer_engine needs "
+                        "Transformer Engine, which is not installed (pip install -e '.[gpu]'), or --transformer-impl "
+                        "local\"]"), lines
 
 
 # ---------------------------------------------------------------- pipeline layouts

@@ -35,7 +35,8 @@ norm is summed by its sequence-parallel rule; the series' sum for TP without SP 
 DeltaNet: its output norm's gradient summed over tensor parallelism") is held by
 tests/test_mtp_layouts.py.
 
-Every carried build runs it (the default tier: 0.16.1 on one rank; docs/tests.md): on 0.16.1 the series' backports (moe_grad_scale_func; the router's
+Every carried build runs it (the default tier: 0.16.1 on one rank; docs/tests.md): on 0.16.1 the series'
+backports (moe_grad_scale_func; the router's
 per-token weights, without which the seq_aux_loss setups are 0.22-0.47 off on one rank) make it
 exact.
 """

@@ -130,7 +130,8 @@ def runs(build, matrix, tmp_path_factory):
     setups = {name: kwargs for name, kwargs in ALL_SETUPS.items() if runs_on(build, name)}
     (reference,) = launch("tests.bodies.mtp_layouts:reference", 1, {"ckpt_root": root, "setups": setups},
                           timeout=600, build=build)
-    layouts = [dict(layout, setups=[name for name in setups_of(layout) if name in setups and runs_on(build, name, layout)
+    layouts = [dict(layout, setups=[name for name in setups_of(layout)
+                                    if name in setups and runs_on(build, name, layout)
                                     and (matrix or (layout["name"], name) in DEFAULT_CASES)]) for layout in LAYOUTS]
     layouts = [layout for layout in layouts if layout["setups"]]
     ranks = launch("tests.bodies.mtp_layouts:layouts", 4,
@@ -149,8 +150,8 @@ def setups_of(layout: dict) -> list:
         return list(SETUPS)
     # Gated DeltaNet's 2 key heads split over TP x CP <= 2 ranks only (more is refused in one line).
     splits = layout["tp"] * layout.get("cp", 1)
-    return list(SETUPS) + list(HYBRID_SETUPS) + list(DRAFT_SETUPS) + [name for name in ARCH_SETUPS
-                                                   if splits <= 2 or not ARCH_SETUPS[name]["arch"].startswith("delta_net")]
+    return list(SETUPS) + list(HYBRID_SETUPS) + list(DRAFT_SETUPS) + [
+        name for name in ARCH_SETUPS if splits <= 2 or not ARCH_SETUPS[name]["arch"].startswith("delta_net")]
 
 
 def cases():

@@ -31,7 +31,8 @@ lm loss: 4.000000E+00 | mtp_1 loss: 4.500000E+00 | mtp_1 acceptance: 0.1000 | mt
 elapsed time per iteration (ms): 100.0 | learning rate: 5.000000E-04 | global batch size:     8 | \
 lm loss: 3.000000E+00 | mtp_1 loss: 3.500000E+00 | mtp_1 acceptance: 0.3000 | mtp_1 chain acceptance: \
 0.3000 | mtp_2 loss: 3.600000E+00 | mtp_2 acceptance: 0.2000 | mtp_2 chain acceptance: 0.1000 | \
-mtp_2 sampled acceptance: 0.1500 | {EXPECTED_LENGTH_NAME}: 1.4000 | {SAMPLING_LENGTH_NAME}: 1.3500 | mtp grad norm: 0.250 | grad norm: 1.000 | number of skipped iterations:   0 |
+mtp_2 sampled acceptance: 0.1500 | {EXPECTED_LENGTH_NAME}: 1.4000 | {SAMPLING_LENGTH_NAME}: 1.3500 | \
+mtp grad norm: 0.250 | grad norm: 1.000 | number of skipped iterations:   0 |
 [default1]: validation loss at iteration 4 | lm loss value: 3.100000E+00 | lm loss PPL: 2.219795E+01 | \
 mtp_1 loss: 3.700000E+00 | mtp_1 acceptance: 0.2500 |
 [default1]: validation loss at iteration 4 on validation set | lm loss value: 3.050000E+00 | lm loss PPL: \
@@ -105,12 +106,13 @@ def test_the_tool_overlays_both_kinds_of_run_and_tables_their_last_values(consol
     svg, png = tmp_path / "curves.svg", tmp_path / "curves.png"
     result = plot(f"no MTP={tensorboard}", str(console), "-o", str(svg), "--x", "tokens", "--table")
     assert result.returncode == 0, result.stderr
-    assert "read run 2/2: attached (2 logged iterations)" in result.stderr and "drawing 2 runs" in result.stderr  # progress on stderr
+    assert ("read run 2/2: attached (2 logged iterations)" in result.stderr
+            and "drawing 2 runs" in result.stderr)  # progress on stderr
     table = result.stdout.strip().splitlines()
     assert table[0].startswith("| run | iteration | lm loss | lm loss validation | mtp_1 loss | mtp_2 loss |")
     assert table[2] == "| no MTP | 4 | 3.2500 | 3.5000 | - | - | - | - | - | - | - | 2.0000 | 500.0 |"
-    assert table[3] == ("| attached | 4 | 3.0000 | 3.0500 | 3.5000 | 3.6000 | 0.3000 | 0.2000 | 0.1500 | 1.4000 | 1.3500 "
-                        "| 1.0000 | 500.0 |")
+    assert table[3] == ("| attached | 4 | 3.0000 | 3.0500 | 3.5000 | 3.6000 | 0.3000 | 0.2000 | 0.1500 | 1.4000 "
+                        "| 1.3500 | 1.0000 | 500.0 |")
     text = svg.read_text()
     assert text.startswith("<?xml") and "attached mtp_2" in text and "no MTP" in text
     assert "attached validation" in text and "no MTP validation" in text  # the lm loss panel's validation lines

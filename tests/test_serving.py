@@ -550,7 +550,8 @@ def test_the_main_command_with_the_readme_s_llama_flags_exports_as_llama(tmp_pat
 
 
 def test_a_hybridmodel_checkpoint_s_export_is_refused_naming_the_gptmodel_form(pipeline, tmp_path):
-    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", str(pipeline[0] / "trained-hybrid"),
+    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export",
+                             str(pipeline[0] / "trained-hybrid"),
                              str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]

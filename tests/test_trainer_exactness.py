@@ -100,7 +100,8 @@ def initial_weights(dataset, tmp_path_factory):
     # DP with the distributed optimizer (its model-level case in the default tier: test_mtp_layouts'
     # dp4_distributed_optimizer); the sparse main loss on TP x SP (its rows against the dense loss
     # also in test_mtp_sparse_loss).
-    pytest.param("token", ("--mtp-detach-heads",), ("dp2-distributed-optimizer", "tp2-sequence-parallel-sparse-lm-loss"),
+    pytest.param("token", ("--mtp-detach-heads",),
+                 ("dp2-distributed-optimizer", "tp2-sequence-parallel-sparse-lm-loss"),
                  id="token-isolated-dp-and-sparse-lm-loss", marks=pytest.mark.matrix),
     # The draft objectives of spec section 12 (e2e_tv couples the depths at each position; the
     # main head's distribution at t + k crosses TP shards and CP ranks).
@@ -174,7 +175,8 @@ RESUME_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "pp2-vpp2-distinct-isolated" else pytest.mark.matrix)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "pp2-vpp2-distinct-isolated"
+                                                     else pytest.mark.matrix)
                                   for case in RESUME_CASES])  # the default tier: interleaved PP
 def test_a_resumed_run_repeats_the_uninterrupted_run_bit_for_bit(case, dataset, tmp_path):
     nproc, args = RESUME_CASES[case]

@@ -80,7 +80,8 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
     shutil.copytree(checkpoint, garbage)
     (garbage / "latest_checkpointed_iteration.txt").write_text("")
     data = [*TINY, "--data-path", str(dataset), "--lr", "1e-3", "--train-iters", "4"]
-    one, two, three = {"WORLD_SIZE": "1", "RANK": "0"}, {"WORLD_SIZE": "2", "RANK": "0"}, {"WORLD_SIZE": "3", "RANK": "0"}
+    one, two, three = ({"WORLD_SIZE": "1", "RANK": "0"}, {"WORLD_SIZE": "2", "RANK": "0"},
+                       {"WORLD_SIZE": "3", "RANK": "0"})
     return [
         # Megatron-LM's own checks (validate_args, TransformerConfig, the fork's MTP options),
         # in one line: this script repeats none of them
@@ -130,7 +131,8 @@ def refusals(dataset, checkpoint, tmp_path) -> list[tuple[list, dict, str]]:
         ([*data, "--data-path", str(truncated)], one,
          f"{truncated}.bin holds 1000 bytes"),
         ([*data, "--vocab-size", "1000"], one, "--vocab-size 1000 does not match the dataset's tokenizer bytes"),
-        ([*data, "--data-path", "0.5", str(dataset), "0.5", str(other_tokenizer)], one, "the datasets were written with different tokenizers"),
+        ([*data, "--data-path", "0.5", str(dataset), "0.5", str(other_tokenizer)], one,
+         "the datasets were written with different tokenizers"),
         ([*data, "--load", str(damaged)], one, f"{distcp}: truncated"),
         # the way out of a damaged latest checkpoint: an earlier one, into a new --save (issue 41)
         ([*data, "--load", str(damaged)], one, f"to go on from an earlier checkpoint, give --load {damaged} "

@@ -50,4 +50,5 @@ def test_a_users_entry_script_with_exact_steps_trains_the_spec_objective(tmp_pat
         for step in (1, 2, 3):
             assert close(exact[tag][step], want[tag][step]), (tag, step, exact[tag][step], want[tag][step])
     # upstream's normalization of the router losses (1/N_tok) differs from the spec's (1/T)
-    assert not close(upstream["grad-norm"][1], want["grad-norm"][1], rel=1e-3), (upstream["grad-norm"], want["grad-norm"])
+    assert not close(upstream["grad-norm"][1], want["grad-norm"][1],
+                     rel=1e-3), (upstream["grad-norm"], want["grad-norm"])

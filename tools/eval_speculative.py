@@ -137,7 +137,8 @@ def main(argv=None) -> int:
             if not prompt or max(prompt) >= vocab:
                 raise ServingError(f"a prompt is empty or holds a token id >= the vocabulary {vocab}")
         longest = max(len(p) for p, _ in pairs) + args.new_tokens + use
-        if getattr(run_args, "position_embedding_type", "rope") != "rope" and longest > run_args.max_position_embeddings:
+        if (getattr(run_args, "position_embedding_type", "rope") != "rope"
+                and longest > run_args.max_position_embeddings):
             raise ServingError(f"prompt + new tokens + drafts = {longest} positions, the model has "
                                f"{run_args.max_position_embeddings}")
     except ServingError as error:

@@ -13,10 +13,12 @@ depth); acceptance, chain acceptance and sampled acceptance per depth; expected 
 token), teacher-forced and sampling;
 grad norm (and, with --mtp-detach-heads, the MTP group's); learning rate; and for the RL
 example's log (examples/rl/grpo.py) reward and solved fraction, the rollouts' acceptance per
-depth and their mean acceptance length. A panel that no run has is left out. The format follows the output's extension (.png, .svg, .pdf).
+depth and their mean acceptance length. A panel that no run has is left out.
+The format follows the output's extension (.png, .svg, .pdf).
 --table prints a Markdown table of each run's last logged values (the last evaluation's lm
 loss among them) and its median time per iteration. Runs are drawn from the widest line (the
-first) to the narrowest, so a run equal to an earlier one shows inside the earlier one's line. Progress goes to stderr; a bad RUN is refused in one line (exit status 2).
+first) to the narrowest, so a run equal to an earlier one shows inside the earlier one's line.
+Progress goes to stderr; a bad RUN is refused in one line (exit status 2).
 """
 
 import argparse

@@ -123,7 +123,8 @@ def build(args, task):
     # Cached SDPA: the same modules train (no cache attached to a step) and decode over a KV cache.
     chunks = build_model(config, task.vocab_size, task.sequence_length, core_attention=CachedSDPACoreAttention)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
-                                                       clip_grad=1.0), chunks)  # fp32, not distributed: see --heads frozen
+                                                       clip_grad=1.0),
+                                       chunks)  # fp32, not distributed: see --heads frozen
     return chunks, optimizer, depths
 
 

@@ -87,7 +87,8 @@ def load_tokenizer(spec: str, eod_token: str | None = None):
         return HuggingFaceTokenizer(path, eod_token)
     if path.suffix == ".model":
         return SentencePieceTokenizer(path)
-    raise TokenizerError(f"tokenizer file {path} is neither a tokenizer.json (.json) nor a SentencePiece model (.model)")
+    raise TokenizerError(f"tokenizer file {path} is neither a tokenizer.json (.json) nor a SentencePiece model "
+                         "(.model)")
 
 
 # Megatron-LM's tokenizer flags (megatron.training.arguments._add_tokenizer_args) that name

@@ -218,7 +218,8 @@ class ModelConfig:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
         if self.family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES) and self.moe:
             moe = self.moe
-            experts = dict(num_experts=moe["experts"], num_experts_per_tok=moe["topk"], moe_intermediate_size=moe["ffn"])
+            experts = dict(num_experts=moe["experts"], num_experts_per_tok=moe["topk"],
+                           moe_intermediate_size=moe["ffn"])
             if self.family == "qwen3_5_moe":  # its experts are in every layer and always normalized (checked)
                 del config["intermediate_size"]
             else:
@@ -423,7 +424,8 @@ class ModelConfig:
             args.update(q_lora_rank=self.mla["q_lora_rank"], kv_lora_rank=self.mla["kv_lora_rank"],
                         qk_head_dim=self.mla["qk_nope_head_dim"], qk_pos_emb_head_dim=self.mla["qk_rope_head_dim"],
                         v_head_dim=self.mla["v_head_dim"], rope_type="yarn" if scaling else "rope",
-                        rotary_scaling_factor=float(scaling.get("factor", 1.0)), mscale=float(scaling.get("mscale", 1.0)),
+                        rotary_scaling_factor=float(scaling.get("factor", 1.0)),
+                        mscale=float(scaling.get("mscale", 1.0)),
                         mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)))
         return args
 

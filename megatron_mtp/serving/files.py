@@ -206,7 +206,8 @@ def write_megatron(staging: Path, args, tensors: dict, depths_in_tensors: int, s
     """An imported model as a torch_dist release checkpoint: megatron-core's GPTModel is built
     (TP = PP = 1) with `args` (its MTP depths beyond those in `tensors` keep their fresh
     initialization), given the tensors (by the model's state-dict names: mapping.hf_to_megatron),
-    and saved through dist checkpointing, so the trainer loads it at any layout. Returns the names of the tensors that were initialized rather than imported."""
+    and saved through dist checkpointing, so the trainer loads it at any layout. Returns the names
+    of the tensors that were initialized rather than imported."""
     from megatron.core import dist_checkpointing
 
     from megatron.core.fork.model_shape import model_shape

@@ -29,7 +29,8 @@ q_layernorm / k_layernorm, gate/up/down_proj, input_layernorm,
 post_attention_layernorm, model.norm, lm_head); Qwen3-MoE's experts (mlp.gate = the router,
 mlp.experts.{e}.gate/up/down_proj); DeepSeek-V3's multi-latent attention (q_a_proj, q_a_layernorm,
 q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; both store the rotary dims
-with pairs interleaved: megatron-core's MLA rotates them so) and experts (mlp.gate with e_score_correction_bias = the expert
+with pairs interleaved: megatron-core's MLA rotates them so) and experts (mlp.gate with
+e_score_correction_bias = the expert
 bias, mlp.shared_experts); the MTP depths in MiMo's layout
 (model.mtp_layers.{k}: token_layernorm = enorm, hidden_layernorm = hnorm, input_proj over
 [hidden, embedding], i.e. eh_proj with its halves swapped, final_layernorm) or DeepSeek-V3's
@@ -422,7 +423,8 @@ def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
                "qwen3_next": {int(m.group(1)) for n in names if (m := re.match(r"mtp\.layers\.(\d+)\.", n))}}
     found = [(layout, depths) for layout, depths in layouts.items() if depths]
     if len(found) > 1:
-        raise ServingError(f"the checkpoint holds MTP depths in {' and '.join(layout for layout, _ in found)}'s layouts")
+        raise ServingError(f"the checkpoint holds MTP depths in "
+                           f"{' and '.join(layout for layout, _ in found)}'s layouts")
     layout, depths = (found[0][0], max(found[0][1]) + 1) if found else (None, 0)
     check_mtp_layout(cfg, layout)
     if cfg.mtp_num_layers and depths and cfg.mtp_num_layers != depths:

@@ -95,14 +95,16 @@ def architecture_fields(args) -> dict:
     as the trainer's TransformerConfig took them, at one rank and without CUDA kernels; {} without
     any."""
     if not any(getattr(args, name, None) for name in ("num_experts", "multi_latent_attention", "attention_output_gate",
-                                                      "layernorm_zero_centered_gamma", "experimental_attention_variant")):
+                                                      "layernorm_zero_centered_gamma",
+                                                      "experimental_attention_variant")):
         return {}
     import dataclasses
 
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     trained = trained_config(args)
-    mla = {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
+    mla = ({f.name for f in dataclasses.fields(MLATransformerConfig)}
+           - {f.name for f in dataclasses.fields(TransformerConfig)})
     fields = {f.name: getattr(trained, f.name) for f in dataclasses.fields(trained)
               if f.name.startswith("moe_") or f.name in ARCHITECTURE_FIELDS or f.name in mla}
     fields.update({name: False for name in MOE_KERNELS if name in fields})

@@ -140,7 +140,8 @@ def _reference_architectures() -> dict:
     return {
         "qk_layernorm": (Architecture(qk_norm=True), dict(qk_layernorm=True)),
         "qk_rmsnorm": (Architecture("RMSNorm", qk_norm=True), dict(qk_layernorm=True, normalization="RMSNorm")),
-        "mla_rope": (Architecture("RMSNorm", latent=Latent(*sizes)), dict(latent, rope_type="rope", normalization="RMSNorm")),
+        "mla_rope": (Architecture("RMSNorm", latent=Latent(*sizes)),
+                     dict(latent, rope_type="rope", normalization="RMSNorm")),
         # Qwen3-Next's full-attention layer: q/k RMSNorm, an output gate, RoPE on half of each head
         "gated_partial_rotary": (
             Architecture("RMSNorm", qk_norm=True, output_gate=True, rotary_percent=0.5),
@@ -148,7 +149,8 @@ def _reference_architectures() -> dict:
                  model_options=dict(rotary_percent=0.5))),
         # zero-centred gamma (--apply-layernorm-1p): every norm (1 + w), q/k norms too, as Qwen3-Next's
         "zero_centred_qk_rmsnorm": (Architecture("RMSNorm1p", qk_norm=True),
-                                    dict(qk_layernorm=True, normalization="RMSNorm", layernorm_zero_centered_gamma=True)),
+                                    dict(qk_layernorm=True, normalization="RMSNorm",
+                                         layernorm_zero_centered_gamma=True)),
         "zero_centred_layernorm": (Architecture("LayerNorm1p"), dict(layernorm_zero_centered_gamma=True)),
         "mla_yarn_qk_rmsnorm": (
             Architecture("RMSNorm", qk_norm=True, latent=Latent(*sizes, yarn=(4.0, 4096, 32, 1, 1.0, 0.5))),

@@ -217,7 +217,8 @@ def _config(name: str, part: str, **change):
     values = dict(values, num_hidden_layers=layers)
     if name in GATED_DELTA_NET:
         values.update(layer_types=["full_attention"] if part == "depth" else
-                      (QWEN3_NEXT_LAYERS + ["full_attention"] * D)[:layers], mtp_num_hidden_layers=D if part == "main" else 0)
+                      (QWEN3_NEXT_LAYERS + ["full_attention"] * D)[:layers],
+                      mtp_num_hidden_layers=D if part == "main" else 0)
     else:
         values.update(num_nextn_predict_layers=D if part == "main" else 0, **({"first_k_dense_replace": 0}
                                                                                 if part == "depth" else {}))
@@ -528,7 +529,8 @@ def mla_decoding(root: Path) -> dict:
     from tests.bodies.serving import kv_cache
 
     out = kv_cache(str(root), names=("deepseek-v3-mg",))["deepseek-v3-mg"]
-    status, stderr = _run(eval_speculative.main, [str(root / "deepseek-v3-mg"), "--num-prompts", "2", "--new-tokens", "8"])
+    status, stderr = _run(eval_speculative.main,
+                          [str(root / "deepseek-v3-mg"), "--num-prompts", "2", "--new-tokens", "8"])
     out["eval_speculative"] = {"status": status, "stderr": stderr[-2000:]}
     return out
 

@@ -94,7 +94,8 @@ def shape_mismatch_is_refused(ckpt_root: str) -> dict:
     chunks, optimizer, _ = build(saved)
     save_checkpoint(f"{ckpt_root}/shape", chunks, optimizer)
     out = {}
-    for name, kwargs in {"depths": dict(mtp_num_layers=1), "repeated": dict(mtp_num_layers=2, mtp_use_repeated_layer=True),
+    for name, kwargs in {"depths": dict(mtp_num_layers=1),
+                         "repeated": dict(mtp_num_layers=2, mtp_use_repeated_layer=True),
                          "tied": dict(mtp_num_layers=2, tied=True), "no_mtp": dict(mtp_num_layers=0),
                          "hidden": dict(mtp_num_layers=2, hidden_size=64)}.items():
         torch.manual_seed(5)

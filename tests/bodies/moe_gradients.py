@@ -32,7 +32,8 @@ MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_router_score_function",
 
 def uses_aux_loss(kwargs: dict) -> bool:
     kinds = kwargs.get("moe_router_load_balancing_type", "aux_loss")
-    return "aux_loss" in (kinds if isinstance(kinds, (list, tuple)) else [kinds]) and bool(kwargs.get("moe_aux_loss_coeff"))
+    return ("aux_loss" in (kinds if isinstance(kinds, (list, tuple)) else [kinds])
+            and bool(kwargs.get("moe_aux_loss_coeff")))
 
 
 def fresh_build(setup: Setup):

@@ -56,7 +56,8 @@ def reference_grads(state: dict, tokens, mask, level: str, detach: bool, lam: fl
         valid = per_seq_tokens > 0
         seq_means = (main * mask).sum(dim=1) / per_seq_tokens.clamp(min=1)
         loss = seq_means[valid].sum() / valid.sum().clamp(min=1)
-    loss = loss + lam / DEPTHS * draft_objective_sum(objective, logits, per_depth, None, temperature) / n_tok.clamp(min=1)
+    loss = (loss + lam / DEPTHS * draft_objective_sum(objective, logits, per_depth, None, temperature)
+            / n_tok.clamp(min=1))
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 

@@ -170,7 +170,8 @@ def confident_chain() -> dict:
 
 
 def vocab_parallel_ties() -> dict:
-    """TP = 2 (sparse MTP and LM losses against dense), vocabulary 48 in shards of 24, the second shard's output weight a copy of the
+    """TP = 2 (sparse MTP and LM losses against dense), vocabulary 48 in shards of 24, the second shard's
+    output weight a copy of the
     first: every top logit is tied between v and v + 24, and argmax over the full vocabulary
     must pick v (as torch.argmax on gathered logits). Depth-1 targets are set to v at even
     valid positions and to v + 24 at odd ones, so the correct count is known by construction

@@ -96,7 +96,8 @@ def reference_architecture(setup: Setup):
         "qk_rmsnorm_gate": Architecture("RMSNorm", qk_norm=True, output_gate=True),
         # (q-LoRA, kv-LoRA, q/k head, rope head, v head); YaRN: (factor, original context, beta_fast, beta_slow,
         # mscale, mscale_all_dim), upstream's beta defaults
-        "mla_yarn": Architecture("RMSNorm", qk_norm=True, latent=Latent(16, 8, 8, 8, 8, yarn=(4.0, 4096, 32, 1, 1.0, 0.5))),
+        "mla_yarn": Architecture("RMSNorm", qk_norm=True,
+                                 latent=Latent(16, 8, 8, 8, 8, yarn=(4.0, 4096, 32, 1, 1.0, 0.5))),
         # the first layer's mixer is the Gated DeltaNet (hybrid_layer_pattern)
         "delta_net": Architecture("RMSNorm", swiglu=True, linear_layers=frozenset({0}), delta_net=delta_net),
         # upstream's --linear-attention-freq 2: every second layer full attention, the others Gated DeltaNet

@@ -16,7 +16,8 @@ request. Two kinds of request, one mechanism:
   a test that signals the workers see what a fresh `python SCRIPT ARGS...` would give them.
 
 A child starts its own session (its own process group). The zygote kills that group, and those
-of the child's descendants, when the requester's connection closes (the client was killed, or the test process died), so killing a
+of the child's descendants, when the requester's connection closes (the client was killed, or the
+test process died), so killing a
 torchrun process group still leaves nothing behind. The zygote has no thread besides its main
 one when it forks (checked at start). GPU runs, MEGATRON_MTP_TEST_ZYGOTE=0, and a tree whose
 zygote cannot start keep the plain start.

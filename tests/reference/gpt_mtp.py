@@ -59,7 +59,8 @@ class OnePlusNorm(nn.Module):
     def forward(self, x):
         if self.kind == "LayerNorm":
             centred = x - x.mean(-1, keepdim=True)
-            return centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight) + self.bias
+            return (centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+                    + self.bias)
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
 
 

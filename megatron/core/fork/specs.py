@@ -67,7 +67,8 @@ def replace_modules(replacements: dict, *specs) -> None:
 def on_this_device(config, *specs, core_attention=SDPACoreAttention) -> None:
     """The one change to upstream's specs: with megatron-core's local modules, upstream's
     DotProductAttention (CUDA buffers, no packed rows, no MLA head dimensions) becomes
-    SDPACoreAttention (or `core_attention`: serving's cached one), and under qk_l2_norm the q/k norms are L2Norm, as in upstream's
+    SDPACoreAttention (or `core_attention`: serving's cached one), and under qk_l2_norm the q/k
+    norms are L2Norm, as in upstream's
     Transformer Engine layer spec (its local dense selection leaves them out). Transformer
     Engine's specs are left as upstream builds them."""
     if config.transformer_impl == "transformer_engine":
@@ -122,7 +123,8 @@ def refuse_dropped(config, *specs, multi_latent: bool = True) -> None:
         if config.qk_layernorm and any(norm in (None, IdentityOp) for norm in norms):
             raise SpecError(f"--qk-layernorm is not built by {spec.module.__name__}'s spec here (it has no q/k "
                             "norms); drop it")
-    if multi_latent and config.multi_latent_attention and any(spec.module is not MLASelfAttention for spec in attentions):
+    if multi_latent and config.multi_latent_attention and any(spec.module is not MLASelfAttention
+                                                              for spec in attentions):
         raise SpecError("--multi-latent-attention is not built by these specs (their attention is "
                         f"{sorted({s.module.__name__ for s in attentions})}); drop it")
 
@@ -268,7 +270,8 @@ def _experimental_variant_mtp_layer(config) -> ModuleSpec:
 
     last = get_transformer_layer_with_experimental_attention_variant_spec(config)[-1]
     if _built_class(last.submodules.self_attention) is GatedDeltaNet:
-        raise SpecError(f"--mtp-num-layers with --experimental-attention-variant {config.experimental_attention_variant}: "
+        raise SpecError(f"--mtp-num-layers with --experimental-attention-variant "
+                        f"{config.experimental_attention_variant}: "
                         "the MTP layer is the decoder's last layer, a Gated DeltaNet layer here, and MTP layers attend "
                         "with a causal mask: make the last layer full attention (--num-layers a multiple of "
                         "--linear-attention-freq, or a pattern ending in 0)")

@@ -9,7 +9,8 @@ For depth k at position t (``mtp_loss_type``, ``mtp_draft_temperature`` tau):
 
 z^0_{t+k} is computed from h^0 rolled left by k inside its sequence
 (megatron.core.fork.mtp.supervision.rolled_main_hidden: upstream's ``roll_tensor``, which
-this series makes exact across context-parallel ranks and packed segments) and the detached output weight, at the same rows as z^k_t, in the same
+this series makes exact across context-parallel ranks and packed segments) and the detached
+output weight, at the same rows as z^k_t, in the same
 chunks of the sparse cross-entropy (megatron.core.fork.sparse_cross_entropy): no
 [tokens, vocab] tensor outlives its chunk. Under tensor parallelism each rank holds a
 vocabulary shard; the maxima, exponential sums and the sums over the vocabulary of
