@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/draft_objectives_bench.py [--rounds 8] [--depths 2]
 
-Every variant (no MTP, and isolated MTP heads with ce, kl, tv and e2e_tv) is built once and
+Every variant (no MTP; isolated MTP heads with ce, kl, tv and e2e_tv; ce without the
+sampled-acceptance metrics, --no-mtp-sampled-acceptance) is built once and
 the variants take turns one step at a time, at 100% and at 30% valid positions (the
 leading 70% of every row masked); medians. MTP step = step(objective) - step(no MTP) at
 the same valid fraction; the ratio divides it by ce's. Peak live tensor memory of one step
@@ -34,6 +35,8 @@ def main():
     print(f"shape: {SHAPE}, D = {args.depths}, isolation on, {args.rounds} rounds")
     variants = {"no MTP": build(0)}
     variants.update({objective: build(args.depths, True, mtp_loss_type=objective) for objective in OBJECTIVES})
+    # ce without the sampled-acceptance metrics: what their extra projection costs ce
+    variants["ce, no sampled"] = build(args.depths, True, mtp_sampled_acceptance=False)
     for fraction in (1.0, 0.3):
         for model, tokens in variants.values():
             step(model, tokens, fraction)  # warm-up
@@ -48,7 +51,7 @@ def main():
         print(f"{fraction:.0%} valid: no MTP {base * 1000:.1f} ms/step")
         for name, value in median.items():
             mtp, ce_mtp = value - base, median["ce"] - base
-            print(f"  {name:7s} {value * 1000:8.1f} ms/step, MTP step {mtp * 1000:7.1f} ms, "
+            print(f"  {name:15s} {value * 1000:8.1f} ms/step, MTP step {mtp * 1000:7.1f} ms, "
                   f"/ ce's MTP step {mtp / ce_mtp:.3f}")
     print("peak live tensor memory of one step (100% valid):")
     peaks = {objective: peak_step_memory_mib(*variants[objective]) for objective in OBJECTIVES}

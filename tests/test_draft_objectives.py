@@ -76,6 +76,12 @@ def test_the_mtp_only_sample_mask_reaches_the_mtp_depths_only(suite):
     assert suite["sample_mask"]["without_r"] > 0.1, suite["sample_mask"]
 
 
+def test_ce_without_the_sampled_metrics_skips_them_and_trains_alike(suite):
+    result = suite["without_sampled_metrics"]
+    assert result["grads"] < TOL and result["first_fields"] < TOL, result
+    assert result["sampled_unknown"] and result["reported"] == [], result
+
+
 def test_refusals_name_the_fix(suite):
     refusals = suite["refusals"]
     for objective in ("kl", "tv", "e2e_tv"):

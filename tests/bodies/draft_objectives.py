@@ -80,6 +80,29 @@ def matrix() -> dict:
     return results
 
 
+def without_sampled_metrics() -> dict:
+    """ce with mtp_sampled_acceptance off: the same gradients as the reference's, the sampled
+    sums unknown (NaN) and their metrics left out."""
+    from megatron.core.fork.mtp.statistics import metrics_from_sums
+
+    config = make_config(2, detach=True, mtp_sampled_acceptance=False, sparse_loss_chunk_size=SPARSE_CHUNK)
+    with model_parallel():
+        torch.manual_seed(4)
+        model = build_gpt(config, VOCAB, SEQ)
+        input_ids, labels, mask, _ = padded_batch(2)
+        got = run_megatron(model, input_ids, labels, mask, None)
+        ref = reference_for(model, 2, False, False, True)
+        logits, _, per_depth = ref.losses(input_ids, labels, mask)
+        ref.objective_sums(input_ids, labels, mask).backward()
+        want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        ref_sums = reference_sums(logits, per_depth)
+        metrics = metrics_from_sums(got["sums"])
+        return {"grads": max(max_rel(got["grads"][n], want[n]) for n in want),
+                "first_fields": max_rel(got["sums"][:, :4], ref_sums[:, :4]),
+                "sampled_unknown": bool(torch.isnan(got["sums"][:, 4:]).all()),
+                "reported": sorted(name for name in metrics if "sampl" in name)}
+
+
 def default_cases() -> dict:
     """One case per objective and dimension for the default tier: D = 3 distinct and D = 2
     repeated, padded and packed rows, sparse and dense."""
@@ -203,4 +226,5 @@ def sample_mask() -> dict:
 
 def suite(tier: str) -> dict:
     return {"cases": matrix() if tier == "matrix" else default_cases(), "backbone": backbone_untouched(),
-            "refusals": refusals(), "decoder": decoder_agrees(), "sample_mask": sample_mask()}
+            "refusals": refusals(), "decoder": decoder_agrees(), "sample_mask": sample_mask(),
+            "without_sampled_metrics": without_sampled_metrics()}

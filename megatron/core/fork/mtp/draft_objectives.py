@@ -63,36 +63,49 @@ def _all_reduce(tensor: torch.Tensor, tp_group, op=dist.ReduceOp.SUM) -> torch.T
     return tensor
 
 
+def _log_softmaxes(z_q: torch.Tensor, z_p: torch.Tensor, tp_group):
+    """log q and log p over the full vocabulary, each [n, shard]: torch's fused log_softmax on
+    one rank; over TP shards the maxima and the exponential sums are all-reduced."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return torch.log_softmax(z_q, dim=1), torch.log_softmax(z_p, dim=1)
+    maxima = _all_reduce(torch.stack([z_q.max(dim=1).values, z_p.max(dim=1).values]), tp_group, dist.ReduceOp.MAX)
+    z_q, z_p = z_q - maxima[0].unsqueeze(1), z_p - maxima[1].unsqueeze(1)
+    log_sums = _all_reduce(torch.stack([z_q.exp().sum(dim=1), z_p.exp().sum(dim=1)]), tp_group).log()
+    return z_q.sub_(log_sums[0].unsqueeze(1)), z_p.sub_(log_sums[1].unsqueeze(1))
+
+
 def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float, objective: str,
                 tp_group, want_grad: bool):
     """For a chunk of rows' logits over this rank's vocabulary shard (float, scaled as the
     model scales them): (value [n] or None for ``ce``, alpha [n], d value / d draft_logits
-    [n, shard] or None). ``value`` is KL(p || q) for ``kl`` and alpha for ``tv``/``e2e_tv``."""
+    [n, shard] or None). ``value`` is KL(p || q) for ``kl`` and alpha for ``tv``/``e2e_tv``.
+    Few passes over the chunk: on the CPU these elementwise passes, not the projection, are
+    most of the cost at a large vocabulary."""
     inverse = 1.0 / temperature
-    z_q, z_p = draft_logits * inverse, target_logits * inverse
-    maxima = _all_reduce(torch.stack([z_q.max(dim=1).values, z_p.max(dim=1).values]), tp_group, dist.ReduceOp.MAX)
-    z_q, z_p = z_q - maxima[0].unsqueeze(1), z_p - maxima[1].unsqueeze(1)
-    q, p = z_q.exp(), z_p.exp()
-    sums = _all_reduce(torch.stack([q.sum(dim=1), p.sum(dim=1)]), tp_group)
-    q.div_(sums[0].unsqueeze(1))
-    p.div_(sums[1].unsqueeze(1))
-    below = q < p  # where min(p, q) is q: only there does alpha depend on the draft
-    parts = [torch.where(below, q, p).sum(dim=1), (q * below).sum(dim=1)]
-    if objective == "kl":  # p log(p / q), in z_p's buffer (no chunk-sized temporary beyond ce's)
-        log_sums = sums.log().unsqueeze(2)
-        z_p.sub_(log_sums[1]).sub_(z_q).add_(log_sums[0]).mul_(p)
-        parts.append(z_p.sum(dim=1))
+    if temperature != 1.0:
+        draft_logits, target_logits = draft_logits * inverse, target_logits * inverse
+    log_q, log_p = _log_softmaxes(draft_logits, target_logits, tp_group)
+    q, p = log_q.exp(), log_p.exp()
+    parts = []
+    if objective == "kl":  # p log(p / q), in log p's buffer
+        parts.append(log_p.sub_(log_q).mul_(p).sum(dim=1))
+    del log_q, log_p
+    overlap = torch.minimum(q, p)
+    parts.insert(0, overlap.sum(dim=1))
+    tv_grad = objective in ("tv", "e2e_tv") and want_grad
+    if tv_grad:  # sum_v 1[q < p] q: the overlap where it is q (only there does alpha depend on the draft)
+        parts.insert(1, overlap.mul_(q < p).sum(dim=1))
     totals = _all_reduce(torch.stack(parts), tp_group)
     alpha = totals[0]
     if objective == "ce":
         return None, alpha, None
-    value = totals[2] if objective == "kl" else alpha
+    value = totals[-1] if objective == "kl" else alpha
     if not want_grad:
         return value, alpha, None
     if objective == "kl":  # d KL / d z_q = q - p
         grad = q.sub_(p)
-    else:  # d alpha / d z_q = q * (1[q < p] - sum_v 1[q < p] q)
-        grad = q.mul_(below.to(q.dtype).sub_(totals[1].unsqueeze(1)))
+    else:  # d alpha / d z_q = q * (1[q < p] - A) = 1[q < p] q - A q, A = sum_v 1[q < p] q
+        grad = q.mul_(-totals[1].unsqueeze(1)).add_(overlap)
     return value, alpha, grad.mul_(inverse)
 
 

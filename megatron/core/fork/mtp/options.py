@@ -50,6 +50,13 @@ class MTPTrainingConfig(ModelParallelConfig):
     """The sampling temperature tau of the draft objectives and of the sampled-acceptance
     metrics: p and q are softmaxes of the logits divided by tau (the rollouts' temperature)."""
 
+    mtp_sampled_acceptance: bool = True
+    """Record the sampled-acceptance metrics (spec section 12: mtp_k sampled acceptance,
+    expected accepted length (sampling)) when training with 'ce' too. They need the main head
+    at t + k for every MTP row: one more projection of those rows onto the vocabulary (forward
+    only), which the draft objectives compute anyway. False (--no-mtp-sampled-acceptance):
+    'ce' skips it, and the two metrics are not reported."""
+
     exact_steps: bool = False
     """Make every step of megatron.training's loop exact (megatron.core.fork.trainer.exact_step)
     for a loss function with upstream pretrain_gpt.py's per-token contract (the raw masked sum

@@ -59,18 +59,23 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
     objective = objective_of(config)
     masks = [mask for _, _, mask in targets]
     positions = rows_of(masks)
-    main_full = full_sequence(main_hidden.detach(), config, tp_group)
-    main_rows = rolled_main_hidden(main_full, len(targets), packed_seq_params, model.cp_group)
+    sampled = objective != "ce" or config.mtp_sampled_acceptance  # the main head at t + k is needed
+    main_rows = [None] * len(targets)
+    if sampled:
+        main_full = full_sequence(main_hidden.detach(), config, tp_group)
+        main_rows = rolled_main_hidden(main_full, len(targets), packed_seq_params, model.cp_group)
     rows, target_rows, labels, row_weights = [], [], [], []
     for hidden, rolled, (_, labels_k, mask_k), where in zip(hidden_by_depth, main_rows, targets, positions,
                                                             strict=True):
         full = full_sequence(hidden, config, tp_group)
         rows.append(full.reshape(-1, full.size(-1)).index_select(0, where))
-        target_rows.append(rolled.reshape(-1, rolled.size(-1)).index_select(0, where))
+        if rolled is not None:
+            target_rows.append(rolled.reshape(-1, rolled.size(-1)).index_select(0, where))
         labels.append(flat(labels_k).index_select(0, where))
         row_weights.append(flat(mask_k).index_select(0, where).float())
     draft_rows = vocab_parallel_rows(torch.cat(rows), config, tp_group)
-    draft = DraftTargets(torch.cat(target_rows).to(draft_rows.dtype), config.mtp_draft_temperature, objective)
+    draft = DraftTargets(torch.cat(target_rows).to(draft_rows.dtype), config.mtp_draft_temperature,
+                         objective) if sampled else None
     value, predicted, alpha = chunked_cross_entropy(model, draft_rows, weight, torch.cat(labels),
                                                     torch.cat(row_weights), draft)
     values = list(value.split([where.numel() for where in positions]))
@@ -92,7 +97,10 @@ def record_statistics(objective, targets, positions, values, predicted, alpha, l
 
     correct = aligned([p == l for p, l in zip(predicted.split(lengths), labels, strict=True)])
     chain_correct = torch.cumprod(correct.long(), dim=0)
-    sampled = aligned(list(alpha.float().split(lengths)))
+    if alpha.numel() == sum(lengths):
+        sampled = aligned(list(alpha.float().split(lengths)))
+    else:  # not measured (mtp_sampled_acceptance off): unknown, which the metrics leave out
+        sampled = torch.full(correct.shape, float("nan"), device=correct.device)
     sampled_chain = torch.cumprod(sampled, dim=0)
     if objective == "e2e_tv":  # the depth's prefix term, at its rows
         terms = [1.0 - prefix.index_select(0, where) for prefix, where in zip(sampled_chain, positions)]

@@ -84,19 +84,21 @@ def metrics_from_sums(sums: torch.Tensor) -> dict:
         metrics[f"mtp_{k + 1} loss"] = ratio(ce_sum)
         metrics[f"mtp_{k + 1} acceptance"] = ratio(correct)
         metrics[f"mtp_{k + 1} chain acceptance"] = ratio(chain)
-        metrics[f"mtp_{k + 1} sampled acceptance"] = ratio(sampled)
+        if sampled == sampled:  # NaN: not measured (mtp_sampled_acceptance off), left out
+            metrics[f"mtp_{k + 1} sampled acceptance"] = ratio(sampled)
         metrics[f"mtp_{k + 1} tokens"] = valid
         chain_total += ratio(chain)
         sampled_chain_total += ratio(sampled_chain)
     metrics[EXPECTED_LENGTH] = 1.0 + chain_total
-    metrics[EXPECTED_LENGTH_SAMPLING] = 1.0 + sampled_chain_total
+    if sampled_chain_total == sampled_chain_total:
+        metrics[EXPECTED_LENGTH_SAMPLING] = 1.0 + sampled_chain_total
     return metrics
 
 
 def widened(sums: torch.Tensor | None) -> torch.Tensor | None:
     """Sums saved before the sampled fields existed ([D, 4]) with those fields unknown (NaN): a
-    run resumed from such a checkpoint reports the sampled metrics of sums that include the
-    older steps as nan (their past is unknown), and every other metric as before."""
+    run resumed from such a checkpoint leaves out the sampled metrics of sums that include the
+    older steps (their past is unknown), and reports every other metric as before."""
     if sums is None or sums.size(1) == FIELDS:
         return sums
     unknown = sums.new_full((sums.size(0), FIELDS - sums.size(1)), float("nan"))

@@ -78,11 +78,13 @@ def _console(values: dict, depths: int) -> str:
     for k in range(1, depths + 1):
         text += (f" mtp_{k} loss: {values[f'mtp_{k} loss']:.6E} | mtp_{k} acceptance:"
                  f" {values[f'mtp_{k} acceptance']:.4f} | mtp_{k} chain acceptance:"
-                 f" {values[f'mtp_{k} chain acceptance']:.4f} | mtp_{k} sampled acceptance:"
-                 f" {values[f'mtp_{k} sampled acceptance']:.4f} |")
+                 f" {values[f'mtp_{k} chain acceptance']:.4f} |")
+        if f"mtp_{k} sampled acceptance" in values:
+            text += f" mtp_{k} sampled acceptance: {values[f'mtp_{k} sampled acceptance']:.4f} |"
     if depths:
-        text += (f" {EXPECTED_LENGTH}: {values[EXPECTED_LENGTH]:.4f} |"
-                 f" {EXPECTED_LENGTH_SAMPLING}: {values[EXPECTED_LENGTH_SAMPLING]:.4f} |")
+        text += f" {EXPECTED_LENGTH}: {values[EXPECTED_LENGTH]:.4f} |"
+        if EXPECTED_LENGTH_SAMPLING in values:
+            text += f" {EXPECTED_LENGTH_SAMPLING}: {values[EXPECTED_LENGTH_SAMPLING]:.4f} |"
     for k in range(1, depths + 1):  # each depth's router losses (MoE), as step values
         text += "".join(f" {name}: {value:.6E} |" for name, value in values.items()
                         if name.startswith(f"mtp_{k} ") and name.endswith(ROUTER_LOSS_SUFFIXES))
