@@ -35,7 +35,8 @@ setup(
         # does not need them
         "serve": ["transformers>=5", "safetensors>=0.4"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "tokenizers>=0.20", "sentencepiece>=0.2", "tensorboard>=2.16",
-                 "wandb>=0.17", "transformers>=5", "safetensors>=0.4", "matplotlib>=3.8"],
+                 "wandb>=0.17", "transformers>=5", "safetensors>=0.4", "matplotlib>=3.8",
+                 "ruff==0.17.6"],  # the linter tests/test_repository.py runs (ruff.toml); pinned: its rules move
         # GPU only, never needed on CPU. NVIDIA apex is built from source (see docs/gpus.md);
         # the PyPI package named `apex` is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "flash-attn>=2.6"],
