@@ -80,14 +80,16 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
                                                     torch.cat(row_weights), draft)
     values = list(value.split([where.numel() for where in positions]))
     chain = torch.stack([flat(mask) != 0 for mask in masks]).all(dim=0)
-    record_statistics(objective, targets, positions, values, predicted, alpha, labels, row_weights)
+    record_statistics(objective, targets, positions, values, predicted, alpha if sampled else None, labels,
+                      row_weights)
     return objective_sum(objective, values, row_weights, positions, chain, chain.numel())
 
 
 @torch.no_grad()
 def record_statistics(objective, targets, positions, values, predicted, alpha, labels, row_weights) -> None:
     """Every depth's sums (megatron.core.fork.mtp.statistics) from the rows' values, argmax
-    predictions and alpha; chains are products over depths 1..k at each position."""
+    predictions and alpha (None: not measured); chains are products over depths 1..k at each
+    position."""
     depths, every_position = len(targets), targets[0][2].numel()
     lengths = [where.numel() for where in positions]
 
@@ -97,7 +99,7 @@ def record_statistics(objective, targets, positions, values, predicted, alpha, l
 
     correct = aligned([p == l for p, l in zip(predicted.split(lengths), labels, strict=True)])
     chain_correct = torch.cumprod(correct.long(), dim=0)
-    if alpha.numel() == sum(lengths):
+    if alpha is not None:
         sampled = aligned(list(alpha.float().split(lengths)))
     else:  # not measured (mtp_sampled_acceptance off): unknown, which the metrics leave out
         sampled = torch.full(correct.shape, float("nan"), device=correct.device)
