@@ -107,3 +107,30 @@ def test_killing_torchrun_s_process_group_leaves_no_worker(tmp_path):
     finally:
         kill_group(proc)  # what the harness does on a timeout: it returns when the zygote's children are gone
     assert not any(alive(pid) for pid in workers)
+
+
+def test_a_launch_whose_port_was_taken_runs_again_on_another_port(monkeypatch):
+    """Rank 0's store can lose its chosen port to another socket before it binds (EADDRINUSE,
+    before any body runs): the launch is tried again; any other failure is raised at once."""
+    from tests.harness import launcher
+
+    calls = []
+
+    def once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise launcher.DistributedTestFailure("rank 0: DistNetworkError ... EADDRINUSE, address already in use")
+        return ["ok"]
+
+    monkeypatch.setattr(launcher, "_launch_once", once)
+    assert launcher.launch("tests.bodies.none:none", 1) == ["ok"] and len(calls) == 2
+
+    def broken(*args):
+        calls.append(args)
+        raise launcher.DistributedTestFailure("rank 0: AssertionError in the body")
+
+    calls.clear()
+    monkeypatch.setattr(launcher, "_launch_once", broken)
+    with pytest.raises(launcher.DistributedTestFailure, match="in the body"):
+        launcher.launch("tests.bodies.none:none", 1)
+    assert len(calls) == 1

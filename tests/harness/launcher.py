@@ -53,6 +53,13 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(kept[-lines:])
 
 
+# A port free when chosen can be taken before rank 0's store binds it (another launch's
+# sockets, two pytest workers at once): seen once in 430 fresh-clone tests. The store fails
+# before any body runs, so the launch is tried again on another port.
+PORT_TAKEN = "EADDRINUSE"
+PORT_ATTEMPTS = 3
+
+
 def launch(body: str, world_size: int, args: dict | None = None, timeout: float = 300.0,
            tmp_dir: Path | None = None, use_gpus: bool = False, build: str | None = None,
            upstream_tree: Path | None = None) -> list:
@@ -65,6 +72,15 @@ def launch(body: str, world_size: int, args: dict | None = None, timeout: float 
     which they check before running the body, or, with `upstream_tree`, that other
     megatron-core tree (pristine upstream for comparisons; not checked).
     """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _launch_once(body, world_size, args, timeout, tmp_dir, use_gpus, build, upstream_tree)
+        except DistributedTestFailure as failure:
+            if PORT_TAKEN not in str(failure) or attempt == PORT_ATTEMPTS:
+                raise
+
+
+def _launch_once(body, world_size, args, timeout, tmp_dir, use_gpus, build, upstream_tree) -> list:
     if upstream_tree is not None:
         pythonpath_first, check_version = str(upstream_tree), None
     else:
