@@ -58,6 +58,9 @@ def case(objective, depths, repeated, tied, layout, sparse, temperature=TEMPERAT
         "grad_names": names_match,
         "grads": max(max_rel(got["grads"][n], ref_grads[n]) for n in ref_grads) if names_match else float("inf"),
         "mtp_grads_nonzero": all(bool(ref_grads[n].abs().sum() > 0) for n in mtp_names),
+        # e2e_tv trains only at anchors valid at every depth: packed rows of 5, 4 and 3 tokens with
+        # holes may have none at D = 3 (then every MTP gradient is 0, the reference's too)
+        "complete_chains": int(torch.stack([mask_k != 0 for _, mask_k, _, _ in per_depth]).all(dim=0).sum()),
         "sums": max_rel(got["sums"], ref_sums),
         "counts_exact": counts_equal(got["sums"], ref_sums),
         "sampled_acceptance": (got["sums"][:, 4] / got["sums"][:, 1]).tolist(),
