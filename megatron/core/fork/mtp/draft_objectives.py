@@ -32,7 +32,6 @@ objectives are ``ce | kl | tv | e2e_tv`` and every one is normalized by the step
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -110,32 +109,32 @@ def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, tempera
 
 
 def depth_terms(objective: str, values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each depth's per-row term of the objective, from the rows' values in depth order
-    (``ce``: CE; ``kl``: KL; ``tv``: 1 - alpha; ``e2e_tv``: 1 - prod_{i<=k} alpha^i, the
-    depth's prefix, for the per-depth loss metric). For e2e_tv the rows of every depth must
-    be the same positions (``objective_sum`` aligns them)."""
+    """Each depth's per-row term of a per-position objective, from the rows' values in depth
+    order (``ce``: CE; ``kl``: KL; ``tv``: 1 - alpha). ``e2e_tv`` couples the depths at each
+    position: its sum is ``objective_sum``'s, its per-depth prefix the statistics' (sparse_loss)."""
     if objective in ("ce", "kl"):
         return values
     if objective == "tv":
         return [1.0 - value for value in values]
-    return [1.0 - prefix for prefix in torch.cumprod(torch.stack(values), dim=0)]
+    raise ValueError(f"{objective!r} has no per-row term of its own")
 
 
 def objective_sum(objective: str, values: list[torch.Tensor], weights: list[torch.Tensor],
-                  positions: list[torch.Tensor], chain: Optional[torch.Tensor], every_position: int) -> torch.Tensor:
+                  positions: list[torch.Tensor], chain: torch.Tensor) -> torch.Tensor:
     """The MTP branch's sum over depths of S_k (the caller scales it by lambda / (D N_tok)).
 
     values, weights, positions: per depth, the rows' values, loss weights (the depth-k mask)
     and flat positions. ``e2e_tv`` (Bebop Eq. 13): lambda * sum_t e_t / N_tok with
-    e_t = 1 - (1/D) sum_j prod_{i<=j} alpha^i_t over the anchors in ``chain`` (valid at every
-    depth), returned as D * sum_t e_t so that the common lambda / D applies."""
+    e_t = 1 - (1/D) sum_j prod_{i<=j} alpha^i_t over the anchors in ``chain`` (every flat
+    position, True where valid at every depth), returned as D * sum_t e_t so that the common
+    lambda / D applies."""
     if len(values) != len(weights) or len(values) != len(positions):
         raise ValueError("one value, weight and position list per MTP depth")
     if objective != "e2e_tv":
         terms = depth_terms(objective, values)
         return sum((term * weight.to(term.dtype)).sum() for term, weight in zip(terms, weights))
     depths = len(values)
-    aligned = [value.new_zeros(every_position).index_put((where,), value) for value, where in zip(values, positions)]
+    aligned = [value.new_zeros(chain.numel()).index_put((where,), value) for value, where in zip(values, positions)]
     prefixes = torch.cumprod(torch.stack(aligned), dim=0)  # [D, positions]
     per_anchor = 1.0 - prefixes.mean(dim=0)
     return depths * (per_anchor * chain.to(per_anchor.dtype)).sum()

@@ -82,7 +82,7 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
     chain = torch.stack([flat(mask) != 0 for mask in masks]).all(dim=0)
     record_statistics(objective, targets, positions, values, predicted, alpha if sampled else None, labels,
                       row_weights)
-    return objective_sum(objective, values, row_weights, positions, chain, chain.numel())
+    return objective_sum(objective, values, row_weights, positions, chain)
 
 
 @torch.no_grad()
