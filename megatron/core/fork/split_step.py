@@ -40,10 +40,27 @@ def _no_sync_inside_step():
 
 
 class SplitStep:
+    """One exact optimizer step sent in chunks: ``begin``, ``accumulate`` once per chunk, ``finish``
+    (or ``abort``). Every chunk split of the same data gives the same step (spec section 5).
+
+    Args:
+        model_chunks (list[MegatronModule]): the DDP-wrapped model chunks of this rank (one, or
+            one per virtual pipeline stage), as megatron-core's schedules take them; their
+            config needs ``calculate_per_token_loss=True``.
+        optimizer (MegatronOptimizer): the optimizer whose ``step()`` ends the step; with
+            ``--mtp-detach-heads`` built with the MTP gradient-norm group (its own clipping).
+        forward_step_func (callable): megatron-core's forward step, ``(data_iterator, model) ->
+            (output, loss_func)``, its loss function ``step_loss.main_loss`` or one returning the
+            same triple (loss sum, token count, a report with "main loss sums").
+        seq_length (int): the schedule's sequence length (every chunk's micro-batches).
+        micro_batch_size (int): the schedule's micro-batch size.
+        main_loss (str): the main loss's level, ``"token"`` (sum over valid tokens / N_tok) or
+            ``"sequence"`` (sum of per-sequence means / N_seq); the loss function reads it from
+            the running step.
+    """
+
     def __init__(self, model_chunks, optimizer, forward_step_func, *, seq_length: int, micro_batch_size: int,
                  main_loss: str = step_loss.TOKEN):
-        """`main_loss`: the level of the main loss, "token" or "sequence"; the forward step's
-        loss function (``step_loss.main_loss``) takes it from the running step."""
         self.chunks = list(model_chunks)
         self.config = self.chunks[0].config
         if main_loss not in step_loss.MAIN_LOSS_LEVELS:
@@ -62,13 +79,26 @@ class SplitStep:
 
     @property
     def in_progress(self) -> bool:
+        """Whether a step has begun and neither finished nor been aborted."""
         return self._scope is not None
 
     def begin(self, counts: "step_loss.StepCounts | None" = None, *, routed_tokens: int | None = None) -> None:
-        """Start a step. `counts`: the step's global StepCounts, if known (exact in every mode).
-        `routed_tokens`: with MoE router losses, the step's input positions over all chunks and
-        data-parallel ranks (T of spec section 11; known from the shapes even when the valid
-        counts are not), needed up front in either mode."""
+        """Start a step: checks the model and the counts, zeroes the gradients, holds back the
+        gradient sync and finalize_model_grads until ``finish``.
+
+        Args:
+            counts (StepCounts, optional): the step's global counts (N_tok, N_seq) over every
+                chunk and data-parallel rank, if known. Given, each loss is scaled as it runs;
+                omitted, the step is normalized in ``finish`` by the counts it observed (exact
+                in both modes; given counts that the data contradicts fail ``finish``).
+            routed_tokens (int, optional): with MoE router losses, the step's input positions
+                over all chunks and data-parallel ranks (T of spec section 11, known from the
+                shapes even when the valid counts are not); required up front in either mode.
+
+        Raises:
+            RuntimeError: a step is already in progress.
+            ValueError: what spec section 10 refuses, in one line, before any state changes.
+        """
         if self.in_progress:
             raise RuntimeError("this step is already in progress; finish() or abort() it first")
         if not self.config.calculate_per_token_loss:
@@ -95,7 +125,13 @@ class SplitStep:
         self._main_sums = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
 
     def accumulate(self, microbatches: list) -> None:
-        """Forward and backward over one chunk's micro-batches; raw sums, no gradient sync."""
+        """Forward and backward over one chunk's micro-batches through megatron-core's schedule:
+        raw loss sums into the gradients, no gradient sync. An error aborts the step.
+
+        Args:
+            microbatches (list): the chunk's micro-batches, whatever ``forward_step_func`` reads
+                from its iterator (an empty list is a no-op).
+        """
         if not self.in_progress:
             raise RuntimeError("begin() the step before accumulate()")
         if not microbatches:
@@ -119,7 +155,16 @@ class SplitStep:
             raise
 
     def finish(self) -> dict:
-        """Reduce, normalize, clip and step once; return the step's metrics."""
+        """Reduce the step's counts and sums once, run finalize_model_grads, normalize, clip each
+        gradient-norm group by its own norm and step the optimizer. An error aborts the step.
+
+        Returns:
+            dict: "lm loss" (the main loss, exact over the step), "tokens" and "sequences" (the
+            observed global counts), "grad norm" and "grad norms" (by group; "mtp grad norm"
+            with detached heads), "skipped" (the optimizer skipped the update), and with MTP the
+            per-depth metrics of spec section 7 (``statistics.metrics_from_sums``) with their
+            raw "mtp sums", and each MTP depth's router losses with MoE.
+        """
         if not self.in_progress:
             raise RuntimeError("begin() the step before finish()")
         try:
