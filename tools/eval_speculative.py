@@ -27,7 +27,12 @@ so its output is not compared ("lossless": null). Reported, with the definitions
 - beside them, the trainer's teacher-forced acceptance (spec section 7: depth k's argmax against
   the text's own token) on the same texts: the prompt and the data's continuation (or, with
   --prompts, the prompt and the plain decoding's continuation); when sampling, also its sampled
-  acceptance at --temperature (spec section 12: the mean of sum_v min(p, q)).
+  acceptance at --temperature (spec section 12: the mean of sum_v min(p, q));
+- with --sampler rejection, the expected conditional acceptance per depth: that sampled
+  acceptance at the positions the decode drafted at (on its own output), each depth over the
+  verify steps that reached it, and the conditional acceptance's distance from it in standard
+  errors (`conditional acceptance z per depth`; |z| beyond about 4 says the live verifier does not
+  accept what the heads were measured to draft).
 
 Prompts: --data-path PREFIX (a megatron-core indexed dataset; default: the run's first dataset,
 a blend's weights skipped, else the embedded corpus): the first --prompt-length tokens of
@@ -159,8 +164,11 @@ def main(argv=None) -> int:
                 "gumbel": lambda key: speculative.GumbelSampler(args.seed, key, temperature),
                 "rejection": lambda key: speculative.RejectionSampler(args.seed, key, temperature)}
     for i, (prompt, reference) in enumerate(pairs):
+        trace = []
         output = speculative.speculative(runner, prompt, args.new_tokens, stats, depths=use,
-                                         choose=samplers[args.sampler](i))
+                                         choose=samplers[args.sampler](i), trace=trace)
+        if args.sampler == "rejection":
+            speculative.drafted_acceptance(runner, prompt + output, trace, stats, temperature)
         # a rejection sampler's plain decoding draws from a stream of its own (the outputs agree in
         # distribution only); Gumbel's uses the same key, whose noise gives the same tokens
         plain = speculative.greedy(runner, prompt, args.new_tokens,

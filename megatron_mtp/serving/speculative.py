@@ -56,12 +56,20 @@ class Stats:
     teacher_forced_total: list = field(default_factory=list)
     teacher_forced_overlap: list = field(default_factory=list)  # sums of sum_v min(p, q)
     sampled: bool = False  # teacher_forced measured sum_v min(p, q) (a temperature given)
+    # drafted_acceptance's sums over the verify steps that reached depth k: those steps, their
+    # drafts accepted at k, and sum_v min(p, q) and its Bernoulli variance alpha (1 - alpha) there
+    drafted_reached: list = field(default_factory=list)
+    drafted_accepted: list = field(default_factory=list)
+    drafted_overlap: list = field(default_factory=list)
+    drafted_variance: list = field(default_factory=list)
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.depths
         self.teacher_forced_correct = self.teacher_forced_correct or [0] * self.depths
         self.teacher_forced_total = self.teacher_forced_total or [0] * self.depths
         self.teacher_forced_overlap = self.teacher_forced_overlap or [0.0] * self.depths
+        for name in ("drafted_reached", "drafted_accepted", "drafted_overlap", "drafted_variance"):
+            setattr(self, name, getattr(self, name) or [0] * self.depths)
 
     def summary(self) -> dict:
         accepted = sum(self.accepted_per_position)
@@ -88,6 +96,14 @@ class Stats:
             "teacher-forced sampled acceptance per depth": [
                 a / t if t and self.sampled else None
                 for a, t in zip(self.teacher_forced_overlap, self.teacher_forced_total, strict=True)],
+            # drafted_acceptance: the mean of sum_v min(p, q) at the positions the verify steps drafted
+            # at, each depth over the steps that reached it (what its conditional acceptance estimates
+            # there), and how many standard errors the accepted count lies from it
+            "expected conditional acceptance per depth": [
+                o / n if n else None for o, n in zip(self.drafted_overlap, self.drafted_reached, strict=True)],
+            "conditional acceptance z per depth": [
+                (a - o) / v ** 0.5 if v > 0 else None
+                for a, o, v in zip(self.drafted_accepted, self.drafted_overlap, self.drafted_variance, strict=True)],
             "verify steps": self.drafts, "target forwards": self.forwards, "generated tokens": self.generated,
         }
 
@@ -221,12 +237,13 @@ class Drafter:
 
 
 def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None,
-                choose=greedy_choice, stop: int | None = None) -> list[int]:
+                choose=greedy_choice, stop: int | None = None, trace: list | None = None) -> list[int]:
     """Decoding with MTP drafts; returns the tokens of `greedy(..., choose, stop)` (with a
     RejectionSampler: tokens of their distribution): `new_tokens` of them, or fewer ending with the
     first `stop` token. A verify step's tokens after a stop token or beyond `new_tokens` are
     dropped: `generated` counts what is returned, the acceptance counters the verifier's verdict
-    on every draft it checked (vLLM's counting)."""
+    on every draft it checked (vLLM's counting). A `trace` list receives each verify step's
+    (t, drafts accepted), t the position whose depths drafted (`drafted_acceptance` reads it)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens {new_tokens} must be >= 1")
     verify = choose.verify if isinstance(choose, RejectionSampler) else functools.partial(match, choose)
@@ -251,6 +268,8 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
         accepted = len(emitted) - 1
         for j in range(accepted):  # the verifier's verdict on each draft, as vLLM counts it
             stats.accepted_per_position[j] += 1
+        if trace is not None and drafts:
+            trace.append((base - 1, accepted))  # Drafter.draft's t: the token before the verified one
         emitted = emitted[: new_tokens - (len(seq) - len(prompt))]  # the last step: what is asked for
         if stop in emitted:  # the sequence ends there
             emitted = emitted[: emitted.index(stop) + 1]
@@ -262,6 +281,16 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
         if depths:
             drafts = drafter.draft(seq)
     return seq[len(prompt):]
+
+
+def sampled_overlap(main: torch.Tensor, logits: torch.Tensor, k: int, temperature: float) -> torch.Tensor:
+    """sum_v min(p, q) at each position t whose target x_{t+k+1} the text holds (spec section 12):
+    p the main head's softmax at t + k, q depth k's at t, both at `temperature`; main and logits
+    are a text's teacher-forced rows [1, n, V] (Runner.teacher_forced)."""
+    count = main.shape[1] - k - 1
+    p = torch.softmax(main[0, k: k + count].double() / temperature, -1)
+    q = torch.softmax(logits[0, :count].double() / temperature, -1)
+    return torch.minimum(p, q).sum(-1)
 
 
 def teacher_forced(runner, text: list[int], stats: Stats, temperature: float | None = None) -> None:
@@ -277,6 +306,29 @@ def teacher_forced(runner, text: list[int], stats: Stats, temperature: float | N
         stats.teacher_forced_correct[k - 1] += int((predicted == targets).sum())
         stats.teacher_forced_total[k - 1] += int(targets.shape[0])
         if temperature is not None:
-            p = torch.softmax(main[0, k: k + targets.shape[0]].double() / temperature, -1)
-            q = torch.softmax(logits[0, : targets.shape[0]].double() / temperature, -1)
-            stats.teacher_forced_overlap[k - 1] += float(torch.minimum(p, q).sum())
+            stats.teacher_forced_overlap[k - 1] += float(sampled_overlap(main, logits, k, temperature).sum())
+
+
+def drafted_acceptance(runner, text: list[int], trace: list, stats: Stats, temperature: float) -> None:
+    """What a rejection-sampling decode's conditional acceptance should be, from the teacher-forced
+    sampled acceptance of the text it decoded (prompt + output) at the positions it drafted at.
+
+    A verify step drafting at t that reached depth k (its drafts 1 .. k - 1 accepted, so the text
+    holds them) accepts depth k's draft with probability alpha = sum_v min(p, q), p and q the main
+    head's and depth k's distributions there: exactly the teacher-forced ones at t on the text (the
+    decoder's logits are the whole-sequence recompute's). Summed over such steps, accepted - alpha
+    has mean 0 and variance sum alpha (1 - alpha) (a martingale: each step's alpha is fixed by what
+    came before it), so the live count and the teacher-forced sum agree within a few standard
+    errors whatever prefixes the decode visited. A step counts at depth k only where the text holds
+    x_{t+k+1}, which depends on t alone (the text's length is fixed before decoding)."""
+    main, per_depth = runner.teacher_forced(torch.tensor([text]), depths=stats.depths)
+    overlaps = [sampled_overlap(main, logits, k, temperature) for k, logits in enumerate(per_depth, start=1)]
+    for t, accepted in trace:
+        for k in range(1, min(accepted + 1, stats.depths) + 1):  # the depths this step reached
+            if k > len(overlaps) or t >= overlaps[k - 1].shape[0]:
+                break
+            alpha = float(overlaps[k - 1][t])
+            stats.drafted_reached[k - 1] += 1
+            stats.drafted_accepted[k - 1] += int(accepted >= k)
+            stats.drafted_overlap[k - 1] += alpha
+            stats.drafted_variance[k - 1] += alpha * (1 - alpha)

@@ -391,7 +391,9 @@ def evaluate(root: str) -> dict:
     runs = {}
     for name, checkpoint, extra in (("all depths", "trained", ()), ("depth 1", "trained", ("--depths", "1")),
                                     ("moe", "trained-moe", ()),
-                                    ("rejection", "trained", ("--sampler", "rejection", "--temperature", "0.7")),
+                                    # more prompts: its acceptance is compared within standard errors
+                                    ("rejection", "trained", ("--sampler", "rejection", "--temperature", "0.7",
+                                                              "--num-prompts", "16")),
                                     ("gumbel", "trained", ("--sampler", "gumbel", "--temperature", "0.7"))):
         out = f"{root}/eval-{name.replace(' ', '-')}.json"
         status, _, stderr = _captured(eval_speculative.main, f"{root}/{checkpoint}", "--num-prompts", "4",
