@@ -99,10 +99,28 @@ def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length:
                 use_distributed_optimizer: bool = False, use_transformer_engine: bool = False,
                 share_embeddings_and_output_weights: bool = False, position_embedding_type: str = "rope",
                 hybrid_layer_pattern: str | None = None, core_attention=None):
-    """One DDP-wrapped model per virtual pipeline stage (a GPTModel, or with
-    `hybrid_layer_pattern` a HybridModel); sets the config's schedule hooks. `core_attention`
-    replaces a GPTModel's SDPA attention (serving's cached one, for a model that trains and
-    decodes: examples/rl)."""
+    """megatron-core's GPTModel (or HybridModel) with its MTP depths, one DDP-wrapped chunk per
+    virtual pipeline stage of this rank, and the config's schedule hooks set.
+
+    Args:
+        config (TransformerConfig): the model and parallelism configuration, the fork's MTP fields
+            included (megatron.core.fork.mtp.options); model parallelism must be initialized.
+        vocab_size (int): the padded vocabulary size.
+        max_sequence_length (int): the longest sequence the position embeddings cover.
+        use_distributed_optimizer (bool): shard the DDP buffers for megatron-core's distributed
+            optimizer.
+        use_transformer_engine (bool): Transformer Engine's layer specs (GPUs) instead of the
+            local ones.
+        share_embeddings_and_output_weights (bool): tie the output layer to the input embedding.
+        position_embedding_type (str): GPTModel's position_embedding_type ("rope", "yarn", ...).
+        hybrid_layer_pattern (str, optional): build a HybridModel with this pattern (Mamba,
+            Gated DeltaNet, attention and MLP layers; MTP after the "/").
+        core_attention (type, optional): replaces a GPTModel's SDPA core attention (serving's
+            cached one, for a model that trains and decodes: examples/rl); refused for a HybridModel.
+
+    Returns:
+        list[DistributedDataParallel]: the model chunks, in virtual-stage order.
+    """
     if core_attention is not None and hybrid_layer_pattern is not None:
         raise ValueError("core_attention replaces a GPTModel's attention; a HybridModel keeps its own")
     vpp = config.virtual_pipeline_model_parallel_size

@@ -53,9 +53,18 @@ def _counts(per_sequence: torch.Tensor) -> torch.Tensor:
 
 
 def step_counts(loss_masks: list, group=None) -> tuple[StepCounts, int]:
-    """A step's global counts, and its routed tokens (every input position: the MoE router
-    losses' T), from the loss masks this rank counts (none on a rank that counts nothing):
-    one all-reduce over `group` (default: the world)."""
+    """A step's global counts and its routed tokens, in one all-reduce.
+
+    Args:
+        loss_masks (list[Tensor]): the loss masks [b, s] this rank counts (an empty list on a
+            rank that counts nothing, e.g. a pipeline stage without the loss or a CP rank whose
+            pieces another rank counts).
+        group (ProcessGroup, optional): the group the counts are summed over (default: the world).
+
+    Returns:
+        tuple[StepCounts, int]: the global counts (N_tok, N_seq), and the routed tokens T of spec
+        section 11 (every input position, the MoE router losses' denominator).
+    """
     local = torch.zeros(3, dtype=torch.float64, device=compute_device.current_device())
     for mask in loss_masks:
         local[:2] += target_counts(mask.to(local.device))
@@ -209,11 +218,18 @@ def mtp_backward_scale() -> float:
 def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
     """A loss function for megatron-core's calculate_per_token_loss mode.
 
-    Returns (backward tensor, count, report): the raw main-loss sum at the active step's
-    level (token: sum of masked CE; sequence: sum over sequences with valid targets of
-    their token mean; outside a step, e.g. in evaluation, the default level) times the step's main
-    scale, the micro-batch's main count, and the sums that reduce exactly into metrics:
-    [main sum, valid tokens, valid sequences].
+    Args:
+        per_token_loss (Tensor): the main head's cross-entropy per position [b, s] (or [s, b]
+            flattened alike with the mask; under CP this rank's piece).
+        loss_mask (Tensor): 1 where a position's target counts, same shape.
+
+    Returns:
+        tuple[Tensor, Tensor, dict]: the tensor to backpropagate, the raw main-loss sum at the
+        active step's level (token: the masked cross-entropy summed; sequence: each sequence's
+        token mean summed over sequences with valid targets; outside a step, e.g. in evaluation,
+        the default level) times the step's main scale; the micro-batch's main count (int); and
+        {"main loss sums": [main sum, valid tokens, valid sequences]}, the sums that reduce
+        exactly into metrics.
     """
     level = _ACTIVE.main_loss if _ACTIVE is not None else _DEFAULT_LEVEL
     mask = loss_mask.reshape(loss_mask.size(0), -1).float()
