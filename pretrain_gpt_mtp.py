@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Pretrain a GPT with DeepSeek-V3-style multi-token prediction on Megatron-LM's training loop.
 
     torchrun --nproc-per-node 2 pretrain_gpt_mtp.py        # embedded default: tiny GPT, D = 2, CPU or GPU

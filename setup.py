@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Megatron-MTP: exact multi-token-prediction training as a patch series over megatron-core.
 
 This installs the fork-owned trainer package (megatron_mtp) and the project's

@@ -1,4 +1,6 @@
 #!/usr/bin/env python3
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """One training step with and without the dataloader's attention mask, side by side.
 
     .venv/bin/python benchmarks/attention_mask_bench.py --rounds 2 --iters 8

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Side-by-side cost of the MTP draft objectives (spec section 12) against ``ce``, on CPU.
 
     .venv/bin/python benchmarks/draft_objectives_bench.py [--rounds 8] [--depths 2]

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """What each draft objective gains on a fixed policy: the sampled acceptance its heads reach.
 
     .venv/bin/python benchmarks/draft_objectives_convergence.py [--steps 150] [--optimizer adam|sgd]

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Speculative rollouts against plain sampling, side by side, on the RL example's policy made deep:
 8 decoder layers and one MTP depth, as served models are (a draft costs one layer, a target
 forward eight).

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """tools/eval_speculative.py's decoding, over the KV cache and by whole-sequence recompute, side by side.
 
     .venv/bin/python benchmarks/speculative_decoding_bench.py runs/default --new-tokens 32 128

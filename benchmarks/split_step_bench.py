@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Cost of cutting a step into chunks: k = 4 chunks vs k = 1, side by side in one run.
 
     .venv/bin/python benchmarks/split_step_bench.py

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The fork's MTP step against pristine upstream, side by side in one run (isolation off).
 
     .venv/bin/python benchmarks/upstream_overhead_bench.py [--version 0.19.2] [--rounds 10] [--vocab 8192]

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Arguments of pretrain_gpt_mtp.py: Megatron-LM's flags, this script's defaults, and checks
 that fail before anything is built, in one line (not one traceback per rank).
 

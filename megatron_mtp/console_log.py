@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A run's console output kept in a file (--log-file), beside the terminal.
 
 The rank that prints the iteration and validation lines (Megatron-LM's print_rank_last: the

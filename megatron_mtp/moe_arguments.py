@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Mixture-of-experts arguments of pretrain_gpt_mtp.py checked before anything is built.
 
 Each refusal is one line naming the fix: what megatron-core would assert later on every

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Which megatron-core builds this checkout carries, where they are, and a runtime check that
 the imported megatron.core is one of them (or, where `tools/fork export --for-users` carried
 this package into a Megatron-LM checkout, that checkout's patched megatron.core).

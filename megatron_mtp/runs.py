@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """What a training run left behind, read back as numbers: its console log or its TensorBoard events.
 
 One reader for the tools that draw runs (tools/plot_runs.py), the experiments and the tests.

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Architecture flags build what they name: the trainer's model against upstream's builder (issue 27).
 
 For every architecture flag (q/k layernorm with either norm, --qk-l2-norm, multi-latent

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """tools/bootstrap's choice of torch build, with the GPU probe and the environment's Python stubbed.
 
 `nvidia-smi` is a stub on PATH that lists a GPU, fails as on a host whose driver sees none, or

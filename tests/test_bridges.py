@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Hugging Face bridges for the MoE, multi-latent attention and Gated DeltaNet families (issue 27):
 tools/convert_checkpoint.py on Qwen3-MoE, DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 against the
 `transformers` classes installed here, on tiny random configs made locally (tests/bodies/bridges.py,

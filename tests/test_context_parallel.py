@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Context parallelism (CP) with exact MTP on CPU (issue 28), model side.
 
 - The MTP roll of a CP rank's pieces (megatron.core.fork.context_parallel, which the 0.19.2

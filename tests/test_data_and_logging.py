@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Data in, metrics out: tools/preprocess_data.py, blends, splits, mock data, evaluation,
 and the console, TensorBoard and W&B (offline) metrics of a pretrain_gpt_mtp.py run.
 

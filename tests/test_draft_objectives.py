@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The draft objectives of spec section 12 (--mtp-loss-type kl | tv | e2e_tv, and ce's sampled
 acceptance at --mtp-draft-temperature) in the model, against the plain-PyTorch reference.
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The README's main command and the example scripts, run as a user runs them.
 
 CPU scripts train (shortened by their pass-through arguments); the GPU scripts run to

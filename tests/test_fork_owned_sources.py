@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The fork-owned modules become part of megatron-core (megatron/core/fork), which users of
 the 0.16.1 series run on Python 3.10: they must not need anything newer."""
 

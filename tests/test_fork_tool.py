@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """tools/fork: every carried series applies to its pristine upstream, export reproduces it
 byte for byte, and every failure the issues name gives a clear error instead of a traceback."""
 

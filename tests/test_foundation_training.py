@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The patched megatron-core trains a tiny GPT on CPU through its real DDP, optimizers and
 schedules, and every parallel layout reproduces the single-process run.
 

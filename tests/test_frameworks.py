@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """exact_mtp_step around RL frameworks' own steps (issue 40): AReaL's train_batch, verl's
 update_policy, NeMo-RL's train and its split path, each a controller making the framework's calls
 in its order with its loss-function shape (tests/bodies/frameworks.py; sources cited in

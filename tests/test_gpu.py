@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """GPU path: local and Transformer Engine layers, bf16 and NCCL, and detached heads that leave
 the backbone bit-identical on CUDA (the MTP streams through the CUDA RNG tracker). Skipped on
 CPU-only machines; tools/gpu_check.sh runs these with the trainer's GPU runs."""

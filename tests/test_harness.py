@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The launcher the distributed tests stand on: ranks forked from a zygote (an interpreter
 that has imported megatron-core) or started fresh behave alike; a failing rank is reported
 with its traceback; a launch past its deadline is killed; no process is left behind. A

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """HybridModel, upstream's successor of GPTModel, trains MTP exactly through the same fork hooks
 (issue 18): a hybrid pattern that is the GPT network ("*-" per layer: attention layer, then MLP
 layer; "/*-" per MTP depth) on the GPT's weights gives the plain-PyTorch reference's main loss,

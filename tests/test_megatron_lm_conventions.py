@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """pretrain_gpt_mtp.py behaves as Megatron-LM's pretrain_gpt.py where users rely on it (issue 16).
 
 - The loss function's checks: this rank's raw loss sum goes through megatron-core's rerun

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The model shape a checkpoint records names every parameter-bearing architecture field.
 
 A checkpoint of one architecture loaded into a model of another must be refused naming the

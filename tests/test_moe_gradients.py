@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MoE (+ MTP) full gradients after one exact step against the plain-PyTorch reference
 (tests/reference/moe.py: router, top-k, expert bias, shared expert, SwiGLU/GELU experts and the
 router losses written from spec section 11 and upstream's documented formulas).

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MTP gradients, group norms and metrics are the same on TP=2, PP=2 (MTP on the last
 stage), DP=2 and context-parallel layouts (CP=2 with DP, TP or PP, CP=4; 0.19.2's series,
 issue 28) as in one process (spec section 4's invariance, model side):

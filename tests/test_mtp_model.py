@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MTP in the model (spec sections 1-3, 6, 7) against the plain-PyTorch reference.
 
 One launch of one process runs every case; the tests below read its results.

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The sparse, chunked losses: MTP (mtp_sparse_loss, the default) exact on extreme masks and
 chunkings, and under tensor parallelism with argmax ties across vocabulary shards; the main
 head's (sparse_lm_loss, opt-in) against the reference and, under TP = 2, the dense loss.

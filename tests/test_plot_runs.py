@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """tools/plot_runs.py and its reader (megatron_mtp.runs) on runs written by hand.
 
 A console log as torchrun prints it (rank prefixes, upstream's argument dump, its first

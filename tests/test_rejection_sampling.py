@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Rejection sampling in the speculative decoder (speculative.RejectionSampler), on scripted runners:
 drafts whose distribution is the main head's are always accepted; the output has plain sampling's
 distribution (a chi-square test of stated power); the acceptance counters estimate sum min(p, q).

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The repository itself: it tracks no build artefact, carries its license, passes its linter.
 
 A wheel was committed at the top level once (a pyflakes wheel, by a commit about
@@ -25,6 +27,29 @@ def test_the_license_and_notice_are_apache_2_0():
     assert "END OF TERMS AND CONDITIONS" in license_text
     notice = (REPO_ROOT / "NOTICE").read_text()
     assert "NVIDIA" in notice and "Apache License, Version 2.0" in notice
+
+
+LICENSE_HEADER = ("# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 "
+                  "(LICENSE).\n# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA "
+                  "CORPORATION): see NOTICE.\n")
+
+
+def test_every_python_file_carries_the_license_header():
+    """As megatron-core's files do: each tracked Python file opens (after a shebang) with the two
+    lines saying whose it is, under which license, and that it belongs to a modified megatron-core."""
+    files = subprocess.run(["git", "ls-files", "--", "*.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    missing = []
+    for name in files:
+        path = REPO_ROOT / name
+        if not path.exists():
+            continue
+        text = path.read_text()
+        if text.startswith("#!"):
+            text = text.split("\n", 1)[1]
+        if not text.startswith(LICENSE_HEADER):
+            missing.append(name)
+    assert files and not missing, f"files without the license header: {missing}"
 
 
 def test_every_spec_section_cited_is_in_the_repository_s_contract():

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Nothing lost when the main command runs again (issue 16).
 
 The README's main command, `torchrun --nproc-per-node 2 pretrain_gpt_mtp.py`, run as a

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """examples/rl/grpo.py, shortened: GRPO with speculative rollouts on 2 CPU ranks (issue 29, C).
 
 Four runs from one seed, as examples/rl/compare.sh runs them (and a fifth at token level): MTP heads trained online

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The SLURM example scripts against a real Slurm controller and node on this machine.
 
 The multi-node script (srun, one torchrun per node, c10d rendezvous; one node here) runs a

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The suite's two tiers (docs/tests.md): the default tier keeps a case of every dimension, --matrix
 adds the rest, and a skip outside the allow-list fails the run."""
 

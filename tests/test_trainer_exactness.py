@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """pretrain_gpt_mtp.py on upstream's training loop: every step is the spec's objective in
 any layout, and a resumed run repeats the uninterrupted one bit for bit.
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MTP heads added to a pretrained backbone (issue 17): pretrain_gpt_mtp.py --finetune --load a
 checkpoint with fewer MTP depths than the run.
 

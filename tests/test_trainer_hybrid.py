@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """pretrain_gpt_mtp.py with --hybrid-layer-pattern: HybridModel (upstream's successor of GPTModel),
 its MTP depths the pattern's "/" parts, trained exactly as GPTModel (issue 18).
 

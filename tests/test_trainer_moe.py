@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """pretrain_gpt_mtp.py with mixture-of-experts layers (spec section 11), as a user runs it.
 
 Cut invariance. One checkpoint (MoE backbone, MTP D = 1 with an MoE layer, sigmoid router

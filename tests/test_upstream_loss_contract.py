@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Exact steps from a user's own Megatron-LM entry script (issue 16): a pretrain_gpt.py-style
 script (tests/harness/upstream_contract_pretrain.py: upstream's per-token loss contract, none
 of this project's trainer) with the series' --exact-steps trains exactly the steps of

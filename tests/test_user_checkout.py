@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The trainer from a user's own Megatron-LM checkout (issue 16): `tools/fork export --for-users`
 carries pretrain_gpt_mtp.py and megatron_mtp as its last patch, so after `git am` of the
 exported series the user runs `torchrun pretrain_gpt_mtp.py` from that checkout, on its own

@@ -1,4 +1,6 @@
 #!/usr/bin/env python3
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Hugging Face <-> megatron-core checkpoints for Llama / Qwen2 / MiMo / Qwen3 / Qwen3-MoE / DeepSeek-V3 /
 GLM-4.5 / Qwen3-Next / Qwen3.5 backbones and their MTP heads.
 

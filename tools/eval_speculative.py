@@ -1,4 +1,6 @@
 #!/usr/bin/env python3
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Speculative decoding with a checkpoint's MTP depths as drafts: the acceptance a server sees.
 
     tools/eval_speculative.py runs/default                      # prompts from the run's own data

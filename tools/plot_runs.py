@@ -1,4 +1,6 @@
 #!/usr/bin/env python3
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Draw training runs of pretrain_gpt_mtp.py side by side: losses, acceptance, grad norms, learning rate.
 
     tools/plot_runs.py runs/a/tensorboard runs/b/tensorboard -o curves.png

@@ -1,4 +1,6 @@
 #!/usr/bin/env python3
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Turn JSON lines into a megatron-core indexed dataset for pretrain_gpt_mtp.py.
 
 Megatron-LM's own command lines work unchanged (its tools/preprocess_data.py's flags, the

@@ -1,4 +1,6 @@
 #!/usr/bin/env python3
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A small GRPO-style RL loop on the library: speculative rollouts drafted by the policy's own MTP heads.
 
     .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --heads online --out runs/rl/online

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A verifiable task for the RL example: reverse a string, rewarded exactly.
 
 A prompt is BOS, L letters of an alphabet of A, then "="; the answer is the letters reversed,

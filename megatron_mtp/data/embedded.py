@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The embedded default corpus: the Python Language Reference's topic texts, which every
 CPython ships (pydoc_data.topics: about 0.47 MB of English prose and grammar), one document
 per topic, tokenized as bytes. No download, the same tokens on every machine."""

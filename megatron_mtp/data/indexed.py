@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """megatron-core indexed datasets (PREFIX.bin + PREFIX.idx) with a metadata file PREFIX.json.
 
 The metadata names the tokenizer, its vocabulary size and end-of-document id and the

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Tokenizers that need no download: bytes, a Hugging Face tokenizer.json, a SentencePiece model.
 
 Each maps text to token ids and names its vocabulary size and end-of-document id, which

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Save and load model (and optimizer) state with megatron-core dist checkpointing.
 
 A checkpoint is written into a temporary sibling directory and renamed into place

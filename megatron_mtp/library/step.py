@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """One optimizer step of the trainer: a split step (megatron.core.fork.split_step) with one chunk.
 
 The step's batch is known, so its global counts (valid main tokens and sequences) are

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """From training to serving: Hugging Face import/export of the backbone and the MTP heads
 (tools/convert_checkpoint.py) and speculative decoding with the heads as drafts
 (tools/eval_speculative.py).

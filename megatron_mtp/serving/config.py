@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The model both sides describe: a Llama, Qwen2 or Qwen3 decoder (GQA, RMSNorm, SwiGLU, RoPE;
 Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm), Qwen3-MoE (Qwen3's attention, softmax-routed
 experts), DeepSeek-V3 (multi-latent attention with YaRN, sigmoid-routed experts with an

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """How a Hugging Face checkpoint stores a layer's routed experts: one tensor per expert
 (`mlp.experts.{e}.gate_proj.weight` [F, H], `up_proj` [F, H], `down_proj` [H, F]) or stacked
 (`mlp.experts.gate_up_proj` [E, 2F, H], expert e's gate rows then its up rows, and

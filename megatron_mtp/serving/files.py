@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Reading and writing checkpoints: Hugging Face directories (safetensors, one file or sharded
 with its index) and megatron-core torch_dist checkpoints (the trainer's).
 

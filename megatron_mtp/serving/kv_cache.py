@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A key/value cache for decoding with megatron-core's layers, in any process (no CUDA).
 
 megatron-core's own caches do not fit speculative decoding here: the static inference

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Tensor names and layouts between megatron-core's model and Hugging Face's.
 
 megatron-core: the state-dict names of GPTModel built with the trainer's local spec (one

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Gated DeltaNet layers over the decoding cache: each layer's convolution inputs and recurrent
 state per position, so that a forward from a later position continues from them.
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The trainer's model for each architecture flag against upstream's builder (one process).
 
 For each case, pretrain_gpt_mtp.py's arguments are parsed as the trainer parses them and its

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Test bodies of tests/test_bridges.py: Hugging Face's MoE, multi-latent attention and Gated
 DeltaNet families through tools/convert_checkpoint.py (one process, megatron-core imported once).
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Context parallelism (CP) on CPU: the layout and the exact MTP roll (megatron.core.fork.
 context_parallel), and the GPTModel with MTP at CP = 2 and 4 against the plain-PyTorch
 reference (tests/reference/gpt_mtp.py) on the whole batch.

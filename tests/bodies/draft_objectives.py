@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The draft objectives of spec section 12 (kl, tv, e2e_tv; ce at a temperature) in the
 patched GPTModel against the plain-PyTorch reference (tests/reference/gpt_mtp.py), which
 computes them on whole [b, s, V] softmaxes with torch.minimum and autograd."""

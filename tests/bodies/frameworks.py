@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Bodies for tests/test_frameworks.py: RL frameworks' own steps, with and without exact_mtp_step.
 
 Each controller makes the calls of one framework's optimizer step in the same order, with the same

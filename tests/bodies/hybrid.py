@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """HybridModel with MTP (one process): a pattern that is the GPT network ("*-" per layer, "/*-"
 per MTP depth) on the GPT's weights against the plain-PyTorch reference of
 tests/reference/gpt_mtp.py, through the same fork hooks as GPTModel."""

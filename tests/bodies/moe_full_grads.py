@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """tests.bodies.full_grads for MoE layouts: expert-parallel experts gathered by global index.
 
 Under expert parallelism (EP) each EP rank holds num_experts / EP experts, named

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MoE + MTP gradients after one exact step against the plain-PyTorch reference
 (tests/reference/moe.py), on one process and on DP / EP / EP x TP (sequence parallel) / PP layouts.
 

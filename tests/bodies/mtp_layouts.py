@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MTP across parallel layouts: TP=2, PP=2 (MTP on the last stage) and DP=2 against one process,
 and upstream's pipeline layouts with `m` (megatron-core's `pipeline_model_parallel_layout`):
 the MTP depths on a stage of their own, alone with the loss or before the loss stage, also on

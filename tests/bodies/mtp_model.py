@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Model-level MTP checks (one process): the patched GPTModel against the plain-PyTorch
 reference of tests/reference/gpt_mtp.py on the same weights and data."""
 

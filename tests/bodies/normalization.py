@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Bodies for tests/test_normalization.py: exact step normalization against the reference.
 
 The oracle is tests/reference/gpt_mtp.py on the whole global batch with the spec's

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Test bodies of tests/test_serving.py (one process each, megatron-core imported once).
 
 Independent references, written from the published models' semantics, in plain PyTorch on

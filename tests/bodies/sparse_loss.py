@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The sparse, chunked MTP loss (mtp_sparse_loss) on the masks that stress it, against the
 plain-PyTorch reference, and under TP = 2 with vocabulary-parallel argmax ties."""
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A tiny GPT trained through megatron-core's own stack, for any TP x PP x VPP x DP layout.
 
 Model, step and checkpointing are the trainer's (megatron_mtp). The data here is

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A torchrun worker for tests/test_harness.py: what a zygote's child sees and does.
 
     torchrun ... tests/bodies/torchrun_worker.py MODE PID_DIR

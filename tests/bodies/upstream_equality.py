@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Isolation off: the fork's MTP forward (per-position logits and losses) equals upstream's.
 
 `capture` runs in two processes on identical weights and data: one with this checkout's

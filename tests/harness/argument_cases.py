@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Run pretrain_gpt_mtp.py's argument handling on many command lines in one process.
 
     python -m tests.harness.argument_cases < cases.json > results.json

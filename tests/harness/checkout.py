@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A user's Megatron-LM checkout: a pristine megatron-core sdist as a git tree, with an exported
 series applied by `git am`, as a user applies it (the sdist has the checkout's megatron/ paths)."""
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Pearson's chi-square goodness-of-fit test for the samplers' distribution tests: its statistic,
 its critical value at a significance level (the chi-square distribution's, through torch's
 regularized incomplete gamma function; the environment has no scipy) and its power against a

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Small text corpora for trainer tests, written as jsonl and preprocessed like a user's.
 
 Paragraphs of the Python Language Reference (shipped with CPython) make documents of

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The first step of a pretrain_gpt_mtp.py run, recomputed without megatron-core's model.
 
 The samples are read back the way megatron-core's GPTDataset defines them (its shuffle,

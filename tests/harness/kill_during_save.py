@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """pretrain_gpt_mtp.py, with rank 0 killed (SIGKILL) in the middle of one save.
 
 KILL_AT_ITERATION names the save; KILL_DURING_SAVE the moment:

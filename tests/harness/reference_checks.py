@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """What each result of tests/bodies/mtp_model.py's compare_case must hold: every one of its checks
 for the case's depths and MTP loss path, each passed. A check that goes missing or returns
 anything but True (a flag) or a float within the tolerance (an error) fails: None does not pass."""

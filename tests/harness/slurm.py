@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A real Slurm controller and node on this machine, for the SLURM example scripts' test.
 
 `LocalSlurm` installs Debian's slurmctld, slurmd and munge when they are missing (as root,

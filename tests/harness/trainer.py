@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Run pretrain_gpt_mtp.py as a user does (torchrun, CPU, gloo) and read what it leaves.
 
 `train` starts torchrun in its own process group with a free port and a deadline, kills

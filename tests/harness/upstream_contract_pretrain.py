@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A Megatron-LM pretrain_gpt.py-style entry script: a user's own, with the series applied.
 
 Its loss function keeps upstream pretrain_gpt.py's contract (the raw masked CE sum, its

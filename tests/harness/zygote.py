@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Start test processes by forking an interpreter that has already imported torch and megatron-core.
 
 A fresh interpreter spends about 5 s of CPU importing torch, megatron-core and megatron.training

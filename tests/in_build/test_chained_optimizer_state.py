@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """An optimizer state saved by a chain of optimizers of another length (the expert parallel
 size changed): the common state follows this run's chain, and a per-bucket layout is refused.
 

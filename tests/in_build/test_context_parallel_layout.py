@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The context-parallel layout (megatron.core.fork.context_parallel.local_positions) against
 indices written by hand: of every (padded) sequence, 2 x CP equal chunks, CP rank r holding
 chunks r and 2 x CP - 1 - r (upstream's load balance). The data split, the MTP roll, the CP

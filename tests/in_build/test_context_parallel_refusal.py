@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MTP with context parallelism (spec section 10): built where the series rolls depth-k targets
 across context-parallel ranks exactly (0.19.2: tests/test_context_parallel.py proves it),
 refused before any state changes where it does not (0.16.1), naming the fix; split steps take

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Gated DeltaNet on GPTModel (--experimental-attention-variant gated_delta_net), on each build:
 the 0.19.2 series selects its layers (patch 0018 and the fork's builder), and refuses in one
 line MTP layers on a last Gated DeltaNet layer (the MTP layer is the decoder's last, and MTP

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MTP on the first pipeline rank is refused when the config is built (issue 16).
 
 Upstream's layout check means to keep MTP off the first pipeline rank but skips that rank's

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The chunked cross-entropy Function of the sparse losses on its own (one process, no TP):
 against torch's cross-entropy with autograd, for every chunking, row weights with fractional
 values and zeros, a logit scale, the check of the loss's weighting, and the fused main_grad

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A synchronous dist-checkpoint save keeps its write results in the saving process: no
 multiprocessing Manager (a "spawn" interpreter that imports torch, about 3 s per rank at
 a process's first save) is started, and the checkpoint loads back bit for bit."""

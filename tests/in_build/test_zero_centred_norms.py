@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Zero-centred gamma (--apply-layernorm-1p) with megatron-core's torch norms, on each build: the
 0.19.2 series builds it (patch 0045: (1 + w), w started at zero, the torch module's names and
 sequence-parallel marks); 0.16.1's norms still assert it away, and its specs refuse it in one line."""

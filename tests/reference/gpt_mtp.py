@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A plain-PyTorch GPT with DeepSeek-V3-style MTP, written from the spec (no megatron-core).
 
 It is the independent oracle of the MTP tests. Parameter names equal megatron-core's

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Mixture-of-experts MLP and router losses in plain PyTorch, written from the spec (section 11)
 and upstream's documented formulas (no megatron-core); an extension of tests/reference/gpt_mtp.
 

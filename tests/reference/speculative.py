@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Speculative decoding by whole-sequence recompute: every forward runs from position 0 (the
 Runner's KV cache is cut back to nothing each time), so no state is carried between steps.
 What megatron_mtp.serving.speculative computes over its KV cache must equal this, draft for

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Files the Megatron-MTP fork owns inside megatron-core.
 
 Everything under ``megatron/core/fork`` is new code, kept out of upstream files

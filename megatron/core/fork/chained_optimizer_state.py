@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """An optimizer state saved by one chain of optimizers, loaded into another.
 
 megatron-core builds one optimizer for every parameter when the experts share the dense

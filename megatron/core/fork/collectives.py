@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Collectives that NCCL has and gloo lacks, for the CPU path.
 
 megatron-core exchanges uneven pieces along the first dimension when tokens are routed

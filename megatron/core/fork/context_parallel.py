@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Context parallelism (CP) without Transformer Engine: the layout, the data split, the exact
 roll of MTP targets across CP ranks, and the key/value gather of the CP core attention.
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """One place that decides which device megatron-core computes on.
 
 Upstream megatron-core (0.16.1 and 0.19.2 alike) names ``cuda`` in schedules, DDP

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Gated DeltaNet's three kernels in PyTorch, for machines without flash-linear-attention (FLA).
 
 megatron-core's GatedDeltaNet computes with FLA's ``causal_conv1d``, ``l2norm`` and

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """What a checkpoint's model must share with the model that loads it (spec section 9).
 
 Distributed checkpoints load by key: a model with fewer MTP depths than the checkpoint

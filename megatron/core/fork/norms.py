@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Zero-centred gamma (``--apply-layernorm-1p``) for megatron-core's torch norms.
 
 A zero-centred norm stores w and scales the normalized input by (1 + w), w started at zero

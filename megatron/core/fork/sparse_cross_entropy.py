@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Vocabulary-parallel cross-entropy at chosen rows only, in chunks of bounded memory.
 
 Upstream projects every position onto the vocabulary and masks the cross-entropy

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Layer specs as Megatron-LM chooses them, with the modules this device needs.
 
 ``gpt_specs`` takes a GPTModel's decoder and MTP block specs from upstream's own selection:

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """One optimizer step, driven as begin -> accumulate(chunk) x n -> finish (or abort).
 
 An RL or SFT controller that sends a step in chunks calls ``accumulate`` once per chunk;

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """One optimizer step's loss: every branch divided exactly by its global count (spec section 4).
 
     L = L_main + (lambda / D) * sum_k S_k / N_tok

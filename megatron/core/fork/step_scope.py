@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """What every exact step does around its forward/backward, for both step drivers.
 
 SplitStep (a controller's step, in chunks), trainer/exact_step (megatron.training's

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Gradient-norm groups for megatron-core 0.16.1 (spec section 6).
 
 A parameter tagged with a ``grad_norm_group`` attribute (the isolated MTP heads: "mtp")

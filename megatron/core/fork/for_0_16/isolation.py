@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Gradient isolation of the MTP heads in megatron-core 0.16.1 (``mtp_detach_heads``): what
 megatron-core 0.19's MTP block and GPTModel do upstream. The rest of isolation, for every
 version, is megatron.core.fork.mtp.isolation."""

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The fork's TransformerConfig fields in megatron-core 0.16.1: those of every version
 (megatron.core.fork.mtp.options) plus the two MTP options megatron-core 0.17 added upstream
 under these names and meanings. The 0.16.1 series' TransformerConfig derives from this class.

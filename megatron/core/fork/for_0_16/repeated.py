@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Repeated-layer mode (``mtp_use_repeated_layer``): one MTP layer applied at all D depths.
 
 Only ``mtp.layers.0`` is built (upstream's parameter names and state-dict keys); the

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Draft objectives for sampled rollouts (spec section 12): ``kl``, ``tv`` and ``e2e_tv``
 beside ``ce``, and the sampled acceptance every objective reports.
 

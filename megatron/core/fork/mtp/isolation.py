@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Gradient isolation of the MTP heads (spec section 2, ``mtp_detach_heads``).
 
 With isolation on, nothing of the MTP loss reaches what the main objective owns:

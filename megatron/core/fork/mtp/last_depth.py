@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The last MTP depth's MLP at the rows its loss reads (with ``mtp_sparse_loss``).
 
 Under the sparse loss h^D is read only where depth D is valid: no deeper depth consumes

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The fork's TransformerConfig fields and their validation, in one place.
 
 TransformerConfig derives from MTPTrainingConfig (one changed line in upstream's file) instead

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Detached MTP heads draw their random numbers from streams of their own (``mtp_detach_heads``).
 
 Without this, the MTP block's initialization and its dropout consume the backbone's streams: the

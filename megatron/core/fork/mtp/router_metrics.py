@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Each MTP depth's router losses as step values (spec section 11).
 
 Upstream's MoE metrics tracker keeps one slot per layer: a repeated MTP layer runs at every

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The MTP loss at valid positions only, in chunks of bounded memory (``mtp_sparse_loss``).
 
 Depth k's rows are the positions valid at depth k, plus the few where only a deeper depth

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Exact per-depth MTP statistics (spec sections 7 and 12), kept as sums so they reduce exactly.
 
 For each depth k, over valid depth-k positions: the objective's sum S_k (cross-entropy

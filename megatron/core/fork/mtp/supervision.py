@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """What each MTP depth is trained to predict (spec section 3).
 
 Depth k at position t predicts x_{t+k+1}: its labels are the next-token labels rolled

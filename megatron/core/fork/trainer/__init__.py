@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The MTP-exact steps and metrics of Megatron-LM's own training loop (megatron.training,
 shipped in the megatron-core sdist from 0.17 on). megatron.training calls these from a few
 hooks (patch "MTP: exact steps and metrics in megatron.training"); nothing here runs in

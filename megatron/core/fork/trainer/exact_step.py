@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """One step of megatron.training's loop as the spec's objective (spec section 4).
 
 ``train_step`` calls ``begin`` before its forward/backward and ``end`` after the optimizer

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Exact steps for a loss function with upstream pretrain_gpt.py's per-token contract.
 
 Megatron-LM's pretrain_gpt.py returns, per micro-batch, the raw masked CE sum and its token

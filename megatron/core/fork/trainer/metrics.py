@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Per-depth MTP metrics of megatron.training's loop: console, TensorBoard and W&B (spec 7).
 
 Each step hands its exactly reduced per-depth sums (objective, valid, correct, chain-correct,
