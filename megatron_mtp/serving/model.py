@@ -21,12 +21,6 @@ from megatron_mtp.serving.config import hybrid_refusal
 
 # Flags under which the forward differs from what this module builds.
 UNSUPPORTED = ("apply_layernorm_1p", "squared_relu")
-# Architecture options the trainer's TransformerConfig takes from its arguments (`architecture_fields`)
-# beside the experts' (moe_*) and multi-latent attention's: Qwen3-Next's.
-ARCHITECTURE_FIELDS = ("num_moe_experts", "multi_latent_attention", "attention_output_gate",
-                       "layernorm_zero_centered_gamma", "experimental_attention_variant", "linear_attention_freq",
-                       "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                       "linear_num_key_heads", "linear_num_value_heads")
 # How this module runs a model: one process, fp32, no CUDA kernels (the arguments a checkpoint holds
 # name the run that trained it).
 ONE_PROCESS = dict(
@@ -76,68 +70,30 @@ def check_buildable(args) -> None:
                                "which this tool does not run")
 
 
-def trained_config(args):
+def transformer_config(args, mtp_num_layers=None):
     """The TransformerConfig (MLATransformerConfig with multi-latent attention) the trainer builds
-    from a checkpoint's arguments (Megatron-LM's core_transformer_config_from_args); arguments
-    the checkpoint does not hold (an import's) take Megatron-LM's defaults."""
+    from a checkpoint's arguments, by the trainer's own path (Megatron-LM's
+    core_transformer_config_from_args), so that every architecture flag the trainer reads is read
+    here too; arguments the checkpoint does not hold (an import's) take Megatron-LM's defaults.
+    Then run as this module runs a model: one process, fp32, no CUDA kernels (ONE_PROCESS, the
+    MoE kernels off), parameters created on the CPU, and `mtp_num_layers` depths if given."""
     import argparse
 
     from megatron.training.arguments import add_megatron_arguments, core_transformer_config_from_args
 
+    check_buildable(args)
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_megatron_arguments(parser)
     complete = parser.parse_args([])
     vars(complete).update(vars(args))
     vars(complete).update(ONE_PROCESS)
+    vars(complete).update({name: False for name in MOE_KERNELS})
+    vars(complete).update(use_cpu_initialization=True)
+    if mtp_num_layers is not None:
+        vars(complete).update(mtp_num_layers=mtp_num_layers or None)
+    if not complete.mtp_num_layers:
+        vars(complete).update(mtp_use_repeated_layer=False)
     return core_transformer_config_from_args(complete)
-
-
-def architecture_fields(args) -> dict:
-    """A trainer checkpoint's MoE, multi-latent attention and Qwen3-Next options (ARCHITECTURE_FIELDS)
-    as the trainer's TransformerConfig took them, at one rank and without CUDA kernels; {} without
-    any."""
-    if not any(getattr(args, name, None) for name in ("num_experts", "multi_latent_attention", "attention_output_gate",
-                                                      "layernorm_zero_centered_gamma",
-                                                      "experimental_attention_variant")):
-        return {}
-    import dataclasses
-
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
-    trained = trained_config(args)
-    mla = ({f.name for f in dataclasses.fields(MLATransformerConfig)}
-           - {f.name for f in dataclasses.fields(TransformerConfig)})
-    fields = {f.name: getattr(trained, f.name) for f in dataclasses.fields(trained)
-              if f.name.startswith("moe_") or f.name in ARCHITECTURE_FIELDS or f.name in mla}
-    fields.update({name: False for name in MOE_KERNELS if name in fields})
-    return fields
-
-
-def transformer_config(args, mtp_num_layers=None):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
-    check_buildable(args)
-    heads = args.num_attention_heads
-    swiglu = bool(getattr(args, "swiglu", False))
-    depths = getattr(args, "mtp_num_layers", None) if mtp_num_layers is None else mtp_num_layers
-    config_class = MLATransformerConfig if getattr(args, "multi_latent_attention", False) else TransformerConfig
-    return config_class(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
-        num_query_groups=(args.num_query_groups if getattr(args, "group_query_attention", False) else heads),
-        kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
-        ffn_hidden_size=args.ffn_hidden_size, normalization=getattr(args, "normalization", "LayerNorm"),
-        layernorm_epsilon=getattr(args, "layernorm_epsilon", 1e-5), gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else F.gelu, add_bias_linear=getattr(args, "add_bias_linear", True),
-        add_qkv_bias=getattr(args, "add_qkv_bias", False), hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        init_method_std=getattr(args, "init_method_std", 0.02), mtp_num_layers=depths or None,
-        mtp_use_repeated_layer=bool(getattr(args, "mtp_use_repeated_layer", False)) if depths else False,
-        rotary_interleaved=bool(getattr(args, "rotary_interleaved", False)),
-        qk_layernorm=bool(getattr(args, "qk_layernorm", False)), qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)),
-        **architecture_fields(args),
-    )
 
 
 def build(args, mtp_num_layers=None):
