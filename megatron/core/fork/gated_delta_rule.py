@@ -14,19 +14,21 @@ device, the runtime part of the series gives it these instead, with FLA's signat
 - ``fused_recurrent_gated_delta_rule``: the same rule token by token (FLA's recurrent form,
   which Megatron-LM main's GatedDeltaNet decodes with).
 
-Packed rows (THD). Upstream's GatedDeltaNet hands both kernels the packed row's ``cu_seqlens``
-(0.19.2 ``ssm/gated_delta_net/gdn.py``, forward: ``_resolve_cu_seqlens`` takes
-``cu_seqlens_q_padded`` where given, so a sequence's alignment padding belongs to it, and passes
-``cu_seqlens=cu_seqlens_q`` to ``causal_conv1d`` and to the rule; Megatron-LM main's
-``ssm/gated_delta_net/common.py`` ``_resolve_cu_seqlens`` is the same). FLA's semantics, followed
-here: the row is one batch entry, and every sequence [cu_seqlens[i], cu_seqlens[i + 1]) is
-computed as a row of its own. The rule starts each from the zero state (or its own
-``initial_state[i]``, [N, H, K, V]) and returns one final state per sequence
-(``fla/ops/gated_delta_rule/chunk.py``, ``chunk_gated_delta_rule``: batch 1 with ``cu_seqlens``,
-N initial states); the convolution reads zeros before each sequence's first token
-(``fla/modules/convolution.py``, ``causal_conv1d_fwd_kernel``: with ``IS_VARLEN`` it reads from
-``bos``, out-of-range rows load as 0). Both forms here compute sequence by sequence, so nothing
-crosses a boundary by construction.
+Packed rows (THD). Upstream's GatedDeltaNet hands both kernels the packed row's ``cu_seqlens``:
+megatron-core 0.19.2's ``ssm/gated_delta_net/gdn.py`` forward, lines 95-127, resolves them with
+``_resolve_cu_seqlens`` (``common.py`` lines 448-472: ``cu_seqlens_q_padded`` where given, so a
+sequence's alignment padding belongs to it; under CP every length a multiple of CP), lines
+145-160 permute the row sequence by sequence for CP's all-to-all, and lines 214-222 and 242-252
+pass ``cu_seqlens=cu_seqlens_q`` to ``causal_conv1d`` and to the rule (Megatron-LM main's
+``common.py`` ``_resolve_cu_seqlens``, lines 469-493, is the same). FLA's semantics, followed
+here (flash-linear-attention at 0315a70): the row is one batch entry, and every sequence
+[cu_seqlens[i], cu_seqlens[i + 1]) is computed as a row of its own. The rule starts each from the
+zero state (or its own ``initial_state[i]``, [N, H, K, V]) and returns one final state per
+sequence (``fla/ops/gated_delta_rule/chunk.py``, ``chunk_gated_delta_rule``'s docstring and
+checks: batch 1 with ``cu_seqlens``, N initial states); the convolution reads zeros before each
+sequence's first token (``fla/modules/convolution.py``, ``causal_conv1d_fwd_kernel``: with
+``IS_VARLEN`` it reads from ``bos``, rows before it load as 0). Both forms here compute sequence
+by sequence, so nothing crosses a boundary by construction.
 
 On a machine with CUDA nothing here is used: upstream's FLA requirement stands.
 """
