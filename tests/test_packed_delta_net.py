@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Packed rows (THD) with Gated DeltaNet layers train exactly (issue 39 A), through upstream's own
 packed path: GatedDeltaNet resolves the packed row's cu_seqlens (the padded ones where given) and
 hands them to the fork's CPU kernels (tests/test_gated_delta_rule_packed.py), which reset the

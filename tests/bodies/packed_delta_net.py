@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Packed rows (THD) with Gated DeltaNet layers over MoE through the library's exact step
 (megatron_mtp.library.step.train_step with a packed forward step) on tensor-, pipeline- and
 expert-parallel layouts, against the plain-PyTorch reference (tests/reference/moe.py over
