@@ -30,3 +30,15 @@ def test_detached_heads_leave_the_backbone_bit_identical_on_gpu(tmp_path):
     impl = "transformer_engine" if importlib.util.find_spec("transformer_engine") else "local"
     check_bit_identical(tmp_path, 1, ("--transformer-impl", impl, "--deterministic-mode"),
                         env={"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_packed_gated_deltanet_with_fla_matches_the_recurrent_reference():
+    """Packed rows with Gated DeltaNet on upstream's GPU path (flash-linear-attention's
+    causal_conv1d and chunk_gated_delta_rule with cu_seqlens, bf16): the logits within 3e-2 of the
+    float32 reference's (relative to their largest), and within a fifth of how far the reference
+    moves when the sequences are not separated."""
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("flash-linear-attention is not installed (upstream's Gated DeltaNet needs it on GPUs)")
+    (result,) = launch("tests.bodies.gpu:packed_delta_net", 1, {}, timeout=600, use_gpus=True)
+    assert result["device"] == "cuda" and result["fla"], result
+    assert result["error"] < 3e-2 and result["error"] < result["boundary_effect"] / 5, result

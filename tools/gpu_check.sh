@@ -13,7 +13,8 @@
 #                   largest relative difference
 #   bf16_default    the embedded default on the GPU in bf16 (300 iterations, 3 evaluations, checkpoints)
 #   gpu_tests       tests marked gpu: bf16 library steps on NCCL; detached heads leave the backbone
-#                   bit-identical on CUDA (MTP RNG streams through the CUDA RNG tracker)
+#                   bit-identical on CUDA (MTP RNG streams through the CUDA RNG tracker); packed rows
+#                   with Gated DeltaNet through flash-linear-attention (cu_seqlens) against the reference
 #   deepseek_v3     examples/configs/deepseek_v3_tiny.sh (MLA + MoE + MTP) in bf16
 #   throughput      a 1024-wide, 8-layer GPT at sequence 2048 in bf16: tokens/s at D = 0 and D = 2
 #   qwen3_next      examples/configs/qwen3_next_tiny.sh (Gated DeltaNet hybrid) in bf16

@@ -41,12 +41,12 @@ def padded_rows(seed: int, length: int = ROW):
     return tokens[:, :-1].clone(), tokens[:, 1:].clone(), mask, None
 
 
-def packed_row(seed: int, cp: int, lengths=PACKED_LENGTHS):
-    """One THD row of sequences of PACKED_LENGTHS tokens, each padded to a multiple of 2 x CP
-    (the padding belongs to its sequence, masked): (input ids, labels, mask, segment ids), and
-    the padded and unpadded cu_seqlens."""
+def packed_row(seed: int, cp: int, lengths=PACKED_LENGTHS, step: int | None = None):
+    """One THD row of sequences of PACKED_LENGTHS tokens, each padded to a multiple of `step`
+    (default 2 x CP; the padding belongs to its sequence, masked): (input ids, labels, mask,
+    segment ids), and the padded and unpadded cu_seqlens."""
     g = torch.Generator().manual_seed(seed)
-    step = 2 * cp
+    step = step or 2 * cp
     padded = [-(-n // step) * step for n in lengths]
     total = sum(padded)
     input_ids = torch.randint(1, VOCAB, (1, total), generator=g)
@@ -136,43 +136,55 @@ def compare(cp_group, cp: int, depths: int, detach: bool, repeated: bool, layout
         rows = padded_rows(seed)
     else:
         rows, padded, unpadded = packed_row(seed, cp)
-        longest = int((padded[1:] - padded[:-1]).max())
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=unpadded, cu_seqlens_kv=unpadded,
-                                 cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        packed = packed_params(padded, unpadded)
     got = cp_step(model, rows, cp_group, packed)
     return errors_against(got, reference_for(model, depths, False, repeated, detach), rows)
 
 
-def delta_net_compare(cp_group, cp: int, depths: int, detach: bool, seed: int) -> dict:
+def packed_params(padded, unpadded) -> PackedSeqParams:
+    longest = int((padded[1:] - padded[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=unpadded, cu_seqlens_kv=unpadded,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def delta_net_compare(cp_group, cp: int, depths: int, detach: bool, seed: int, packed: bool = False) -> dict:
     """Qwen3-Next's pattern ("G-*-", full attention in the MTP depths) on CP ranks: upstream's Gated
     DeltaNet with CP (an all-to-all from sequence to head parallelism), against the reference's
-    recurrent Gated DeltaNet on whole rows longer than the torch kernel's chunk of 64."""
+    recurrent Gated DeltaNet on whole rows longer than the torch kernel's chunk of 64; `packed`: on
+    a packed row of tests.bodies.hybrid.DELTA_NET_PACKED's sequences, each padded to a multiple of
+    2 x CP (upstream's THD all-to-all; the kernels reset at every padded sequence's start)."""
     from megatron_mtp.library.model import build_hybrid
-    from tests.bodies.hybrid import DELTA_NET_FIELDS, delta_net_reference, slow_decay
+    from tests.bodies.hybrid import DELTA_NET_FIELDS, DELTA_NET_PACKED, delta_net_reference, slow_decay
 
     config = make_config(depths, detach=detach, context_parallel_size=cp, **DELTA_NET_FIELDS)
     torch.manual_seed(seed)
     model = build_hybrid(config, VOCAB, 128, "G-*-" + "/*-" * depths)
     slow_decay(model)
     same_weights(model, cp_group)
-    rows = padded_rows(seed, length=72)
-    got = cp_step(model, rows, cp_group)
+    if packed:
+        rows, padded, unpadded = packed_row(seed, cp, DELTA_NET_PACKED)
+        got = cp_step(model, rows, cp_group, packed_params(padded, unpadded))
+    else:
+        rows = padded_rows(seed, length=72)
+        got = cp_step(model, rows, cp_group)
     ref, names = delta_net_reference(model, depths, detach)
     return errors_against(got, ref, rows, names)
 
 
 def against_reference(cp: int, cases: list) -> dict:
-    """Each case (depths, detach, repeated, rows: "padded", "packed" or "delta_net", the last a
-    HybridModel with Gated DeltaNet layers) at context_parallel_size = `cp` (the rest of the world
-    data-parallel replicas of the same check)."""
+    """Each case (depths, detach, repeated, rows: "padded", "packed", "delta_net" or
+    "delta_net_packed", the last two a HybridModel with Gated DeltaNet layers on padded or packed
+    rows) at context_parallel_size = `cp` (the rest of the world data-parallel replicas of the
+    same check)."""
     out = {}
     with model_parallel(cp=cp):
         cp_group = parallel_state.get_context_parallel_group()
         for i, (depths, detach, repeated, layout) in enumerate(cases):
             name = f"D{depths}-{'iso' if detach else 'att'}-{'rep' if repeated else 'dist'}-{layout}"
-            if layout == "delta_net":
-                out[name] = delta_net_compare(cp_group, cp, depths, detach, seed=100 + i)
+            if layout.startswith("delta_net"):
+                out[name] = delta_net_compare(cp_group, cp, depths, detach, seed=100 + i,
+                                              packed=layout == "delta_net_packed")
             else:
                 out[name] = compare(cp_group, cp, depths, detach, repeated, layout, seed=100 + i)
     return out

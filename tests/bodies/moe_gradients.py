@@ -46,9 +46,10 @@ def fresh_build(setup: Setup):
     return build(setup)
 
 
-def one_step(setup: Setup, chunks, optimizer, config) -> dict:
-    """One trainer step; full gradients and expert biases captured after finalize (which updates
-    the biases), before the optimizer clips and steps."""
+def one_step(setup: Setup, chunks, optimizer, config, step=None) -> dict:
+    """One trainer step (`step()`, default: train_step on the setup's global batch); full
+    gradients and expert biases captured after finalize (which updates the biases), before the
+    optimizer clips and steps."""
     captured = {}
     original_step = optimizer.step
 
@@ -58,7 +59,7 @@ def one_step(setup: Setup, chunks, optimizer, config) -> dict:
 
     optimizer.step = step_after_capture
     try:
-        result = train_step(setup, chunks, optimizer, 0)
+        result = step() if step else train_step(setup, chunks, optimizer, 0)
     finally:
         optimizer.step = original_step
     return {"metrics": {k: v for k, v in result.items() if isinstance(v, (int, float))}, **captured}

@@ -221,6 +221,8 @@ class GatedDeltaNet(nn.Module):
     where alpha_t = exp(g_t), g_t = -exp(A_log) softplus(a_t + dt_bias), beta_t = sigmoid(b_t),
     q and k L2-normalized per head after a causal depthwise convolution and SiLU over [q, k, v];
     the output is norm(o_t) * SiLU(z_t) per value head, then projected (Qwen3-Next's layer).
+    Packed rows: every segment is a sequence of its own, its state zero at its first token and its
+    convolution zero before it (flash-linear-attention's cu_seqlens semantics).
     Parameter names and the input projection's layout [q, k, v, z, b, a] are megatron-core's."""
 
     def __init__(self, hidden, spec: DeltaNet, normalization):
@@ -236,19 +238,23 @@ class GatedDeltaNet(nn.Module):
         self.out_norm = norm(normalization, spec.value_dim)
         self.out_proj = nn.Linear(v, hidden, bias=False)
 
-    def causal_convolution(self, x):
-        """out[t, c] = sum_j w[c, j] x[t - (width - 1) + j, c], zero before the row starts."""
-        width = self.spec.conv
-        padded = F.pad(x, (0, 0, width - 1, 0))
+    def causal_convolution(self, x, segments):
+        """out[t, c] = sum_j w[c, j] x[t - (width - 1) + j, c], zero before the token's segment starts."""
+        width, s = self.spec.conv, x.size(1)
         weight = self.conv1d.weight[:, 0]  # [channels, width]
-        return sum(weight[:, j] * padded[:, j:j + x.size(1)] for j in range(width))
+        out = 0
+        for lag in range(width):  # tap width - 1 - lag reads token t - lag
+            same = torch.zeros_like(segments, dtype=torch.bool)
+            same[:, lag:] = segments[:, lag:] == segments[:, :s - lag]
+            earlier = F.pad(x, (0, 0, lag, 0))[:, :s]
+            out = out + weight[:, width - 1 - lag] * earlier * same[..., None]
+        return out
 
     def forward(self, x, positions, segments):
-        if bool((segments != segments[:, :1]).any()):
-            raise NotImplementedError("packed rows: the model refuses them with Gated DeltaNet layers")
         spec, (b, s, _) = self.spec, x.shape
         q, k, v, z, beta, a = self.in_proj(x).split(self.sections, dim=-1)
-        q, k, v = F.silu(self.causal_convolution(torch.cat([q, k, v], dim=-1))).split(self.sections[:3], dim=-1)
+        q, k, v = F.silu(self.causal_convolution(torch.cat([q, k, v], dim=-1), segments)).split(self.sections[:3],
+                                                                                                  dim=-1)
         repeat = spec.value_heads // spec.key_heads
 
         def heads(t, count, dim):
@@ -266,6 +272,8 @@ class GatedDeltaNet(nn.Module):
         eye = torch.eye(spec.key_dim)
         outputs = []
         for t in range(s):
+            if t:  # a segment's first token starts from the zero state
+                state = state * (segments[:, t] == segments[:, t - 1])[:, None, None, None]
             k_t, v_t, beta_t = k[:, t], v[:, t], beta[:, t, :, None, None]
             erase = eye - beta_t * k_t[..., :, None] * k_t[..., None, :]  # I - beta k k^T
             state = alpha[:, t, :, None, None] * (erase @ state) + beta_t * k_t[..., :, None] * v_t[..., None, :]
