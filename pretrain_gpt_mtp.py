@@ -66,6 +66,43 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return model
 
 
+def count_parameters(args) -> int | str:
+    """The model's parameters, each counted once, without building it on a device: model_provider's
+    model at TP = PP = EP = CP = 1 with local layers (the tensors of every layout together, of
+    Transformer Engine's layers too) on the meta device, in a process group of this process alone.
+    A model only Transformer Engine builds (Mamba layers) gives the reason instead."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.training import global_vars
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron.core.fork.specs import SpecError
+    from megatron_mtp.library.initialize import initialize_model_parallel
+    from megatron_mtp.serving.model import MOE_KERNELS, ONE_PROCESS
+
+    whole = argparse.Namespace(**{**vars(args), **ONE_PROCESS, **dict.fromkeys(MOE_KERNELS, False)})
+    whole.pipeline_model_parallel_layout = None
+    whole.perform_initialization, whole.use_cpu_initialization = False, True
+    if whole.hybrid_layer_pattern is not None:
+        whole.hybrid_layer_pattern = whole.hybrid_layer_pattern.replace("|", "")  # one stage
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    global_vars.set_args(whole)  # model_provider reads the global arguments
+    try:
+        initialize_model_parallel(1, 1, None, args.seed)
+        with torch.device("meta"):
+            model = model_provider(config=core_transformer_config_from_args(whole))
+        return sum(parameter.numel() for parameter in model.parameters())
+    except (SpecError, AssertionError, ValueError, ImportError) as error:
+        return f"not counted without Transformer Engine ({' '.join(str(error).split())[:120]})"
+    finally:
+        global_vars.set_args(args)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def datasets_provider(train_valid_test_num_samples, vp_stage=None):
     """megatron-core's GPT datasets (blends and splits by --data-path / --split), or mock data."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -228,7 +265,7 @@ def main() -> int:
         return 2
     if args.dry_run:
         if os.environ.get("RANK", "0") == "0":
-            print(arguments.summary(args), flush=True)
+            print(arguments.summary(args, count_parameters(args)), flush=True)
         return 0
     done = arguments.finished(args)
     if done:  # rerunning a finished run trains nothing and overwrites nothing
