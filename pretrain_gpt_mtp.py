@@ -16,7 +16,9 @@ MTP heads only), --create-attention-mask-in-dataloader (off by default here), --
 everything, build nothing) and --log-file (the console output kept in a file); datasets written
 by tools/preprocess_data.py carry their vocabulary, which --data-path takes from them. The
 embedded default also keeps TensorBoard and its console log in its --save directory and saves
-on SIGTERM (--exit-signal-handler).
+on SIGTERM (--exit-signal-handler); with that handler, Ctrl-C (SIGINT) saves as the exit signal
+does. `python -m megatron_mtp.launch` in torchrun's place exits 0 once the workers have saved
+after a signal to it (torchrun exits 1).
 """
 
 import os
@@ -280,13 +282,27 @@ def main() -> int:
 
     exact_step.enable(args.main_loss_level)
     datasets_provider.is_distributed = True
+    if args.exit_signal_handler and args.exit_signal != signal.SIGINT:
+        signal.signal(signal.SIGINT, partial(_as_exit_signal, args.exit_signal))
     try:
         return _pretrain(args)
     finally:
         if args.exit_signal_handler:
             # The run has saved and is leaving: a repeated exit signal (a scheduler may send it
-            # again) must not kill the process while the interpreter shuts down.
+            # again, Ctrl-C reaches torchrun and its workers alike) must not kill the process while
+            # the interpreter shuts down.
             signal.signal(args.exit_signal, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _as_exit_signal(exit_signal, signum, frame):
+    """Ctrl-C (SIGINT) stops the run as the exit signal does (upstream's handler takes one signal):
+    once Megatron-LM's handler for it is installed, the run saves and exits 0; before, nothing is
+    trained yet and Ctrl-C interrupts as always."""
+    handler = signal.getsignal(exit_signal)
+    if not callable(handler):
+        raise KeyboardInterrupt
+    handler(exit_signal, frame)
 
 
 def _pretrain(args) -> int:
