@@ -72,7 +72,8 @@ def count_parameters(args) -> int | str:
     """The model's parameters, each counted once, without building it on a device: model_provider's
     model at TP = PP = EP = CP = 1 with local layers (the tensors of every layout together, of
     Transformer Engine's layers too) on the meta device, in a process group of this process alone.
-    A model only Transformer Engine builds (Mamba layers) gives the reason instead."""
+    A model only Transformer Engine builds (Mamba layers) gives the reason instead: the local
+    HybridModel stack would leave those layers empty."""
     import argparse
 
     import torch
@@ -82,9 +83,13 @@ def count_parameters(args) -> int | str:
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron.core.fork.specs import SpecError
+    from megatron_mtp.arguments import LOCAL_HYBRID_LAYERS
     from megatron_mtp.library.initialize import initialize_model_parallel
     from megatron_mtp.serving.model import MOE_KERNELS, ONE_PROCESS
 
+    others = sorted(set(args.hybrid_layer_pattern or "") - set(LOCAL_HYBRID_LAYERS) - set("|/"))
+    if others:
+        return f"not counted without Transformer Engine (HybridModel layers {' '.join(others)})"
     whole = argparse.Namespace(**{**vars(args), **ONE_PROCESS, **dict.fromkeys(MOE_KERNELS, False)})
     whole.pipeline_model_parallel_layout = None
     whole.perform_initialization, whole.use_cpu_initialization = False, True
@@ -98,7 +103,7 @@ def count_parameters(args) -> int | str:
             model = model_provider(config=core_transformer_config_from_args(whole))
         return sum(parameter.numel() for parameter in model.parameters())
     except (SpecError, AssertionError, ValueError, ImportError) as error:
-        return f"not counted without Transformer Engine ({' '.join(str(error).split())[:120]})"
+        return f"not counted with local layers ({' '.join(str(error).split())})"
     finally:
         global_vars.set_args(args)
         parallel_state.destroy_model_parallel()

@@ -135,15 +135,21 @@ DRY_RUNS = """
 def test_a_dry_run_counts_the_parameters_of_the_model_the_run_builds(results, tmp_path):
     """--dry-run's line gives the parameters of the model the trainer builds (the `results`
     fixture's, built on the CPU; dense and MLA + MoE), counted without building it on a device,
-    and writes nothing (the embedded default's TensorBoard directory is under --save)."""
+    and writes nothing (the embedded default's TensorBoard directory is under --save). Mamba
+    layers, which only Transformer Engine builds (a dry run here for GPUs), are not counted: the
+    local stack would leave them empty."""
     cases = ("default", "mla_moe_dense_first")
-    argvs = [[*CASES[case], "--save", str(tmp_path / case)] for case in cases]
+    mamba = ["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "M*M-/*-/*-"]
+    argvs = [[*CASES[case], "--save", str(tmp_path / case)] for case in cases] + [[*mamba, "--save",
+                                                                                   str(tmp_path / "mamba")]]
     result = subprocess.run([sys.executable, "-c", f"ARGVS = {argvs!r}\n" + textwrap.dedent(DRY_RUNS)],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     lines = [line for line in result.stdout.splitlines() if line.startswith(("0 ", "2 "))]
-    assert len(lines) == len(cases), (result.stdout[-2000:], result.stderr[-3000:])
-    for case, line in zip(cases, lines, strict=True):
+    assert len(lines) == len(argvs), (result.stdout[-2000:], result.stderr[-3000:])
+    *counted_lines, mamba_line = lines
+    assert "parameters: not counted without Transformer Engine (HybridModel layers M);" in mamba_line, mamba_line
+    for case, line in zip(cases, counted_lines, strict=True):
         assert line.startswith("0 ") and "arguments OK" in line, line
         counted = re.search(r"parameters: ([0-9,]+) \(", line)
         assert counted and int(counted.group(1).replace(",", "")) == results[case]["parameters"], (case, line)
