@@ -18,7 +18,9 @@ MTP heads only), --create-attention-mask-in-dataloader (off by default here), --
 everything, build nothing) and --log-file (the console output kept in a file); datasets written
 by tools/preprocess_data.py carry their vocabulary, which --data-path takes from them. The
 embedded default also keeps TensorBoard and its console log in its --save directory and saves
-on SIGTERM (--exit-signal-handler).
+on SIGTERM (--exit-signal-handler); with that handler, Ctrl-C (SIGINT) saves as the exit signal
+does. `python -m megatron_mtp.launch` in torchrun's place exits 0 once the workers have saved
+after a signal to it (torchrun exits 1).
 """
 
 import os
@@ -66,6 +68,48 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             if hasattr(module, "frozen_expert_bias") and not name.startswith("mtp."):
                 module.frozen_expert_bias = True
     return model
+
+
+def count_parameters(args) -> int | str:
+    """The model's parameters, each counted once, without building it on a device: model_provider's
+    model at TP = PP = EP = CP = 1 with local layers (the tensors of every layout together, of
+    Transformer Engine's layers too) on the meta device, in a process group of this process alone.
+    A model only Transformer Engine builds (Mamba layers) gives the reason instead: the local
+    HybridModel stack would leave those layers empty."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.training import global_vars
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron.core.fork.specs import SpecError
+    from megatron_mtp.arguments import LOCAL_HYBRID_LAYERS
+    from megatron_mtp.library.initialize import initialize_model_parallel
+    from megatron_mtp.serving.model import MOE_KERNELS, ONE_PROCESS
+
+    others = sorted(set(args.hybrid_layer_pattern or "") - set(LOCAL_HYBRID_LAYERS) - set("|/"))
+    if others:
+        return f"not counted without Transformer Engine (HybridModel layers {' '.join(others)})"
+    whole = argparse.Namespace(**{**vars(args), **ONE_PROCESS, **dict.fromkeys(MOE_KERNELS, False)})
+    whole.pipeline_model_parallel_layout = None
+    whole.perform_initialization, whole.use_cpu_initialization = False, True
+    if whole.hybrid_layer_pattern is not None:
+        whole.hybrid_layer_pattern = whole.hybrid_layer_pattern.replace("|", "")  # one stage
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    global_vars.set_args(whole)  # model_provider reads the global arguments
+    try:
+        initialize_model_parallel(1, 1, None, args.seed)
+        with torch.device("meta"):
+            model = model_provider(config=core_transformer_config_from_args(whole))
+        return sum(parameter.numel() for parameter in model.parameters())
+    except (SpecError, AssertionError, ValueError, ImportError) as error:
+        return f"not counted with local layers ({' '.join(str(error).split())})"
+    finally:
+        global_vars.set_args(args)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def datasets_provider(train_valid_test_num_samples, vp_stage=None):
@@ -230,7 +274,7 @@ def main() -> int:
         return 2
     if args.dry_run:
         if os.environ.get("RANK", "0") == "0":
-            print(arguments.summary(args), flush=True)
+            print(arguments.summary(args, count_parameters(args)), flush=True)
         return 0
     done = arguments.finished(args)
     if done:  # rerunning a finished run trains nothing and overwrites nothing
@@ -245,13 +289,27 @@ def main() -> int:
 
     exact_step.enable(args.main_loss_level)
     datasets_provider.is_distributed = True
+    if args.exit_signal_handler and args.exit_signal != signal.SIGINT:
+        signal.signal(signal.SIGINT, partial(_as_exit_signal, args.exit_signal))
     try:
         return _pretrain(args)
     finally:
         if args.exit_signal_handler:
             # The run has saved and is leaving: a repeated exit signal (a scheduler may send it
-            # again) must not kill the process while the interpreter shuts down.
+            # again, Ctrl-C reaches torchrun and its workers alike) must not kill the process while
+            # the interpreter shuts down.
             signal.signal(args.exit_signal, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _as_exit_signal(exit_signal, signum, frame):
+    """Ctrl-C (SIGINT) stops the run as the exit signal does (upstream's handler takes one signal):
+    once Megatron-LM's handler for it is installed, the run saves and exits 0; before, nothing is
+    trained yet and Ctrl-C interrupts as always."""
+    handler = signal.getsignal(exit_signal)
+    if not callable(handler):
+        raise KeyboardInterrupt
+    handler(exit_signal, frame)
 
 
 def _pretrain(args) -> int:

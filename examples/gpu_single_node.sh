@@ -10,6 +10,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/gpu_args.sh
-exec "${PYTHON:-.venv/bin/python}" -m torch.distributed.run --standalone \
+exec "${PYTHON:-.venv/bin/python}" -m megatron_mtp.launch --standalone \
     --nproc-per-node "$GPUS_PER_NODE" \
     pretrain_gpt_mtp.py "${TRAIN_ARGS[@]}" "$@"

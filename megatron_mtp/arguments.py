@@ -544,8 +544,9 @@ def _without_argument(flag: str):
         sys.argv = argv
 
 
-def summary(args) -> str:
-    """One line that says what a run would be (--dry-run)."""
+def summary(args, parameters: int | str) -> str:
+    """One line that says what a run would be (--dry-run), with the model's `parameters` (a count,
+    or why there is none)."""
     data = "mock data" if args.mock_data else " ".join(args.data_path or []) or "per-split data paths"
     mtp = (f"MTP D={args.mtp_num_layers}{' repeated' if args.mtp_use_repeated_layer else ''}"
            f"{' isolated' if args.mtp_detach_heads else ''}{' frozen backbone' if args.freeze_backbone else ''}, "
@@ -562,7 +563,8 @@ def summary(args) -> str:
             f" x CP {args.context_parallel_size}; "
             f"{f'HybridModel {args.hybrid_layer_pattern!r}, ' if args.hybrid_layer_pattern else ''}"
             f"{args.num_layers} layers, hidden {args.hidden_size}, "
-            f"{args.num_attention_heads} heads ({attention}), vocabulary {args.padded_vocab_size}; {mtp}; "
+            f"{args.num_attention_heads} heads ({attention}), vocabulary {args.padded_vocab_size}, "
+            f"parameters: {_count(parameters)}; {mtp}; "
             + (f"{args.num_experts} experts (top-{args.moe_router_topk}"
                f"{', grouped GEMM' if args.moe_grouped_gemm else ''}), EP {args.expert_model_parallel_size}"
                f"{' (compute capability checked on the GPUs)' if _capability_deferred(args) else ''}; "
@@ -571,3 +573,12 @@ def summary(args) -> str:
             f"{args.transformer_impl} layers, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}; "
             f"{args.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens; data: {data}; "
             f"load: {args.load or '-'}, save: {args.save or '-'}")
+
+
+def _count(parameters: int | str) -> str:
+    if isinstance(parameters, str):
+        return parameters
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if parameters >= size:
+            return f"{parameters:,} ({parameters / size:.1f}{unit})"
+    return f"{parameters:,}"

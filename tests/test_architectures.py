@@ -40,10 +40,17 @@ attention, zero-centred norms) by DP = 2 and TP = 2. The DeepSeek-V3 checkpoint
 loaded by a model without MLA and q/k norms is refused in one line naming both fields.
 """
 
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from tests.harness import argument_cases, launch
 from tests.harness.corpora import preprocess, sentences, write_jsonl
+from tests.harness.launcher import REPO_ROOT
 from tests.harness.reference_checks import failed_checks
 from tests.harness.trainer import TINY, close, scalars, train
 
@@ -109,6 +116,46 @@ def test_mtp_on_each_architecture_matches_the_reference(reference_cases):
 
 BUILT = [name for name in CASES if not name.startswith(("hybrid", "refused"))]
 ATTENTION = [name for name in BUILT if not name.startswith("gated_delta_net")]
+
+
+DRY_RUNS = """
+    import contextlib, io, sys
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+    from megatron.training import global_vars
+    import pretrain_gpt_mtp
+    for argv in ARGVS:
+        destroy_num_microbatches_calculator()  # each run sets Megatron-LM's globals anew
+        global_vars.unset_global_variables()
+        sys.argv = ["pretrain_gpt_mtp.py", "--dry-run", *argv]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            status = pretrain_gpt_mtp.main()
+        print(status, [line for line in printed.getvalue().splitlines() if "arguments OK" in line])
+"""
+
+
+def test_a_dry_run_counts_the_parameters_of_the_model_the_run_builds(results, tmp_path):
+    """--dry-run's line gives the parameters of the model the trainer builds (the `results`
+    fixture's, built on the CPU; dense and MLA + MoE), counted without building it on a device,
+    and writes nothing (the embedded default's TensorBoard directory is under --save). Mamba
+    layers, which only Transformer Engine builds (a dry run here for GPUs), are not counted: the
+    local stack would leave them empty."""
+    cases = ("default", "mla_moe_dense_first")
+    mamba = ["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "M*M-/*-/*-"]
+    argvs = [[*CASES[case], "--save", str(tmp_path / case)] for case in cases] + [[*mamba, "--save",
+                                                                                   str(tmp_path / "mamba")]]
+    result = subprocess.run([sys.executable, "-c", f"ARGVS = {argvs!r}\n" + textwrap.dedent(DRY_RUNS)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("0 ", "2 "))]
+    assert len(lines) == len(argvs), (result.stdout[-2000:], result.stderr[-3000:])
+    *counted_lines, mamba_line = lines
+    assert "parameters: not counted without Transformer Engine (HybridModel layers M);" in mamba_line, mamba_line
+    for case, line in zip(cases, counted_lines, strict=True):
+        assert line.startswith("0 ") and "arguments OK" in line, line
+        counted = re.search(r"parameters: ([0-9,]+) \(", line)
+        assert counted and int(counted.group(1).replace(",", "")) == results[case]["parameters"], (case, line)
+    assert not any(tmp_path.iterdir()), list(tmp_path.rglob("*"))
 
 
 @pytest.mark.parametrize("case", BUILT)

@@ -523,17 +523,26 @@ def example_flags(name: str) -> list[str]:
                           check=True).stdout.splitlines()
 
 
-@pytest.mark.parametrize("config, architecture", [
-    ("deepseek_v3_tiny", "DeepseekV3ForCausalLM"),
-    pytest.param("qwen3_next_gpt_tiny", "Qwen3NextForCausalLM", marks=pytest.mark.matrix),
+# the README's flag set that makes the main command's model Llama-shaped (RMSNorm, SwiGLU, no biases)
+LLAMA_SHAPED = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear")
+
+
+@pytest.mark.parametrize("config, extra, architecture", [
+    ("deepseek_v3_tiny", (), "DeepseekV3ForCausalLM"),
+    # DeepSeek-V3's MoE with grouped-query attention: transformers' DeepSeek-V3 is MLA only, GLM-4.5 is this
+    pytest.param("deepseek_v3_moe_tiny", (), "Glm4MoeForCausalLM", marks=pytest.mark.matrix),
+    # DeepSeek-V3's MTP recipe on the command's model: the README's Llama-shaped one
+    pytest.param("deepseek_v3_d1", LLAMA_SHAPED, "LlamaForCausalLM", marks=pytest.mark.matrix),
+    pytest.param("qwen3_next_gpt_tiny", (), "Qwen3NextForCausalLM", marks=pytest.mark.matrix),
 ])
-def test_an_example_config_exports_to_its_family_and_computes_what_transformers_computes(config, architecture,
+def test_an_example_config_exports_to_its_family_and_computes_what_transformers_computes(config, extra, architecture,
                                                                                           tmp_path):
     """The example configs that name a Hugging Face family: deepseek_v3_tiny.sh (MLA with YaRN by
-    default, grouped sigmoid routing) as DeepSeek-V3, qwen3_next_gpt_tiny.sh as Qwen3-Next, with
-    nothing refused, and transformers computes their logits."""
+    default, grouped sigmoid routing) as DeepSeek-V3, deepseek_v3_moe_tiny.sh (the same MoE without
+    MLA) as GLM-4.5, deepseek_v3_d1.sh (an MTP recipe) on a Llama-shaped model as Llama,
+    qwen3_next_gpt_tiny.sh as Qwen3-Next, with nothing refused, and transformers computes their logits."""
     trained = tmp_path / "trained"
-    train(1, *TINY, *example_flags(config), "--num-layers", "4", "--lr", "1e-3", "--train-iters", "1",
+    train(1, *TINY, *example_flags(config), *extra, "--num-layers", "4", "--lr", "1e-3", "--train-iters", "1",
           "--save", str(trained), "--save-interval", "1", timeout=300)
     result = launch("tests.bodies.serving:example_export", 1, {"trained": str(trained), "out": str(tmp_path / "hf")},
                     timeout=300)[0]
@@ -541,8 +550,20 @@ def test_an_example_config_exports_to_its_family_and_computes_what_transformers_
     assert result["logits"] < 1e-5, result
 
 
-# the README's flag set that makes the main command's model Llama-shaped (RMSNorm, SwiGLU, no biases)
-LLAMA_SHAPED = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear")
+@pytest.mark.matrix  # the default tier: export refuses a HybridModel checkpoint in one line (below)
+def test_the_d1_config_on_the_quick_start_s_gpt_is_refused_naming_each_difference(tmp_path):
+    """deepseek_v3_d1.sh sets MTP only: on the quick start's GPT (LayerNorm, GELU, biases) export
+    names those three, each with the flag that makes the model Llama-shaped."""
+    trained = tmp_path / "trained"
+    train(1, *TINY, *example_flags("deepseek_v3_d1"), "--lr", "1e-3", "--train-iters", "1", "--save", str(trained),
+          "--save-interval", "1", timeout=300)
+    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", str(trained),
+                             str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert errors[0].endswith("it has --normalization LayerNorm (needs RMSNorm), no --swiglu (needs SwiGLU), linear "
+                              "biases (needs --disable-bias-linear)"), errors
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_main_command_with_the_readme_s_llama_flags_exports_as_llama(tmp_path):

@@ -30,7 +30,7 @@ import pytest
 from tests.harness import argument_cases
 from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness.launcher import REPO_ROOT
-from tests.harness.trainer import TINY, finish, last_rank_output, start, torchrun_workers, train
+from tests.harness.trainer import TINY, Run, finish, last_rank_output, start, torchrun_workers, train
 
 pytestmark = pytest.mark.slow
 
@@ -227,17 +227,34 @@ def test_sigterm_saves_and_exits_zero_then_the_run_resumes(dataset, tmp_path):
     assert "[rank" not in changed.output
 
 
-def test_sigterm_to_the_main_command_saves(tmp_path):
-    """The README's main command (no flags: the embedded default) saves on SIGTERM by default."""
+def stop_the_main_command(tmp_path, stop, **start_options) -> Run:
+    """The README's main command (no flags: the embedded default, megatron_mtp.launch in torchrun's
+    place) stopped by `stop(launcher)` at iteration 2 or later."""
     proc, log = start(2, "--train-iters", "100000", "--log-interval", "1", cwd=tmp_path,
-                      script=str(REPO_ROOT / "pretrain_gpt_mtp.py"), log=tmp_path / "run.log")
+                      script=str(REPO_ROOT / "pretrain_gpt_mtp.py"), log=tmp_path / "run.log",
+                      launcher="megatron_mtp.launch", **start_options)
     wait_for_iteration(proc, log, 2)
-    workers = torchrun_workers(proc, script=str(REPO_ROOT / "pretrain_gpt_mtp.py"))
-    assert len(workers) == 2, workers
-    for worker in workers:
-        worker.send_signal(signal.SIGTERM)
-    run = finish(proc, log, timeout=120)
+    stop(proc)
+    return finish(proc, log, timeout=120)
+
+
+def test_ctrl_c_on_the_main_command_saves_and_it_exits_zero(tmp_path):
+    """Ctrl-C: SIGINT to the terminal's process group (the launcher, its workers and their data
+    loaders; fresh interpreters, as a user's). The workers take it as the exit signal and save, the
+    launcher passes it on too and exits 0 (torchrun's own status is 1)."""
+    run = stop_the_main_command(tmp_path, lambda proc: os.killpg(proc.pid, signal.SIGINT), fresh=True)
     assert run.returncode == 0 and "exiting program after receiving SIGTERM" in run.output, run.tail()
+    assert "megatron_mtp.launch: stopped by SIGINT; every worker exited 0" in run.output, run.tail()
+    assert int(tracked(tmp_path / "runs" / "default")) >= 2
+
+
+@pytest.mark.matrix  # the default tier: Ctrl-C above (the launcher's status) and SIGTERM to the workers
+def test_sigterm_to_the_main_command_s_launcher_saves_and_it_exits_zero(tmp_path):
+    """A preemption that signals the launcher alone (`kill PID`, a container's stop): it passes the
+    signal on, the workers save and exit 0, and so does the launcher."""
+    run = stop_the_main_command(tmp_path, lambda proc: proc.send_signal(signal.SIGTERM))
+    assert run.returncode == 0 and "exiting program after receiving SIGTERM" in run.output, run.tail()
+    assert "megatron_mtp.launch: stopped by SIGTERM; every worker exited 0" in run.output, run.tail()
     assert int(tracked(tmp_path / "runs" / "default")) >= 2
 
 

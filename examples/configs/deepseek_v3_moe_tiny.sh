@@ -4,7 +4,10 @@
 # shared expert; sigmoid router scores with the auxiliary-loss-free expert bias, plus the
 # sequence-wise balance loss (seq_aux_loss) at a small weight; one MTP depth whose layer is an
 # MoE layer like the backbone's last (DeepSeek-V3's layer 61). RMSNorm, SwiGLU, no linear biases.
-# Every router loss here is exact in the step (docs/moe.md).
+# Every router loss here is exact in the step (docs/moe.md). Its attention is the command's, not
+# DeepSeek-V3's multi-latent attention (deepseek_v3_tiny.sh adds it), and transformers' DeepSeek-V3
+# has MLA only: the run exports as GLM-4.5 (Glm4MoeForCausalLM), DeepSeek-V3's MoE and MTP with
+# multi-head or grouped-query attention.
 MTP_ARGS=(--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3
           --normalization RMSNorm --swiglu --disable-bias-linear
           --num-experts 8 --moe-ffn-hidden-size 64 --moe-shared-expert-intermediate-size 64

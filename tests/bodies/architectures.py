@@ -108,6 +108,7 @@ def builder_cases(cases: dict, save: str) -> dict:
         attentions = [m for m in ours.modules() if isinstance(m, (SelfAttention, MLASelfAttention))]
         results[name] = {
             "ours": _shapes(ours), "upstream": _shapes(upstream),
+            "parameters": sum(parameter.numel() for parameter in ours.parameters()),  # each shared one once
             "attention": sorted({type(m).__name__ for m in attentions}),
             "attention_layers": len(attentions),
             "mixers": [type(layer.self_attention).__name__ for layer in ours.decoder.layers],

@@ -59,8 +59,10 @@ class Run:
 
 
 def torchrun_command(nproc: int, *args: str, script: str = "pretrain_gpt_mtp.py",
-                     rank_logs: Path | None = None, zygote: zygotes.Zygote | None = None) -> list[str]:
-    """torchrun on this machine; with `rank_logs`, each rank's output also goes to a file there
+                     rank_logs: Path | None = None, zygote: zygotes.Zygote | None = None,
+                     launcher: str = "torch.distributed.run") -> list[str]:
+    """torchrun on this machine (`launcher`: its module, or megatron_mtp.launch, the README's);
+    with `rank_logs`, each rank's output also goes to a file there
     (the metrics lines come from the last rank, and ranks' prints interleave in the console);
     with `zygote`, torchrun's agent and each worker are that zygote's clients (torchrun's
     import of torch, about 2.5 s a launch, is done once), running torchrun and the script."""
@@ -69,7 +71,7 @@ def torchrun_command(nproc: int, *args: str, script: str = "pretrain_gpt_mtp.py"
     if zygote is not None:
         client = [sys.executable, "-S", zygotes.__file__, "client", zygote.socket_path]
         python, worker = client, ["--no-python", *client, script]
-    return [*python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    return [*python, "-m", launcher, f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", *logs, *worker, *args]
 
 
@@ -85,7 +87,8 @@ def _zygote(script: str, cwd: Path, env: dict | None) -> zygotes.Zygote | None:
 
 
 def start(nproc: int, *args: str, env: dict | None = None, cwd: Path = REPO_ROOT, log: Path | None = None,
-          script: str = "pretrain_gpt_mtp.py", fresh: bool = False) -> tuple[subprocess.Popen, Path]:
+          script: str = "pretrain_gpt_mtp.py", fresh: bool = False,
+          launcher: str = "torch.distributed.run") -> tuple[subprocess.Popen, Path]:
     """torchrun in its own process group, output to `log`; for tests that signal the run."""
     log = log or Path(tempfile.mkstemp(prefix="trainer-", suffix=".log")[1])
     tag = f"{os.getpid()}-{next(_LAUNCHES)}"
@@ -93,7 +96,8 @@ def start(nproc: int, *args: str, env: dict | None = None, cwd: Path = REPO_ROOT
                        **{LAUNCH_TAG: tag})
     environment.update(env or {})  # a test's own CUDA_VISIBLE_DEVICES (tests/test_gpu.py) too
     zygote = None if fresh else _zygote(script, cwd, env)
-    command = torchrun_command(nproc, *args, script=script, rank_logs=rank_logs(log), zygote=zygote)
+    command = torchrun_command(nproc, *args, script=script, rank_logs=rank_logs(log), zygote=zygote,
+                               launcher=launcher)
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=cwd, env=environment, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
