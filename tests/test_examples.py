@@ -132,7 +132,7 @@ def test_gpu_scripts_pass_every_argument_check(script, config, extra, dataset, t
     assert ("(multi-latent attention)" if config == "deepseek_v3_tiny" else "(grouped-query attention, 4 groups)") \
         in summary, summary
     if "EP" in extra:
-        assert f"64 experts (top-6, grouped GEMM), EP {extra['EP']}" in summary, summary
+        assert f"64 experts (top-8, grouped GEMM), EP {extra['EP']}" in summary, summary
     assert not (tmp_path / "run").exists()  # a dry run writes nothing: no TensorBoard events under --save
 
 

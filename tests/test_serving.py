@@ -534,15 +534,24 @@ LLAMA_SHAPED = ("--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear
     # DeepSeek-V3's MTP recipe on the command's model: the README's Llama-shaped one
     pytest.param("deepseek_v3_d1", LLAMA_SHAPED, "LlamaForCausalLM", marks=pytest.mark.matrix),
     pytest.param("qwen3_next_gpt_tiny", (), "Qwen3NextForCausalLM", marks=pytest.mark.matrix),
+    # the GPU scripts' DeepSeek-V3-shaped MoE, its routing and MTP as configured, its sizes CPU's:
+    # 16 experts in its 8 groups, a tiny FFN, one rank, no grouped GEMM (a CUDA kernel), and
+    # gpu_args.sh's RMSNorm, SwiGLU and no biases
+    pytest.param("deepseek_v3_moe_gpu", (*LLAMA_SHAPED, "--num-experts", "16", "--moe-ffn-hidden-size", "16",
+                                         "--moe-shared-expert-intermediate-size", "16",
+                                         "--moe-layer-freq", "([0]*1+[1]*3)", "--expert-model-parallel-size", "1"),
+                 "Glm4MoeForCausalLM", marks=pytest.mark.matrix),
 ])
 def test_an_example_config_exports_to_its_family_and_computes_what_transformers_computes(config, extra, architecture,
                                                                                           tmp_path):
     """The example configs that name a Hugging Face family: deepseek_v3_tiny.sh (MLA with YaRN by
     default, grouped sigmoid routing) as DeepSeek-V3, deepseek_v3_moe_tiny.sh (the same MoE without
     MLA) as GLM-4.5, deepseek_v3_d1.sh (an MTP recipe) on a Llama-shaped model as Llama,
-    qwen3_next_gpt_tiny.sh as Qwen3-Next, with nothing refused, and transformers computes their logits."""
+    qwen3_next_gpt_tiny.sh as Qwen3-Next, deepseek_v3_moe_gpu.sh (at CPU sizes) as GLM-4.5, with nothing
+    refused, and transformers computes their logits."""
     trained = tmp_path / "trained"
-    train(1, *TINY, *example_flags(config), *extra, "--num-layers", "4", "--lr", "1e-3", "--train-iters", "1",
+    flags = [flag for flag in example_flags(config) if flag != "--moe-grouped-gemm"]
+    train(1, *TINY, *flags, *extra, "--num-layers", "4", "--lr", "1e-3", "--train-iters", "1",
           "--save", str(trained), "--save-interval", "1", timeout=300)
     result = launch("tests.bodies.serving:example_export", 1, {"trained": str(trained), "out": str(tmp_path / "hf")},
                     timeout=300)[0]
