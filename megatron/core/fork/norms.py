@@ -48,11 +48,7 @@ ZERO_CENTERED = {torch.nn.LayerNorm: ZeroCenteredLayerNorm, torch.nn.RMSNorm: Ze
 def zero_centered_class(norm_cls: type, config) -> type:
     """`norm_cls` (torch's LayerNorm or RMSNorm), or with ``layernorm_zero_centered_gamma`` its
     zero-centred form."""
-    if not config.layernorm_zero_centered_gamma:
-        return norm_cls
-    if norm_cls not in ZERO_CENTERED:
-        raise ValueError(f"zero-centred gamma is built for LayerNorm and RMSNorm, not {norm_cls.__name__}")
-    return ZERO_CENTERED[norm_cls]
+    return ZERO_CENTERED[norm_cls] if config.layernorm_zero_centered_gamma else norm_cls
 
 
 def tagged_for_sequence_parallel(build: Callable[..., torch.nn.Module], config) -> Callable[..., torch.nn.Module]:
