@@ -331,9 +331,12 @@ def test_the_series_carries_past_what_megatron_lm_main_changed_beside_its_hooks(
     """Megatron-LM main (d98e8a64) changed the lines next to where the series used to hook in:
     a field beside mtp_detach_heads, an import at the head of training.py's and
     checkpointing.py's first-party imports, optimizer.step() wrapped in a tracing block, the
-    lines before train()'s checkpoint branch, HybridModel's MTP-loss branch. A checkout with
-    those changes takes every patch but the runtime part's without a conflict (the previous
-    series conflicted on all of them: fields, imports and hooks next to upstream's lines)."""
+    lines before train()'s checkpoint branch, HybridModel's MTP-loss branch; and it rewrote
+    upstream lines that hunks used to rewrite too: WrappedTorchNorm's return (a named instance
+    with returns_residual), HybridModel's embedding call (pg_collection=) and the packed roll
+    call (return_sum=). A checkout with those changes takes every patch but the runtime part's
+    without a conflict (the series conflicted on all of them before: fields, imports and hooks
+    next to upstream's lines, then the four hunks that re-indented or replaced upstream's)."""
 
     def mains_changes(tree):
         _replace(tree / "megatron/core/transformer/transformer_config.py",
@@ -353,8 +356,20 @@ def test_the_series_carries_past_what_megatron_lm_main_changed_beside_its_hooks(
                  "from megatron.core import dist_checkpointing, mpu, tensor_parallel\n",
                  "from megatron.core import dist_checkpointing, mpu, tensor_parallel\n"
                  "from megatron.core._rank_utils import safe_get_rank as get_rank_safe\n")
-        _replace(tree / "megatron/core/models/hybrid/hybrid_model.py", "            elif not in_inference_mode:\n",
-                 "            elif mtp_forward_ran:\n")
+        hybrid = tree / "megatron/core/models/hybrid/hybrid_model.py"
+        _replace(hybrid, "            elif not in_inference_mode:\n", "            elif mtp_forward_ran:\n")
+        _replace(hybrid, "scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,\n"
+                 "                tp_group=self.pg_collection.tp,\n",
+                 "scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,\n"
+                 "                tp_group=self.pg_collection.tp,\n                pg_collection=self.pg_collection,\n")
+        _replace(tree / "megatron/core/transformer/torch_norm.py",
+                 "        return norm_cls(normalized_shape=hidden_size, eps=eps)\n",
+                 "        instance = norm_cls(normalized_shape=hidden_size, eps=eps)\n"
+                 "        instance.returns_residual = False\n        return instance\n")
+        _replace(tree / "megatron/core/transformer/multi_token_prediction.py",
+                 "        return _roll_tensor_packed_seq(tensor, shifts, dims, packed_seq_params, cp_group)\n",
+                 "        return _roll_tensor_packed_seq(\n"
+                 "            tensor, shifts, dims, packed_seq_params, cp_group, return_sum=return_sum\n        )\n")
 
     checkout = edited_checkout(sdist_of(CURRENT), tmp_path, mains_changes)
     result = fork("carry", "--version", CURRENT, "--checkout", checkout, "--workdir", tmp_path / "carried",
@@ -366,6 +381,9 @@ def test_the_series_carries_past_what_megatron_lm_main_changed_beside_its_hooks(
     carried = (tmp_path / "carried/megatron/training/training.py").read_text()
     assert "        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()\n" in carried
     assert "exact_step.end(optimizer, update_successful)" in carried
+    norm = (tmp_path / "carried/megatron/core/transformer/torch_norm.py").read_text()
+    assert "fork_norms.tagged_for_sequence_parallel(norm_cls, config)" in norm
+    assert "instance.returns_residual = False" in norm
 
 def test_every_subcommand_has_help():
     for command in ["prepare", "install", "build", "export", "check", "rebase", "carry"]:

@@ -11,12 +11,13 @@ gradient reaches the backbone from the heads.
 
 ``own_streams(config)`` swaps every one of those streams for an MTP stream of the same kind while
 the MTP block is built or run, and swaps back after: the backbone's streams are left exactly where
-they were. The MTP streams live in the RNG tracker under ``mtp/<name>`` (``mtp/default`` for the
-device's default generator, ``mtp/cpu`` for the CPU generator on a CUDA machine), so Megatron-LM's
-checkpoints save and restore them with the tracker's states and a resumed run draws what the
-uninterrupted one drew. Each starts, when the block is built, from a hash of the backbone stream
-it stands beside (without advancing that stream): as reproducible as the backbone's seeds,
-different per tensor-parallel or expert rank where those are.
+they were (the models' builders use its form ``swapped_in``, left by ``close()``). The MTP streams
+live in the RNG tracker under ``mtp/<name>`` (``mtp/default`` for the device's default generator,
+``mtp/cpu`` for the CPU generator on a CUDA machine), so Megatron-LM's checkpoints save and
+restore them with the tracker's states and a resumed run draws what the uninterrupted one drew.
+Each starts, when the block is built, from a hash of the backbone stream it stands beside
+(without advancing that stream): as reproducible as the backbone's seeds, different per
+tensor-parallel or expert rank where those are.
 
 Activation recompute of an MTP layer restores the tracker states and default generator it saw in
 the forward (which were the MTP streams), so the recomputed dropout masks are the forward's.
@@ -107,3 +108,12 @@ def own_streams(config, only_if: bool = True, start: bool = False):
             tracker.set_states(restored)
         else:
             _untracked.update(restored)
+
+
+def swapped_in(config, only_if: bool = True, start: bool = False) -> contextlib.ExitStack:
+    """``own_streams`` entered now and left by the returned stack's ``close()``: for a hook that
+    runs upstream's lines inside it without re-indenting them (a ``with`` block would rewrite every
+    line of an upstream call, which each release changes)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(own_streams(config, only_if=only_if, start=start))
+    return stack
