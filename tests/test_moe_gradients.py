@@ -46,7 +46,7 @@ rel 1e-5. It fails with the routers' TP-CP group reduced to TP, so each rank's b
 statistics are its piece's (0.27-0.42 in every balance-loss setup), with T counted from each rank's
 piece (1.0-1.4 in every setup with router losses, z-loss alone included), with the expert bias
 counted without CP (the biased setups' update off by twice the rate), and, without router losses,
-with a CP rank's expert outputs detached (0.99-1.35).
+with a CP rank's expert outputs detached (0.99-1.35, on CP = 2 x DP = 2).
 
 Every carried build runs it (the default tier: 0.16.1 on one rank; docs/tests.md): on 0.16.1 the series'
 backports (moe_grad_scale_func; the router's
