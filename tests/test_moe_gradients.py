@@ -38,7 +38,8 @@ DeltaNet: its output norm's gradient summed over tensor parallelism") is held by
 tests/test_mtp_layouts.py.
 
 Context parallelism (issue 39; current build): every setup above and MoE without router losses
-(expert bias on and off) at CP = 2 x DP = 2 (allgather) and CP = 2 x EP = 2 (alltoall), each CP rank
+(expert bias on and off) at CP = 2 x DP = 2 (allgather), CP = 2 x EP = 2 (alltoall) and TP = 2 with
+SP x CP = 2 x EP = 2 (allgather; matrix tier), each CP rank
 routing its two chunks of every sequence: every CP rank's copy of every full gradient against the
 reference on whole sequences and against one rank, the expert biases after the step exactly the
 reference's update, each depth's router losses the reference's. Measured: every case passes at
@@ -113,7 +114,8 @@ DRAFT_SETUPS = {
 BREAKS = [["attached_D1_sigmoid_seq_z", "no_division"], ["attached_D1_sigmoid_seq_z", "valid_tokens"]]
 # Context parallelism (issue 39; current build: 0.16.1 refuses MTP and the router losses under CP):
 # each CP rank routes its two chunks of every sequence. Every setup above, and MoE without router
-# losses (expert bias on and off), on CP = 2 x DP = 2 and CP = 2 x EP = 2 (x DP = 2).
+# losses (expert bias on and off), on CP = 2 x DP = 2, CP = 2 x EP = 2 (x DP = 2) and TP = 2 (SP) x
+# CP = 2 x EP = 2.
 NO_ROUTER_LOSSES = {
     "isolated_D1_sigmoid_no_router_losses": dict(MOE, **SIGMOID, mtp_num_layers=1, mtp_detach_heads=True,
                                                  swiglu=True, moe_shared_expert_intermediate_size=16),
@@ -123,6 +125,7 @@ CP_SETUPS = {**SETUPS, **NO_ROUTER_LOSSES}
 CP_LAYOUTS = [
     dict(name="cp2_dp2_allgather", tp=1, pp=1, ep=1, cp=2),
     dict(name="cp2_ep2_dp2_alltoall", tp=1, pp=1, ep=2, cp=2, setup=dict(moe_token_dispatcher_type="alltoall")),
+    dict(name="tp2_sp_cp2_ep2_allgather", tp=2, pp=1, ep=2, cp=2),  # the router's TP-CP group both ways
 ]
 # one case of each kind in the default tier: each balance loss with the z-loss, D = 1 and 2, isolated
 # and attached, each layout, and MoE without router losses; the others in the matrix tier
