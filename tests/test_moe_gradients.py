@@ -37,6 +37,18 @@ norm is summed by its sequence-parallel rule; the series' sum for TP without SP 
 DeltaNet: its output norm's gradient summed over tensor parallelism") is held by
 tests/test_mtp_layouts.py.
 
+Context parallelism (issue 39; current build): every setup above and MoE without router losses
+(expert bias on and off) at CP = 2 x DP = 2 (allgather), CP = 2 x EP = 2 (alltoall) and TP = 2 with
+SP x CP = 2 x EP = 2 (allgather; matrix tier), each CP rank
+routing its two chunks of every sequence: every CP rank's copy of every full gradient against the
+reference on whole sequences and against one rank, the expert biases after the step exactly the
+reference's update, each depth's router losses the reference's. Measured: every case passes at
+rel 1e-5. It fails with the routers' TP-CP group reduced to TP, so each rank's balance-loss
+statistics are its piece's (0.27-0.42 in every balance-loss setup), with T counted from each rank's
+piece (1.0-1.4 in every setup with router losses, z-loss alone included), with the expert bias
+counted without CP (the biased setups' update off by twice the rate), and, without router losses,
+with a CP rank's expert outputs detached (0.99-1.35, on CP = 2 x DP = 2).
+
 Every carried build runs it (the default tier: 0.16.1 on one rank; docs/tests.md): on 0.16.1 the series'
 backports (moe_grad_scale_func; the router's
 per-token weights, without which the seq_aux_loss setups are 0.22-0.47 off on one rank) make it
@@ -100,6 +112,27 @@ DRAFT_SETUPS = {
                                          mtp_draft_temperature=0.8),
 }
 BREAKS = [["attached_D1_sigmoid_seq_z", "no_division"], ["attached_D1_sigmoid_seq_z", "valid_tokens"]]
+# Context parallelism (issue 39; current build: 0.16.1 refuses MTP and the router losses under CP):
+# each CP rank routes its two chunks of every sequence. Every setup above, and MoE without router
+# losses (expert bias on and off), on CP = 2 x DP = 2, CP = 2 x EP = 2 (x DP = 2) and TP = 2 (SP) x
+# CP = 2 x EP = 2.
+NO_ROUTER_LOSSES = {
+    "isolated_D1_sigmoid_no_router_losses": dict(MOE, **SIGMOID, mtp_num_layers=1, mtp_detach_heads=True,
+                                                 swiglu=True, moe_shared_expert_intermediate_size=16),
+    "attached_D2_softmax_no_router_losses": dict(MOE, mtp_num_layers=2),
+}
+CP_SETUPS = {**SETUPS, **NO_ROUTER_LOSSES}
+CP_LAYOUTS = [
+    dict(name="cp2_dp2_allgather", tp=1, pp=1, ep=1, cp=2),
+    dict(name="cp2_ep2_dp2_alltoall", tp=1, pp=1, ep=2, cp=2, setup=dict(moe_token_dispatcher_type="alltoall")),
+    dict(name="tp2_sp_cp2_ep2_allgather", tp=2, pp=1, ep=2, cp=2),  # the router's TP-CP group both ways
+]
+# one case of each kind in the default tier: each balance loss with the z-loss, D = 1 and 2, isolated
+# and attached, each layout, and MoE without router losses; the others in the matrix tier
+CP_DEFAULT_CASES = {("cp2_ep2_dp2_alltoall", "isolated_D2_softmax_seq_z"),
+                    ("cp2_dp2_allgather", "attached_D2_pre_softmax_aux_z"),
+                    ("cp2_dp2_allgather", "attached_D1_sigmoid_seq_z"),
+                    ("cp2_ep2_dp2_alltoall", "isolated_D1_sigmoid_no_router_losses")}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +153,22 @@ def runs(build, ckpt_root, one_rank):
     ranks = launch("tests.bodies.moe_gradients:layouts", 4,
                    {"ckpt_root": ckpt_root, "layouts": LAYOUTS, "setups": SETUPS}, timeout=600, build=build)
     return one_rank, ranks
+
+
+@pytest.fixture(scope="module")
+def cp_runs(build, matrix, ckpt_root, one_rank):
+    """One rank on the setups without router losses (SETUPS' are one_rank's), then the CP layouts
+    on 4 ranks (the default cases; with --matrix every case)."""
+    if build != "0.19.2":
+        pytest.skip("MTP and the router losses under context parallelism are 0.19.2's (0.16.1 refuses them)")
+    (no_losses,) = launch("tests.bodies.moe_gradients:reference", 1,
+                          {"ckpt_root": ckpt_root, "setups": NO_ROUTER_LOSSES}, timeout=600, build=build)
+    layouts = [dict(layout, setups=[name for name in CP_SETUPS if matrix or (layout["name"], name) in CP_DEFAULT_CASES])
+               for layout in CP_LAYOUTS]
+    ranks = launch("tests.bodies.moe_gradients:layouts", 4,
+                   {"ckpt_root": ckpt_root, "layouts": [layout for layout in layouts if layout["setups"]],
+                    "setups": CP_SETUPS}, timeout=900, build=build)
+    return no_losses, ranks
 
 
 def assert_matches(grads):
@@ -196,6 +245,40 @@ def test_each_mtp_depths_router_losses_are_the_step_values(runs, layout):
                 checked += 1
             assert not {k for k in got if k.endswith(("load balancing loss", "z loss"))} - set(want), (name, got)
     assert checked >= len(results) * 6, checked
+
+
+def cp_cases():
+    return [pytest.param(layout["name"], name, marks=[] if (layout["name"], name) in CP_DEFAULT_CASES
+                         else [pytest.mark.matrix]) for layout in CP_LAYOUTS for name in CP_SETUPS]
+
+
+@pytest.mark.parametrize("layout,setup", cp_cases())
+def test_context_parallel_matches_the_reference(cp_runs, layout, setup):
+    """Every CP rank's copy of every full gradient (experts gathered over EP) against the reference on
+    whole sequences, and against one rank's megatron step; the expert biases after the step the
+    reference's update (the step's tokens per expert over every CP piece); each depth's router losses
+    the reference's step values (rel 1e-5)."""
+    no_losses, ranks = cp_runs
+    assert len(ranks) == 4
+    if setup in NO_ROUTER_LOSSES:
+        assert_matches(no_losses[setup]["grads"])
+    kwargs = CP_SETUPS[setup]
+    for rank in ranks:
+        result = rank[f"{layout}/{setup}"]
+        assert_matches(result["grads"])
+        vs_one_rank = result["vs_one_rank"]
+        assert vs_one_rank["max_rel"] < TOL, (vs_one_rank["worst"], vs_one_rank["max_rel"])
+        assert not result["bias"]["missing"] and result["bias"]["max_abs"] == 0.0, result["bias"]
+        assert bool(result["bias"]["copies"]) == bool(kwargs.get("moe_router_enable_expert_bias")), result["bias"]
+        want, got = result["depth_router_losses"], result["metrics"]
+        for key, value in want.items():
+            assert abs(got[key] - value) <= TOL * abs(value), (key, got.get(key), value)
+        assert {k for k in got if k.endswith(("load balancing loss", "z loss"))} == set(want), (got, want)
+        assert bool(want) == router_losses_on(kwargs), want
+
+
+def router_losses_on(kwargs: dict) -> bool:
+    return bool(kwargs.get("moe_aux_loss_coeff") or kwargs.get("moe_z_loss_coeff"))
 
 
 def assert_all_layouts_match_the_reference(ckpt_root: str, setups: dict):

@@ -7,10 +7,11 @@ Under expert parallelism (EP) each EP rank holds num_experts / EP experts, named
 split over the expert-tensor-parallel group (ETP) and replicated over the expert-data-parallel
 group (their gradients reduced there), not over the dense data-parallel group. Everything else is
 as in full_grads: TP shards joined in TP order, each TP replica and each pipeline stage's copy
-one entry, taken from (expert-)data-parallel rank 0. With SwiGLU (gated_linear_unit) a
-column-parallel fc1 shard holds [gate shard; up shard]: the full weight is [all gates; all ups];
-a Gated DeltaNet's input projection and convolution are joined section by section likewise
-(full_grads.shard_sections).
+one entry, taken from (expert-)data-parallel rank 0; under context parallelism each CP rank's
+copy of a dense parameter is one entry too (their gradients are reduced over DP x CP). With SwiGLU
+(gated_linear_unit) a column-parallel fc1 shard holds [gate shard; up shard]: the full weight is
+[all gates; all ups]; a Gated DeltaNet's input projection and convolution are joined section by
+section likewise (full_grads.shard_sections).
 """
 
 import torch
@@ -43,6 +44,7 @@ def gathered_full_grads_and_buffers(chunks, config) -> tuple[dict, dict]:
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     local = (config.num_moe_experts or 1) // parallel_state.get_expert_model_parallel_world_size()
     coords = dict(pp=parallel_state.get_pipeline_model_parallel_rank(), dp=parallel_state.get_data_parallel_rank(),
+                  cp=parallel_state.get_context_parallel_rank(),
                   tp=parallel_state.get_tensor_model_parallel_rank(),
                   edp=parallel_state.get_expert_data_parallel_rank(),
                   etp=parallel_state.get_expert_tensor_parallel_rank())
@@ -73,7 +75,8 @@ def gathered_full_grads_and_buffers(chunks, config) -> tuple[dict, dict]:
             replica_rank, shard_rank = (coords["edp"], coords["etp"]) if expert else (coords["dp"], coords["tp"])
             if replica_rank != 0:
                 continue
-            key = (name, coords["pp"], None if split else shard_rank)
+            replica = (coords["pp"], None if expert else coords["cp"])
+            key = (name, replica, None if split else shard_rank)
             groups.setdefault(key, (split, dim, {}))[2][shard_rank] = grad
     full = {}
     for (name, _, _), (split, dim, shards) in sorted(groups.items(), key=lambda kv: str(kv[0])):

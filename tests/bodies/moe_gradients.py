@@ -1,7 +1,7 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """MoE + MTP gradients after one exact step against the plain-PyTorch reference
-(tests/reference/moe.py), on one process and on DP / EP / EP x TP (sequence parallel) / PP layouts.
+(tests/reference/moe.py), on one process and on DP / EP / EP x TP (sequence parallel) / PP / CP layouts.
 
 `reference` (one process) builds each setup, gives its routers a random expert bias, saves the
 weights, computes the reference's gradients of the spec's step objective (section 4 plus the
@@ -206,10 +206,12 @@ def reference(ckpt_root: str, setups: dict, breaks: list | None = None) -> dict:
 
 
 def layouts(ckpt_root: str, layouts: list, setups: dict) -> dict:
+    """Each layout (TP, PP, EP, CP: "cp", default 1) with its setups ("setups", default all)."""
     out = {}
     for layout in layouts:
-        with model_parallel(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"]):
-            for name, kwargs in setups.items():
+        with model_parallel(tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], cp=layout.get("cp", 1)):
+            for name in layout.get("setups", list(setups)):
+                kwargs = setups[name]
                 setup = Setup(**{**kwargs, **layout.get("setup", {})})
                 chunks, optimizer, config = fresh_build(setup)
                 load_checkpoint(f"{ckpt_root}/{name}", chunks)

@@ -58,6 +58,12 @@ def mtp_rolls_across_context_parallel_ranks() -> bool:
     return _at_least(0, 19)
 
 
+def router_losses_exact_under_context_parallel() -> bool:
+    """Whether MoE router losses with context parallelism are compared with the reference on this
+    megatron-core's series: 0.19.2's (its MTP depths run under CP); 0.16.1 refuses them."""
+    return _at_least(0, 19)
+
+
 def carries_draft_objectives() -> bool:
     """Whether this megatron-core's series carries the draft objectives (kl, tv, e2e_tv) and
     is tested with them: the 0.19.2 series; 0.16.1's trains ``ce`` only."""

@@ -22,6 +22,20 @@ forward, and during an exact step that function returns ``loss scale / T``. Each
 three losses is then exactly its step term, for any micro-batch size, chunk count and
 DP / EP / TP / PP layout, and the fp16 loss scale reaches every router loss.
 
+Under context parallelism each CP rank routes its pieces of every sequence, and the step's terms
+are still those of whole sequences: megatron-core's router reduces what each balance loss needs
+over the TP-CP group (the per-expert token counts of the micro-batch for aux_loss, of each sequence
+for seq_aux_loss, whose batch is folded into the expert dimension) and divides by the whole
+micro-batch's or sequence's tokens (local x TP-CP size). Each rank's loss then holds its own
+tokens' probabilities against those whole counts, attached with the weight local tokens x TP-CP
+size, and the DP x CP gradient reduce adds the pieces up to the whole sequence's gradient. The
+z-loss is per token: coeff / TP-CP size times the local mean, at that weight, is coeff times the
+rank's own sum. T is counted from whole rows, once per data-parallel replica (the trainer on CP
+rank 0, ``megatron_mtp.library.step`` over data-parallel ranks only), and the expert bias moves on
+the tokens per expert over TP x DP x CP. The 0.19.2 series is compared with the reference this way
+(tests/test_moe_gradients.py); 0.16.1's, whose MTP depths do not run under CP, refuses router
+losses with CP.
+
 ``global_aux_loss`` uses routing statistics accumulated over the step's micro-batches so
 far (each micro-batch sees a different partial count), so it is not the step's loss and
 is refused in exact steps.
@@ -63,12 +77,12 @@ def check_exact_step(config) -> None:
     if not getattr(config, "num_moe_experts", None):
         return
     cp = getattr(config, "context_parallel_size", 1)
-    if active(config) and cp > 1:
+    if active(config) and cp > 1 and not compat.router_losses_exact_under_context_parallel():
         raise ValueError(
-            f"MoE router losses with context parallelism (context_parallel_size={cp}) "
-            "are not normalized exactly: each context-parallel rank routes a piece of every sequence, and the "
-            "step's router statistics across those pieces are not implemented. Set --moe-aux-loss-coeff 0 "
-            "and drop --moe-z-loss-coeff, or use --context-parallel-size 1"
+            f"MoE router losses with context parallelism (context_parallel_size={cp}) are exact with "
+            "megatron-core 0.19.2's series only: this series is not compared with the reference under context "
+            "parallelism. Set --moe-aux-loss-coeff 0 and drop --moe-z-loss-coeff, use --context-parallel-size 1, "
+            "or the 0.19.2 series"
         )
     for kind, coeff in zip(load_balancing_types(config), coefficients(config), strict=True):
         if kind == _GLOBAL and coeff and coeff > 0:
