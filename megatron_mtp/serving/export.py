@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_mtp.serving import ServingError, experts, mapping
-from megatron_mtp.serving.config import GATED_DELTA_NET_FAMILIES, ModelConfig
+from megatron_mtp.serving.config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The families vLLM serves with its Qwen3.5 MTP model (vllm-project/vllm#52688 reports them)
+QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 @dataclass
@@ -86,10 +88,10 @@ def engine_warnings(cfg: ModelConfig, layout: str | None) -> list[str]:
     depths = cfg.mtp_num_layers if layout else 0
     if depths < 2:
         return []
-    if layout == "qwen3_next" and cfg.family in GATED_DELTA_NET_FAMILIES and not cfg.mtp_repeated:
-        return [f"vLLM's Qwen3.5 MTP model runs mtp.layers.0 at every draft step (vllm-project/vllm#52688): the "
-                f"{depths - 1} deeper trained depths are loaded and never run there; train one "
-                "--mtp-use-repeated-layer, or draft one token, for what vLLM runs"]
+    if layout == "qwen3_next" and cfg.family in QWEN3_5_FAMILIES and not cfg.mtp_repeated:
+        return [f"vLLM's Qwen3.5 MTP model runs mtp.layers.0 at every draft step (vllm-project/vllm#52688: its "
+                f"propose loop passes no draft-step index), so the {depths - 1} deeper trained depths are loaded and "
+                "never run there; train one --mtp-use-repeated-layer for what vLLM runs"]
     if layout == "deepseek_v3":
         return ["megatron-core carries each depth's normalized output (final_layernorm) into the next; vLLM "
                 "before vllm-project/vllm#45895 carries the pre-norm hidden state into draft steps 2+ (see "
