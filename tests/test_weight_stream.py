@@ -53,7 +53,7 @@ def _config(family: str, depths: int, repeated: bool = False) -> ModelConfig:
 @pytest.mark.parametrize("family,layout,depths,repeated,issue", [
     ("qwen3_5", "qwen3_next", 2, False, "vllm-project/vllm#52688"),
     ("qwen3_5_moe", "qwen3_next", 3, False, "vllm-project/vllm#52688"),
-    ("qwen3_next", "qwen3_next", 2, False, None),  # not reported for vLLM's Qwen3-Next MTP model
+    ("qwen3_next", "qwen3_next", 2, False, "vllm-project/vllm#52688"),  # Qwen3NextMTP passes no step index
     ("qwen3_5", "qwen3_next", 2, True, None),  # one repeated layer: layers[0] at every step is what it trained
     ("qwen3_5", "qwen3_next", 1, False, None),
     ("deepseek_v3", "deepseek_v3", 2, False, "vllm-project/vllm#45895"),

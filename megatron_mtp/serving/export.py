@@ -16,8 +16,6 @@ from megatron_mtp.serving import ServingError, experts, mapping
 from megatron_mtp.serving.config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# The families vLLM serves with its Qwen3.5 MTP model (vllm-project/vllm#52688 reports them)
-QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 @dataclass
@@ -88,9 +86,9 @@ def engine_warnings(cfg: ModelConfig, layout: str | None) -> list[str]:
     depths = cfg.mtp_num_layers if layout else 0
     if depths < 2:
         return []
-    if layout == "qwen3_next" and cfg.family in QWEN3_5_FAMILIES and not cfg.mtp_repeated:
-        return [f"vLLM's Qwen3.5 MTP model runs mtp.layers.0 at every draft step (vllm-project/vllm#52688: its "
-                f"propose loop passes no draft-step index), so the {depths - 1} deeper trained depths are loaded and "
+    if layout == "qwen3_next" and not cfg.mtp_repeated:
+        return [f"vLLM's Qwen3-Next and Qwen3.5 MTP models run mtp.layers.0 at every draft step (no draft-step index "
+                f"reaches them: vllm-project/vllm#52688), so the {depths - 1} deeper trained depths are loaded and "
                 "never run there; train one --mtp-use-repeated-layer for what vLLM runs"]
     if layout == "deepseek_v3":
         return ["megatron-core carries each depth's normalized output (final_layernorm) into the next; vLLM "
