@@ -17,6 +17,7 @@ LAYOUTS = {
     "qwen3_moe-ep2": ("qwen3_moe", dict(ep=2), ()),
     "qwen3_moe-tp2-ep2-stacked": ("qwen3_moe", dict(tp=2, ep=2), ("--expert-layout", "stacked")),
     "llama-tp2-pp2-deepseek_v3": ("llama", dict(tp=2, pp=2), ("--mtp-layout", "deepseek_v3")),
+    "llama-pp2-vpp2": ("llama", dict(pp=2, vpp=2), ()),
 }
 # The default tier runs one launch per parallelism kind; the 4-rank layouts are the matrix's.
 DEFAULT = ("llama-tp2", "llama-pp2-mimo-bf16", "qwen3_moe-ep2")

@@ -56,16 +56,18 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                      b.contiguous().view(torch.uint8))
 
 
-def compare(root: str, family: str, tp: int = 1, pp: int = 1, ep: int = 1, options: tuple = ()) -> dict:
+def compare(root: str, family: str, tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None,
+            options: tuple = ()) -> dict:
     """Stream and export (with `options`: export's flags, streamed as the same keyword arguments)
     of one model at a layout."""
     cfg = ModelConfig.from_hf(FAMILIES[family], pad_to=128 * tp)
     args = cfg.megatron_args()
     flags = dict(zip(options[::2], options[1::2], strict=True))
     keywords = {name.lstrip("-").replace("-", "_"): value for name, value in flags.items()}
-    case = Path(root) / f"{family}-tp{tp}-pp{pp}-ep{ep}{'-'.join(('', *flags.values()))}"
-    with model_parallel(tp, pp, ep=ep):
-        fields = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
+    case = Path(root) / f"{family}-tp{tp}-pp{pp}-vpp{vpp}-ep{ep}{'-'.join(('', *flags.values()))}"
+    with model_parallel(tp, pp, vpp, ep=ep):
+        fields = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                      virtual_pipeline_model_parallel_size=vpp)
         if cfg.moe:
             fields.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=tp, sequence_parallel=tp > 1)
         config = dataclasses.replace(serving_model.transformer_config(args), **fields)
@@ -73,8 +75,9 @@ def compare(root: str, family: str, tp: int = 1, pp: int = 1, ep: int = 1, optio
                              share_embeddings_and_output_weights=cfg.tied)
         generator = torch.Generator().manual_seed(1000 + dist.get_rank())
         with torch.no_grad():
-            for _, param in sorted(chunks[0].module.named_parameters()):
-                param.copy_(torch.randn(param.shape, generator=generator))
+            for chunk in chunks:
+                for _, param in sorted(chunk.module.named_parameters()):
+                    param.copy_(torch.randn(param.shape, generator=generator))
         checkpoint = case / "checkpoint"
         if dist.get_rank() == 0:
             checkpoint.mkdir(parents=True)
