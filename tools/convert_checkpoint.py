@@ -55,6 +55,11 @@ Checked (tests/test_serving.py, tests/test_bridges.py): the import's logits equa
 (fp32, relative 1e-5; measured <= 8.7e-7), the MTP depths equal the engines' MTP forward, import
 then export gives the original tensors bit for bit, and transformers loads the export.
 
+export's tensors are megatron_mtp.serving.export's, which the weight stream of a live model
+(megatron_mtp.serving.stream: an RL framework's push to its rollout engine) yields too, bit for bit
+equal to the files written here. Where vLLM is known to serve the written MTP layout otherwise than
+megatron-core trained it, the output line ends with a warning (docs/serving.md).
+
 Both write into a temporary sibling directory renamed into place when complete. Bad input
 is one line, `convert_checkpoint.py: error: ...`, exit status 2, and nothing written.
 """
