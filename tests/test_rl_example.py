@@ -8,7 +8,9 @@ policy's trajectory is the same in all four (every step's reward, and the backbo
 cannot have touched it; the
 online heads change and the frozen ones do not; the drafts were accepted (the rollouts were
 speculative) and every step logged reward and acceptance in the console format that
-tools/plot_runs.py reads. The task's reward is checked by hand.
+tools/plot_runs.py reads; before every step's rollouts the rollout model takes the policy's weights
+from the weight stream (serving.stream) and holds them bit for bit. The task's reward is checked by
+hand.
 """
 
 import json
@@ -55,6 +57,8 @@ def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_poli
         summaries[name] = json.loads((out / "summary.json").read_text())
         runs[name] = read(out / "console.log")
     online, frozen, none = summaries["online"], summaries["frozen"], summaries["none"]
+    for name, summary in summaries.items():  # the rollout model took the policy's weights from the stream
+        assert summary["rollout model synced"] == [True] * STEPS, (name, summary["rollout model synced"])
     assert len(online["rewards"]) == STEPS and 0 < sum(online["rewards"])
     e2e_tv = summaries["e2e_tv"]
     assert e2e_tv["mtp loss type"] == "e2e_tv" and e2e_tv["heads sha256"] not in (

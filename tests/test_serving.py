@@ -80,6 +80,16 @@ def test_exported_mtp_depths_compute_mimo_and_deepseek_mtp_forwards(pipeline):
             assert parity[f"{layout} depth {depth} logits"] <= PARITY, (layout, depth, parity)
 
 
+def test_the_second_depth_served_otherwise_than_trained_computes_other_logits(pipeline):
+    """What export warns of (docs/serving.md "What the engines run"): megatron-core trains depth 2 on
+    depth 1's normalized output with its own layer; an engine carrying the pre-norm state, or running
+    the first depth's layer at every step, computes depth 2's logits otherwise on the trained model."""
+    parity = part(pipeline, "parity")
+    for layout in ("mimo", "deepseek_v3"):
+        for served in ("pre-norm state carried", "the first depth's layer again"):
+            assert parity[f"{layout} depth 2 logits, {served}"] > 100 * PARITY, (layout, served, parity)
+
+
 def test_exported_names_are_the_loaders(pipeline):
     assert set(part(pipeline, "names")) == {"mimo", "deepseek_v3"}
 

@@ -57,6 +57,11 @@ Checked (tests/test_serving.py, tests/test_bridges.py): the import's logits equa
 (fp32, relative 1e-5; measured <= 8.7e-7), the MTP depths equal the engines' MTP forward, import
 then export gives the original tensors bit for bit, and transformers loads the export.
 
+export's tensors are megatron_mtp.serving.export's, which the weight stream of a live model
+(megatron_mtp.serving.stream: an RL framework's push to its rollout engine) yields too, bit for bit
+equal to the files written here. Where vLLM is known to serve the written MTP layout otherwise than
+megatron-core trained it, the output line ends with a warning (docs/serving.md).
+
 Both write into a temporary sibling directory renamed into place when complete. Bad input
 is one line, `convert_checkpoint.py: error: ...`, exit status 2, and nothing written.
 """
@@ -166,44 +171,18 @@ def run_import(args) -> int:
 
 
 def run_export(args) -> int:
-    from megatron_mtp.serving import ServingError, experts, files, mapping
-    from megatron_mtp.serving.config import ModelConfig
-    from megatron_mtp.serving.model import local_names
+    from megatron_mtp.serving import ServingError, experts, export, files
 
     out = files.check_output(args.output)
     if args.tokenizer and not os.path.exists(args.tokenizer):
         raise ServingError(f"--tokenizer {args.tokenizer}: no such file or directory")
-    run_args, tensors, directory = files.read_megatron(args.source)
+    run_args, directory = files.read_arguments(args.source)
     if run_args is None:
         raise ServingError(f"{directory}: the checkpoint holds no arguments (not written by the trainer or import)")
-    cfg = ModelConfig.from_megatron_args(run_args)
-    tensors = local_names(tensors, cfg.num_layers)  # the model's names, whatever layout saved them
-    if args.architecture:
-        cfg.as_architecture(args.architecture)
-    default = mapping.default_mtp_layout(cfg)
-    layout = None if args.mtp_layout == "none" else args.mtp_layout or (default if cfg.mtp_num_layers else None)
-    mapping.check_mtp_layout(cfg, layout)
-    if cfg.moe and layout == "mimo":
-        raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "
-                           f"{cfg.family}-shaped; use --mtp-layout deepseek_v3")
-    if cfg.family == "mimo" and layout == "deepseek_v3":
-        raise ServingError("--mtp-layout deepseek_v3: MiMo's MTP depths are model.mtp_layers (--mtp-layout mimo); "
-                           "give --architecture qwen2 for DeepSeek-V3's layout")
-    if layout and not cfg.mtp_num_layers:
-        raise ServingError(f"--mtp-layout {args.mtp_layout}: the checkpoint has no MTP depths "
-                           "(trained without --mtp-num-layers); use --mtp-layout none")
-    present = {k for k in tensors if k.startswith("mtp.layers.")}
-    if cfg.mtp_num_layers and layout and not present:
-        raise ServingError(f"{directory}: the arguments name {cfg.mtp_num_layers} MTP depths but the checkpoint "
-                           "holds no MTP tensors")
-    mapping.check_mtp_layer(cfg, cfg.mtp_num_layers if layout else 0)
-    hf = mapping.megatron_to_hf(tensors, cfg, layout)
-    expected = mapping.hf_shapes(cfg, layout, cfg.mtp_num_layers)
-    if sorted(hf) != sorted(expected):
-        raise ServingError(f"internal: exported names differ from the loaders' ({sorted(set(hf) ^ set(expected))[:3]})")
-    if args.expert_layout and not cfg.moe:
-        raise ServingError(f"--expert-layout {args.expert_layout}: the model has no experts")
-    hf = experts.stack(hf, cfg.family, args.expert_layout or "published", cfg.num_layers)
+    plan = export.plan(run_args, args.mtp_layout, args.architecture, args.expert_layout)
+    cfg, layout = plan.cfg, plan.layout
+    _, tensors, _ = files.read_megatron(args.source)
+    hf = export.hf_tensors(plan, tensors, str(directory))
     config = cfg.to_hf(args.dtype, layout)
     with files.Staging(out) as staging:
         copied = files.write_hf(staging, config, hf, args.dtype, args.tokenizer,
@@ -215,10 +194,11 @@ def run_export(args) -> int:
             mtp += f" (the one repeated layer written {cfg.mtp_num_layers} times, identical)"
     elif cfg.mtp_num_layers:
         mtp = f"the backbone only ({cfg.mtp_num_layers} MTP depths left out)"
-    stored = experts.describe(cfg.family, args.expert_layout or "published")
+    stored = experts.describe(cfg.family, plan.expert_layout)
+    warned = "".join(f"; warning: {line}" for line in export.engine_warnings(cfg, layout))
     print(f"{PROG}: exported {directory} as {config['architectures'][0]} ({args.dtype}), {mtp}"
           f"{', ' + stored if stored else ''}"
-          f"{', tokenizer files ' + ', '.join(copied) if copied else ''} into {out}")
+          f"{', tokenizer files ' + ', '.join(copied) if copied else ''} into {out}{warned}")
     if not copied:  # what the engines (and transformers' pipelines) read beside the weights
         print(f"{PROG}: no tokenizer files written: give --tokenizer DIR (the run's tokenizer.json or its "
               "directory) for the engines; a run tokenized as bytes has none of Hugging Face's")

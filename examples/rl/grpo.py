@@ -8,11 +8,14 @@
 
 One step, as AReaL's GRPO with online-trained MTP heads runs it, on CPU:
 
-1. rollouts: each data-parallel rank takes its share of the step's prompts and samples a group
-   of G responses per prompt by speculative decoding (megatron_mtp.serving.speculative, the
-   decoder of tools/eval_speculative.py, over its KV cache), the MTP depths drafting and the
-   main head verifying. Tokens are sampled by per-position Gumbel noise keyed by (seed,
-   response, position), so the rollouts are exactly plain sampling's, with or without drafts;
+1. rollouts: the rollout engine (a model of its own, as vLLM's or SGLang's is) takes the policy's
+   weights from the weight stream (megatron_mtp.serving.stream: Llama's Hugging Face names, the
+   MTP depths in MiMo's layout, what vLLM's load_weights takes), then each data-parallel rank takes
+   its share of the step's prompts and samples a group of G responses per prompt by speculative
+   decoding (megatron_mtp.serving.speculative, the decoder of tools/eval_speculative.py, over its
+   KV cache), the MTP depths drafting and the main head verifying. Tokens are sampled by
+   per-position Gumbel noise keyed by (seed, response, position), so the rollouts are exactly
+   plain sampling's, with or without drafts;
 2. rewards from the task (examples/rl/task.py: string reversal, exact), group-normalized
    advantages A = (r - mean_group) / (std_group + 1e-6) given to every token of the response;
 3. one exact optimizer step on a SplitStep: the main loss is the policy gradient's, sum of
@@ -108,26 +111,51 @@ def progress(message: str) -> None:
 
 
 def build(args, task):
+    """The policy (DDP-wrapped chunks, its optimizer, its MTP depths, the arguments a checkpoint of it
+    would hold) and the rollout engine's model: a Llama, whose weights stream in Llama's Hugging Face
+    names."""
+    import dataclasses
+
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_mtp.library.initialize import initialize_distributed
     from megatron_mtp.library.model import build_model
-    from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
+    from megatron_mtp.serving import model as serving_model
+    from megatron_mtp.serving.config import ModelConfig
 
     initialize_distributed(1, 1, None, args.seed)
     depths = 0 if args.heads == "none" else args.depths
-    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=4,
-                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                               calculate_per_token_loss=True, mtp_num_layers=depths or None,
-                               mtp_detach_heads=bool(depths), mtp_loss_scaling_factor=0.3,
-                               mtp_loss_type=args.mtp_loss_type)
-    # Cached SDPA: the same modules train (no cache attached to a step) and decode over a KV cache.
-    chunks = build_model(config, task.vocab_size, task.sequence_length, core_attention=CachedSDPACoreAttention)
+    policy_args = ModelConfig.from_hf(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden_size,
+         "intermediate_size": 4 * args.hidden_size, "num_hidden_layers": args.num_layers, "num_attention_heads": 4,
+         "vocab_size": task.vocab_size, "max_position_embeddings": task.sequence_length, "rms_norm_eps": 1e-5,
+         "num_nextn_predict_layers": depths}, pad_to=1).megatron_args()
+    config = dataclasses.replace(serving_model.transformer_config(policy_args), calculate_per_token_loss=True,
+                                 mtp_detach_heads=bool(depths), mtp_loss_scaling_factor=0.3,
+                                 mtp_loss_type=args.mtp_loss_type)
+    chunks = build_model(config, task.vocab_size, task.sequence_length)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
                                                        clip_grad=1.0),
                                        chunks)  # fp32, not distributed: see --heads frozen
-    return chunks, optimizer, depths
+    # The rollout engine's own model (one process, its KV cache), given the policy's weights by the stream
+    rollout_model = serving_model.build(policy_args)
+    return chunks, optimizer, depths, policy_args, rollout_model
+
+
+def refresh(rollout_model, chunks, policy_args) -> None:
+    """The policy's weights into the rollout engine, as an RL framework pushes them after every step: the
+    weight stream's (name, tensor) in Hugging Face names (what vLLM's load_weights and SGLang's
+    update_weights_from_tensor take; docs/serving.md), loaded here by the import's mapping. A collective:
+    every rank streams."""
+    from megatron_mtp.serving import export, mapping, stream
+
+    plan = export.plan(policy_args)
+    hf = dict(stream.weights(chunks, policy_args))
+    own = mapping.hf_to_megatron(hf, plan.cfg, plan.layout, plan.cfg.mtp_num_layers if plan.layout else 0)
+    missing, unexpected = rollout_model.load_state_dict(own, strict=False)
+    left = [name for name in missing if "_extra_state" not in name]
+    if unexpected or left:
+        raise RuntimeError(f"the stream does not fill the engine's model: {(unexpected + left)[:3]}")
 
 
 def policy_gradient_loss(per_token_ce, advantages, loss_mask):
@@ -232,7 +260,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     torch.set_num_threads(1)
     task = Reversal(args.length, args.alphabet)
-    chunks, optimizer, depths = build(args, task)
+    chunks, optimizer, depths, policy_args, rollout_model = build(args, task)
     from megatron.core import parallel_state
 
     from megatron_mtp.serving import speculative
@@ -242,7 +270,7 @@ def main(argv=None) -> int:
     if args.prompts_per_step % dp:
         raise SystemExit(f"{PROG}: error: --prompts-per-step {args.prompts_per_step} must split into {dp} ranks")
     model = chunks[0].module
-    runner = Runner(model, task.vocab_size)
+    runner = Runner(rollout_model, task.vocab_size)
     mine = slice(dp_rank * (args.prompts_per_step // dp), (dp_rank + 1) * (args.prompts_per_step // dp))
     out = Path(args.out) if args.out else None
     log = None
@@ -270,9 +298,11 @@ def main(argv=None) -> int:
     frozen = {name: param.detach().clone() for name, param in model.named_parameters() if name.startswith("mtp.")}
     heads_after_warm_start = digest(model, heads=True)
 
-    rewards_per_step, started = [], time.perf_counter()
+    rewards_per_step, synced, started = [], [], time.perf_counter()
     for step in range(1, args.steps + 1):
         prompts = task.prompts(args.prompts_per_step, args.seed, step)[mine]
+        refresh(rollout_model, chunks, policy_args)  # the rollouts sample the policy as it is now
+        synced.append(all(digest(rollout_model, heads) == digest(model, heads) for heads in (False, True)))
         stats = speculative.Stats(depths=depths)
         rollout_start = time.perf_counter()
         responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
@@ -324,7 +354,9 @@ def main(argv=None) -> int:
 
     summary = {"heads": args.heads, "depths": depths, "mtp loss type": args.mtp_loss_type, "rewards": rewards_per_step,
                "backbone sha256": digest(model, heads=False), "heads sha256 after warm start": heads_after_warm_start,
-               "heads sha256": digest(model, heads=True), "arguments": vars(args)}
+               "heads sha256": digest(model, heads=True),
+               # per RL step: whether the rollout model held the policy's weights bit for bit after the push
+               "rollout model synced": synced, "arguments": vars(args)}
     if dist.get_rank() == 0 and out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         log.close()

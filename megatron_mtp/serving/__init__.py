@@ -11,6 +11,11 @@
   MiMo's, DeepSeek-V3's or Qwen3-Next's layout), and a Qwen3.5 VLM checkpoint's language model.
 - experts: a layer's routed experts one tensor per expert or stacked, and each family's
   published layout.
+- export: a model's Hugging Face tensors as export writes them (its refusals, the mapping, the
+  experts' layout, the dtype) and where an engine serves the MTP layout otherwise: one home for
+  convert_checkpoint.py export and the weight stream.
+- stream: the weight stream of a live distributed model (any TP / PP / VPP / EP layout) in
+  Hugging Face names, bit for bit the export's: what an RL framework pushes to its rollout engine.
 - files: reading and writing Hugging Face directories and megatron-core dist checkpoints.
 - model: megatron-core's GPTModel in one process (any saved TP / PP / VPP layout is read
   through dist checkpointing), its main-head and per-depth MTP forward over a KV cache.

@@ -110,18 +110,9 @@ def write_hf(staging: Path, config: dict, tensors: dict, dtype: str, tokenizer: 
     """config.json, model.safetensors (sharded with an index above `max_shard_bytes`), the tokenizer's files."""
     from safetensors.torch import save_file
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    # A repeated MTP layer is written once per depth from the same tensors: each name gets its
-    # own storage (safetensors refuses shared storage; a cast to another dtype copies anyway).
-    seen = set()
-    converted = {}
-    for name, value in tensors.items():
-        value = value.to(torch_dtype).contiguous()
-        if value.data_ptr() in seen:
-            value = value.clone()
-        seen.add(value.data_ptr())
-        converted[name] = value
-    tensors = converted
+    from megatron_mtp.serving.export import cast
+
+    tensors = dict(cast(tensors, dtype))
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shards, current, size = [], {}, 0
     for name in tensors:

@@ -71,24 +71,28 @@ def decoder_layer(x, w, prefix, config):  # x [b, s, h]
     return x + linear("mlp.down_proj", torch.nn.functional.silu(linear("mlp.gate_proj", h)) * linear("mlp.up_proj", h))
 
 
-def mimo_mtp(w, config, depth, previous_hidden, next_tokens):
-    """MiMo's MTP layer `depth`: previous hidden [b, s, h] and the next tokens [b, s] -> (hidden, logits)."""
+def mimo_mtp(w, config, depth, previous_hidden, next_tokens, carry_pre_norm=False):
+    """MiMo's MTP layer `depth`: previous hidden [b, s, h] and the next tokens [b, s] -> (the hidden state
+    carried to the next depth: normalized as megatron-core trains it, or before the norm with
+    `carry_pre_norm`; logits)."""
     p, eps = f"model.mtp_layers.{depth}.", config["rms_norm_eps"]
     token = rms_norm(w["model.embed_tokens.weight"][next_tokens], w[p + "token_layernorm.weight"], eps)
     hidden = rms_norm(previous_hidden, w[p + "hidden_layernorm.weight"], eps)
     x = torch.cat([hidden, token], -1) @ w[p + "input_proj.weight"].T
-    x = rms_norm(decoder_layer(x, w, p, config), w[p + "final_layernorm.weight"], eps)
+    inner = decoder_layer(x, w, p, config)
+    x = rms_norm(inner, w[p + "final_layernorm.weight"], eps)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    return x, x @ head.T
+    return inner if carry_pre_norm else x, x @ head.T
 
 
-def deepseek_mtp(w, config, depth, previous_hidden, next_tokens):
+def deepseek_mtp(w, config, depth, previous_hidden, next_tokens, carry_pre_norm=False):
     p, eps = f"model.layers.{config['num_hidden_layers'] + depth}.", config["rms_norm_eps"]
     token = rms_norm(w[p + "embed_tokens.weight"][next_tokens], w[p + "enorm.weight"], eps)
     hidden = rms_norm(previous_hidden, w[p + "hnorm.weight"], eps)
     x = torch.cat([token, hidden], -1) @ w[p + "eh_proj.weight"].T
-    x = rms_norm(decoder_layer(x, w, p, config), w[p + "shared_head.norm.weight"], eps)
-    return x, x @ w[p + "shared_head.head.weight"].T
+    inner = decoder_layer(x, w, p, config)
+    x = rms_norm(inner, w[p + "shared_head.norm.weight"], eps)
+    return inner if carry_pre_norm else x, x @ w[p + "shared_head.head.weight"].T
 
 
 # ---------------------------------------------------------------- tiny Hugging Face models
@@ -277,12 +281,22 @@ def parity(root: str) -> dict:
             output = hf(tokens, output_hidden_states=True)
         results[f"{layout} backbone logits"] = _rel(main, output.logits)
         hidden = output.hidden_states[-1]  # after model.norm: what the MTP depths read
+        length = tokens.shape[1]
         for depth in range(2):
             k = depth + 1
-            hidden = hidden[:, : tokens.shape[1] - k]
+            hidden = hidden[:, : length - k]
             hidden, logits = forward(w, config, depth, hidden, tokens[:, k:])
             assert logits.shape == per_depth[depth].shape, (logits.shape, per_depth[depth].shape)
             results[f"{layout} depth {k} logits"] = _rel(per_depth[depth], logits)
+        # Depth 2 as an engine serving the layout otherwise runs it (docs/serving.md "What the engines
+        # run"): the first depth's pre-norm state carried, or the first depth's layer run again.
+        first = output.hidden_states[-1][:, : length - 1]
+        pre_norm, _ = forward(w, config, 0, first, tokens[:, 1:], carry_pre_norm=True)
+        _, logits = forward(w, config, 1, pre_norm[:, : length - 2], tokens[:, 2:])
+        results[f"{layout} depth 2 logits, pre-norm state carried"] = _rel(per_depth[1], logits)
+        carried, _ = forward(w, config, 0, first, tokens[:, 1:])
+        _, logits = forward(w, config, 0, carried[:, : length - 2], tokens[:, 2:])
+        results[f"{layout} depth 2 logits, the first depth's layer again"] = _rel(per_depth[1], logits)
     return results
 
 

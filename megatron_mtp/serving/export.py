@@ -1,0 +1,97 @@
+"""A model's Hugging Face tensors, as `convert_checkpoint.py export` writes them and as the weight
+stream (serving.stream) yields them from a live model: one mapping for both.
+
+`plan` reads the run's arguments and the export's options and refuses, in one line, what cannot be
+written; `hf_tensors` turns the model's global tensors (by checkpoint key, whatever layout saved or
+holds them) into the family's Hugging Face names in the export's order; `cast` gives each tensor
+the dtype written; `engine_warnings` says where a serving engine is known to serve the written MTP
+layout otherwise than megatron-core trained it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_mtp.serving import ServingError, experts, mapping
+from megatron_mtp.serving.config import ModelConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Plan:
+    cfg: ModelConfig
+    layout: str | None  # the MTP layout written (None: the backbone only)
+    expert_layout: str  # published, per_expert or stacked
+
+
+def plan(run_args, mtp_layout: str | None = None, architecture: str | None = None,
+         expert_layout: str | None = None) -> Plan:
+    """The export of a model trained with `run_args` (the trainer's arguments; a checkpoint holds them).
+    mtp_layout: mimo, deepseek_v3, qwen3_next, none, or None for the family's default."""
+    cfg = ModelConfig.from_megatron_args(run_args)
+    if architecture:
+        cfg.as_architecture(architecture)
+    default = mapping.default_mtp_layout(cfg)
+    layout = None if mtp_layout == "none" else mtp_layout or (default if cfg.mtp_num_layers else None)
+    mapping.check_mtp_layout(cfg, layout)
+    if cfg.moe and layout == "mimo":
+        raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "
+                           f"{cfg.family}-shaped; use --mtp-layout deepseek_v3")
+    if cfg.family == "mimo" and layout == "deepseek_v3":
+        raise ServingError("--mtp-layout deepseek_v3: MiMo's MTP depths are model.mtp_layers (--mtp-layout mimo); "
+                           "give --architecture qwen2 for DeepSeek-V3's layout")
+    if layout and not cfg.mtp_num_layers:
+        raise ServingError(f"--mtp-layout {mtp_layout}: the checkpoint has no MTP depths "
+                           "(trained without --mtp-num-layers); use --mtp-layout none")
+    mapping.check_mtp_layer(cfg, cfg.mtp_num_layers if layout else 0)
+    if expert_layout and not cfg.moe:
+        raise ServingError(f"--expert-layout {expert_layout}: the model has no experts")
+    return Plan(cfg, layout, expert_layout or "published")
+
+
+def hf_tensors(export: Plan, global_tensors: dict, source: str) -> dict:
+    """The model's global tensors (by checkpoint key) -> the Hugging Face tensors, in the order written;
+    `source` names where the tensors come from in a refusal."""
+    from megatron_mtp.serving.model import local_names
+
+    cfg, layout = export.cfg, export.layout
+    tensors = local_names(global_tensors, cfg.num_layers)  # the model's names, whatever layout holds them
+    if cfg.mtp_num_layers and layout and not any(k.startswith("mtp.layers.") for k in tensors):
+        raise ServingError(f"{source}: the arguments name {cfg.mtp_num_layers} MTP depths but the model "
+                           "holds no MTP tensors")
+    hf = mapping.megatron_to_hf(tensors, cfg, layout)
+    expected = mapping.hf_shapes(cfg, layout, cfg.mtp_num_layers)
+    if sorted(hf) != sorted(expected):
+        raise ServingError(f"internal: exported names differ from the loaders' ({sorted(set(hf) ^ set(expected))[:3]})")
+    return experts.stack(hf, cfg.family, export.expert_layout, cfg.num_layers)
+
+
+def cast(tensors: dict, dtype: str):
+    """(name, tensor) in `dtype`, contiguous, each with storage of its own: a repeated MTP layer is
+    written once per depth from the same tensors (safetensors refuses shared storage; a cast to
+    another dtype copies anyway)."""
+    seen = set()
+    for name, value in tensors.items():
+        value = value.to(DTYPES[dtype]).contiguous()
+        if value.data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.data_ptr())
+        yield name, value
+
+
+def engine_warnings(cfg: ModelConfig, layout: str | None) -> list[str]:
+    """Where vLLM is known to serve the written MTP depths otherwise than megatron-core trained them
+    (docs/serving.md "What the engines run"): each a sentence, none when nothing is known."""
+    depths = cfg.mtp_num_layers if layout else 0
+    if depths < 2:
+        return []
+    if layout == "qwen3_next" and not cfg.mtp_repeated:
+        return [f"vLLM's Qwen3-Next and Qwen3.5 MTP models run mtp.layers.0 at every draft step (no draft-step index "
+                f"reaches them: vllm-project/vllm#52688), so the {depths - 1} deeper trained depths are loaded and "
+                "never run there; train one --mtp-use-repeated-layer for what vLLM runs"]
+    if layout == "deepseek_v3":
+        return ["megatron-core carries each depth's normalized output (final_layernorm) into the next; vLLM "
+                "before vllm-project/vllm#45895 carries the pre-norm hidden state into draft steps 2+ (see "
+                "vllm-project/vllm#46075), so depths 2+ see inputs they were not trained on there"]
+    return []

@@ -1,0 +1,68 @@
+"""Draft weights into the rollout engine (issue 40, E): serving.stream.weights over a live model at
+TP = 2, PP = 2 and (MoE) EP = 2 on gloo ranks yields exactly the tensors, by name and byte, that
+tools/convert_checkpoint.py export writes from that model's checkpoint, MTP depths included in the
+family's engine layout; and the export's output line (and the stream's warnings) say where vLLM is
+known to serve the written MTP layout otherwise than megatron-core trained it.
+"""
+
+import pytest
+
+from megatron_mtp.serving.config import ModelConfig
+from megatron_mtp.serving.export import engine_warnings
+from tests.harness import launch
+
+LAYOUTS = {
+    "llama-tp2": ("llama", dict(tp=2), ()),
+    "llama-pp2-mimo-bf16": ("llama", dict(pp=2), ("--dtype", "bf16")),
+    "qwen3_moe-ep2": ("qwen3_moe", dict(ep=2), ()),
+    "qwen3_moe-tp2-ep2-stacked": ("qwen3_moe", dict(tp=2, ep=2), ("--expert-layout", "stacked")),
+    "llama-tp2-pp2-deepseek_v3": ("llama", dict(tp=2, pp=2), ("--mtp-layout", "deepseek_v3")),
+    "llama-pp2-vpp2": ("llama", dict(pp=2, vpp=2), ()),
+}
+# The default tier runs one launch per parallelism kind; the 4-rank layouts are the matrix's.
+DEFAULT = ("llama-tp2", "llama-pp2-mimo-bf16", "qwen3_moe-ep2")
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.matrix)
+                                  for name in LAYOUTS])
+def test_the_stream_of_a_live_model_is_the_export_bit_for_bit(case, tmp_path):
+    family, layout, options = LAYOUTS[case]
+    ranks = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("ep", 1)  # the experts' TP is the model's
+    result = launch("tests.bodies.weight_stream:compare", ranks,
+                    {"root": str(tmp_path), "family": family, **layout, "options": list(options)}, timeout=400)[0]
+    assert result["status"] == 0, result["said"]
+    assert result["streamed"] == result["written"] > 0 and result["repeated names"] == 0, result
+    assert result["names only one side"] == [] and result["differ"] == [], result
+    assert result["mtp names"] > 0, result  # the draft depths are in the stream
+    assert result["dtypes"] == (["torch.bfloat16"] if "bf16" in options else ["torch.float32"]), result
+    if family == "qwen3_moe":
+        assert result["expert names"] > 0, result
+    # DeepSeek-V3's layout (the MoE families' default) with 2 depths: vLLM's carried hidden state
+    assert [("vllm-project/vllm#45895" in line) for line in result["warnings"]] == (
+        [True] if family == "qwen3_moe" or "deepseek_v3" in options else []), result["warnings"]
+    for line in result["warnings"]:  # the stream's warnings are the export's output line's
+        assert line in result["said"], (line, result["said"])
+
+
+def _config(family: str, depths: int, repeated: bool = False) -> ModelConfig:
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 48,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100})
+    cfg.family, cfg.mtp_num_layers, cfg.mtp_repeated = family, depths, repeated  # what the warnings read
+    return cfg
+
+
+@pytest.mark.parametrize("family,layout,depths,repeated,issue", [
+    ("qwen3_5", "qwen3_next", 2, False, "vllm-project/vllm#52688"),
+    ("qwen3_5_moe", "qwen3_next", 3, False, "vllm-project/vllm#52688"),
+    ("qwen3_next", "qwen3_next", 2, False, "vllm-project/vllm#52688"),  # Qwen3NextMTP passes no step index
+    ("qwen3_5", "qwen3_next", 2, True, None),  # one repeated layer: layers[0] at every step is what it trained
+    ("qwen3_5", "qwen3_next", 1, False, None),
+    ("deepseek_v3", "deepseek_v3", 2, False, "vllm-project/vllm#45895"),
+    ("glm4_moe", "deepseek_v3", 2, True, "vllm-project/vllm#45895"),  # the carried state matters even repeated
+    ("deepseek_v3", "deepseek_v3", 1, False, None),  # one draft step carries the main model's (normalized) state
+    ("mimo", "mimo", 2, False, None),
+    ("qwen3_5", None, 2, False, None),  # the backbone only
+])
+def test_the_export_warns_where_vllm_serves_the_mtp_layout_otherwise(family, layout, depths, repeated, issue):
+    warned = engine_warnings(_config(family, depths, repeated), layout)
+    assert [issue in line for line in warned] == ([True] if issue else []), warned
