@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Draft weights into the rollout engine (issue 40, E): serving.stream.weights over a live model at
 TP = 2, PP = 2 and (MoE) EP = 2 on gloo ranks yields exactly the tensors, by name and byte, that
 tools/convert_checkpoint.py export writes from that model's checkpoint, MTP depths included in the

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A model's Hugging Face tensors, as `convert_checkpoint.py export` writes them and as the weight
 stream (serving.stream) yields them from a live model: one mapping for both.
 

@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The weights of a live distributed model as the rollout engine takes them: `weights(chunks, args)`
 yields (name, tensor) in the family's Hugging Face names, MTP depths included in the engine's
 layout, equal bit for bit to the files `convert_checkpoint.py export` writes from a checkpoint of

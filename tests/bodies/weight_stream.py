@@ -1,3 +1,5 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The weight stream of a live distributed model against the files export writes from its checkpoint.
 
 A model of a family (its arguments as an import writes them, ModelConfig.megatron_args) is built at a
