@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-from tests.bodies.serving import REPO  # noqa: F401 (puts tools/ on the path)
-
 VOCAB = 257
 TOKENS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 DEEPSEEK_MTP = ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
