@@ -11,7 +11,9 @@ The policy (--policy): a Llama (the default), or a tiny Qwen3.5-MoE: GPTModel wi
 layers (three in four, --experimental-attention-variant gated_delta_net, as
 examples/configs/qwen3_next_gpt_tiny.sh builds them) among gated full-attention ones with q/k
 norms and partial rotary, zero-centred RMSNorms, MoE with a gated shared expert in every layer
-trained with an auxiliary load-balancing loss (aux_loss), and MTP depths. Trained on packed
+trained with an auxiliary load-balancing loss (aux_loss), and --depths MTP depths of one
+repeated layer (Qwen3.5's MTP block is one layer, which vLLM and SGLang run at every drafted
+position; the stream's Qwen3-Next layout holds one). Trained on packed
 rows by default (--rows packed: --micro-batch-size responses per THD row, each its own sequence
 of cu_seqlens, padded to a multiple of 2 x --context-parallel-size, as RL frameworks pack), and
 with --context-parallel-size 2 every sequence cut over the 2 ranks. Its rollout engine takes
@@ -21,11 +23,12 @@ layers' recurrent and convolution states (megatron_mtp.serving.recurrent).
 One step, as AReaL's GRPO with online-trained MTP heads runs it, on CPU:
 
 1. rollouts: the rollout engine (a model of its own, as vLLM's or SGLang's is) takes the policy's
-   weights from the weight stream (megatron_mtp.serving.stream: the family's Hugging Face names, the
-   MTP depths in the engine's layout, what vLLM's load_weights takes), then each rank, one rollout
-   engine, takes its share of the step's prompts and samples a group of G responses per prompt by speculative
-   decoding (megatron_mtp.serving.speculative, the decoder of tools/eval_speculative.py, over its
-   KV cache), the MTP depths drafting and the main head verifying. Tokens are sampled by
+   weights from the weight stream (megatron_mtp.serving.stream: the family's Hugging Face names,
+   the MTP depths in the engine's layout, what vLLM's load_weights takes), then each rank, one
+   rollout engine, takes its share of the step's prompts and samples a group of G responses per
+   prompt by speculative decoding (megatron_mtp.serving.speculative, the decoder of
+   tools/eval_speculative.py, over its KV cache), the MTP depths drafting and the main head
+   verifying. Tokens are sampled by
    per-position Gumbel noise keyed by (seed, response, position), so the rollouts are exactly
    plain sampling's, with or without drafts. The responses are gathered, and each data-parallel
    replica trains on its share;
@@ -128,6 +131,10 @@ def parse(argv=None):
                  "num_layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rows == "padded" and (2 * args.length + 2) % (2 * args.context_parallel_size):
+        parser.error(f"--context-parallel-size {args.context_parallel_size} with --rows padded: a row of "
+                     f"{2 * args.length + 2} positions does not split into 2 x CP chunks (give --length so "
+                     "that 2 x length + 2 does, or --rows packed)")
     if args.sft_steps < 0:
         parser.error("--sft-steps must be >= 0")
     return args
