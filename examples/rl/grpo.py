@@ -232,13 +232,20 @@ def policy_gradient_loss(per_token_ce, advantages, loss_mask):
 
 def forward_step(data_iterator, model, positive_advantage_only=False):
     """Micro-batch = (tokens [b, s+1], loss_mask [b, s], advantages [b, s]). With
-    positive_advantage_only the MTP depths see only the responses whose advantage is > 0."""
+    positive_advantage_only the MTP depths see only the responses whose advantage is > 0. Under CP
+    the advantages are cut as gpt_per_token_loss cuts the loss mask."""
+    from megatron.core import parallel_state
+
+    from megatron.core.fork import context_parallel
     from megatron_mtp.library.step import gpt_per_token_loss
 
     tokens, loss_mask, advantages = next(data_iterator)
     sample_mask = (advantages.sum(dim=1) > 0).float() if positive_advantage_only else None
     output, loss_mask = gpt_per_token_loss(model, tokens, loss_mask, sample_mask)
-    return output, partial(policy_gradient_loss, advantages=advantages.to(loss_mask.device), loss_mask=loss_mask)
+    advantages = advantages.to(loss_mask.device)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        advantages = context_parallel.shard(advantages, 1, parallel_state.get_context_parallel_group())
+    return output, partial(policy_gradient_loss, advantages=advantages, loss_mask=loss_mask)
 
 
 def packed_forward_step(data_iterator, model, positive_advantage_only=False):
