@@ -206,7 +206,8 @@ def refresh(rollout_model, chunks, policy_args) -> bool:
     update_weights_from_tensor take; docs/serving.md), loaded here by the import's mapping. A collective:
     every rank streams. Returns whether the engine holds what it was sent, bit for bit: its weights in
     the stream's names equal the stream's. (Its own tensors may differ from the policy's in the last
-    bit where the family stores a norm as 1 + w: Qwen3.5's Gated DeltaNet output norm.)"""
+    bit where the family stores a norm as 1 + w: Qwen3.5's Gated DeltaNet output norm; see
+    `largest_difference`.)"""
     from megatron_mtp.serving import export, mapping, stream
 
     plan = export.plan(policy_args)
@@ -221,6 +222,15 @@ def refresh(rollout_model, chunks, policy_args) -> bool:
         raise RuntimeError(f"the stream does not fill the engine's model: {(unexpected + left)[:3]}")
     held = export.hf_tensors(plan, dict(rollout_model.named_parameters()), "the rollout engine")
     return sorted(held) == sorted(hf) and all(torch.equal(held[name], hf[name]) for name in hf)
+
+
+def largest_difference(rollout_model, model) -> float:
+    """The largest |engine - policy| over the policy's parameters (the same names in both): 0 where
+    the stream is lossless, at most 2^-24 for a norm streamed as 1 + w (w' + 1 - 1 in fp32)."""
+    engine, policy = dict(rollout_model.named_parameters()), dict(model.named_parameters())
+    if sorted(engine) != sorted(policy):
+        raise RuntimeError(f"the engine's parameters are not the policy's: {sorted(set(engine) ^ set(policy))[:3]}")
+    return max(float((engine[name].detach() - value.detach()).abs().max()) for name, value in policy.items())
 
 
 def policy_gradient_loss(per_token_ce, advantages, loss_mask):
@@ -458,10 +468,11 @@ def main(argv=None) -> int:
     frozen = {name: param.detach().clone() for name, param in model.named_parameters() if name.startswith("mtp.")}
     heads_after_warm_start = digest(model, heads=True)
 
-    rewards_per_step, synced, started = [], [], time.perf_counter()
+    rewards_per_step, synced, differences, started = [], [], [], time.perf_counter()
     for step in range(1, args.steps + 1):
         prompts = task.prompts(args.prompts_per_step, args.seed, step)[mine]
         synced.append(refresh(rollout_model, chunks, policy_args))  # the rollouts sample the policy as it is now
+        differences.append(largest_difference(rollout_model, model))
         stats = speculative.Stats(depths=depths)
         rollout_start = time.perf_counter()
         responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
@@ -518,7 +529,8 @@ def main(argv=None) -> int:
                "backbone sha256": digest(model, heads=False), "heads sha256 after warm start": heads_after_warm_start,
                "heads sha256": digest(model, heads=True),
                # per RL step: whether the rollout model held the streamed weights bit for bit after the push
-               "rollout model synced": synced, "arguments": vars(args)}
+               "rollout model synced": synced, "rollout model largest difference from the policy": differences,
+               "arguments": vars(args)}
     if dist.get_rank() == 0 and out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         log.close()
