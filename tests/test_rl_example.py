@@ -11,6 +11,11 @@ speculative) and every step logged reward and acceptance in the console format t
 tools/plot_runs.py reads; before every step's rollouts the rollout model takes the policy's weights
 from the weight stream (serving.stream) and holds them bit for bit. The task's reward is checked by
 hand.
+
+The tiny Qwen3.5-MoE policy (--policy qwen3_5: Gated DeltaNet and gated attention layers, MoE with a
+shared expert and aux_loss, one repeated MTP layer) on packed rows at context_parallel_size 2 (matrix
+tier): heads online, frozen and none, the same trajectory check; its engine decodes over the Gated
+DeltaNet layers' recurrent state and takes Qwen3.5-MoE's Hugging Face names from the stream.
 """
 
 import json
@@ -46,6 +51,27 @@ def test_the_reversal_task_rewards_exactly():
             task.reward([BOS, 3, 4, 6, EQUALS], wrong)
 
 
+def assert_one_trajectory(summaries: dict, runs: dict, drift: float = 0.0) -> None:
+    """The runs (online, frozen, none, ...) took the stream's weights before every step's rollouts (the
+    engine held them bit for bit, its parameters within `drift` of the policy's) and share the policy's
+    trajectory: every step's reward, policy-gradient loss and grad norm, and the backbone's weights at
+    the end; the online heads trained, the frozen ones did not."""
+    online, frozen, none = summaries["online"], summaries["frozen"], summaries["none"]
+    for name, summary in summaries.items():
+        assert summary["rollout model synced"] == [True] * STEPS, (name, summary["rollout model synced"])
+        differences = summary["rollout model largest difference from the policy"]
+        assert len(differences) == STEPS and max(differences) <= drift, (name, differences)
+    assert len(online["rewards"]) == STEPS and 0 < sum(online["rewards"])
+    for heads, other in summaries.items():
+        assert other["rewards"] == online["rewards"], heads
+        assert other["backbone sha256"] == online["backbone sha256"], heads
+        for series in ("policy-gradient loss", "grad norm"):  # as logged (6 significant digits)
+            assert runs[heads].series[series] == runs["online"].series[series], (heads, series)
+    assert online["heads sha256"] != online["heads sha256 after warm start"]
+    assert frozen["heads sha256"] == frozen["heads sha256 after warm start"]
+    assert none["heads sha256"] is None
+
+
 def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_policy(tmp_path):
     summaries, runs = {}, {}
     variants = {"online": ("--heads", "online"), "frozen": ("--heads", "frozen"), "none": ("--heads", "none"),
@@ -56,20 +82,10 @@ def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_poli
         train(2, *options, "--out", str(out), *SHORT, script="examples/rl/grpo.py")
         summaries[name] = json.loads((out / "summary.json").read_text())
         runs[name] = read(out / "console.log")
-    online, frozen, none = summaries["online"], summaries["frozen"], summaries["none"]
-    for name, summary in summaries.items():  # the rollout model took the policy's weights from the stream
-        assert summary["rollout model synced"] == [True] * STEPS, (name, summary["rollout model synced"])
-    assert len(online["rewards"]) == STEPS and 0 < sum(online["rewards"])
-    e2e_tv = summaries["e2e_tv"]
+    assert_one_trajectory(summaries, runs)
+    online, none, e2e_tv = summaries["online"], summaries["none"], summaries["e2e_tv"]
     assert e2e_tv["mtp loss type"] == "e2e_tv" and e2e_tv["heads sha256"] not in (
         online["heads sha256"], e2e_tv["heads sha256 after warm start"])  # other heads, trained
-    for heads, other in (("frozen", frozen), ("none", none), ("e2e_tv", e2e_tv)):
-        assert other["rewards"] == online["rewards"] and other["backbone sha256"] == online["backbone sha256"]
-        for series in ("policy-gradient loss", "grad norm"):  # as logged (6 significant digits)
-            assert runs[heads].series[series] == runs["online"].series[series], (heads, series)
-    assert online["heads sha256"] != online["heads sha256 after warm start"]
-    assert frozen["heads sha256"] == frozen["heads sha256 after warm start"]
-    assert none["heads sha256"] is None
 
     series = runs["online"].series
     assert sorted(series["reward"]) == list(range(1, STEPS + 1))
@@ -88,3 +104,22 @@ def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_poli
           script="examples/rl/grpo.py")
     token = json.loads((tmp_path / "token" / "summary.json").read_text())
     assert token["rewards"][0] == none["rewards"][0] and token["backbone sha256"] != none["backbone sha256"]
+
+
+@pytest.mark.matrix
+def test_the_qwen3_5_policy_on_packed_rows_at_cp_2_keeps_one_trajectory(tmp_path):
+    summaries, runs = {}, {}
+    for heads in ("online", "frozen", "none"):
+        out = tmp_path / heads
+        train(2, "--policy", "qwen3_5", "--context-parallel-size", "2", "--heads", heads, "--out", str(out), *SHORT,
+              script="examples/rl/grpo.py", timeout=600)
+        summaries[heads] = json.loads((out / "summary.json").read_text())
+        runs[heads] = read(out / "console.log")
+    arguments = summaries["online"]["arguments"]
+    assert (arguments["rows"], arguments["context_parallel_size"], arguments["num_layers"]) == ("packed", 2, 4)
+    # the Gated DeltaNet output norm streams as 1 + w: w' + 1 - 1 within half an ulp of 1 (docs/serving.md)
+    assert_one_trajectory(summaries, runs, drift=2.0 ** -24)
+    series = runs["online"].series
+    assert sum(series["mtp_1 rollout acceptance"].values()) > 0  # the heads drafted over the recurrent state
+    assert sum(series["mtp_2 rollout acceptance"].values()) > 0
+    assert all(value > 0 for value in series["mtp_1 load balancing loss"].values())  # the depth's aux_loss

@@ -5,6 +5,10 @@
 #
 #   bash examples/rl/compare.sh                      # OUT=runs/rl
 #   OUT=/tmp/rl bash examples/rl/compare.sh --steps 5 --sft-steps 5
+#   POLICY=qwen3_5 OUT=runs/rl_qwen3_5 bash examples/rl/compare.sh
+#
+# POLICY: grpo.py's --policy (llama, the default; qwen3_5: the tiny Qwen3.5-MoE on packed rows at
+# --context-parallel-size 2, so every run needs 2 ranks).
 #
 # Checks that the policy's trajectory is one and the same in every run (every step's reward,
 # policy-gradient loss and grad norm as logged, and the backbone's weights at the end, by
@@ -15,6 +19,13 @@ cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/rl}
 NPROC=${NPROC:-2}
+POLICY=${POLICY:-llama}
+case "$POLICY" in
+    llama) POLICY_OPTIONS=(--policy llama); NAME="the Llama policy" ;;
+    qwen3_5) POLICY_OPTIONS=(--policy qwen3_5 --context-parallel-size 2)
+             NAME="the Qwen3.5-MoE policy (packed rows, CP = 2)" ;;
+    *) echo "compare.sh: error: POLICY=$POLICY: llama or qwen3_5" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT"
 declare -A OPTIONS=(
     [online]="--heads online --mtp-loss-type ce"
@@ -26,15 +37,15 @@ declare -A OPTIONS=(
 )
 VARIANTS=(online kl tv e2e_tv frozen none)
 for variant in "${VARIANTS[@]}"; do
-    echo "compare.sh: RL with ${OPTIONS[$variant]}" >&2
+    echo "compare.sh: RL with ${POLICY_OPTIONS[*]} ${OPTIONS[$variant]}" >&2
     # shellcheck disable=SC2086  # the options are words
-    "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" examples/rl/grpo.py \
+    "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" examples/rl/grpo.py "${POLICY_OPTIONS[@]}" \
         ${OPTIONS[$variant]} --out "$OUT/$variant" "$@" > /dev/null
 done
 "$PYTHON" tools/plot_runs.py "heads online, ce=$OUT/online/console.log" "heads online, kl=$OUT/kl/console.log" \
     "heads online, tv=$OUT/tv/console.log" "heads online, e2e_tv=$OUT/e2e_tv/console.log" \
     "heads frozen=$OUT/frozen/console.log" "no heads=$OUT/none/console.log" -o "$OUT/rl_iterations.svg" \
-    --title "GRPO on string reversal: MTP heads online (ce, kl, tv, e2e_tv) / frozen / none" --table > "$OUT/table.md"
+    --title "GRPO on string reversal, $NAME: MTP heads online (ce, kl, tv, e2e_tv) / frozen / none" --table > "$OUT/table.md"
 cat "$OUT/table.md"
 "$PYTHON" - "$OUT" "${VARIANTS[@]}" <<'PY'
 import json, sys

@@ -5,25 +5,42 @@
 
     .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --heads online --out runs/rl/online
     .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --heads none --out runs/rl/none
+    .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --policy qwen3_5 --context-parallel-size 2
+
+The policy (--policy): a Llama (the default), or a tiny Qwen3.5-MoE: GPTModel with Gated DeltaNet
+layers (three in four, --experimental-attention-variant gated_delta_net, as
+examples/configs/qwen3_next_gpt_tiny.sh builds them) among gated full-attention ones with q/k
+norms and partial rotary, zero-centred RMSNorms, MoE with a gated shared expert in every layer
+trained with an auxiliary load-balancing loss (aux_loss), and --depths MTP depths of one
+repeated layer (Qwen3.5's MTP block is one layer, which vLLM and SGLang run at every drafted
+position; the stream's Qwen3-Next layout holds one). Trained on packed
+rows by default (--rows packed: --micro-batch-size responses per THD row, each its own sequence
+of cu_seqlens, padded to a multiple of 2 x --context-parallel-size, as RL frameworks pack), and
+with --context-parallel-size 2 every sequence cut over the 2 ranks. Its rollout engine takes
+Qwen3.5-MoE's Hugging Face names from the weight stream and decodes over the Gated DeltaNet
+layers' recurrent and convolution states (megatron_mtp.serving.recurrent).
 
 One step, as AReaL's GRPO with online-trained MTP heads runs it, on CPU:
 
 1. rollouts: the rollout engine (a model of its own, as vLLM's or SGLang's is) takes the policy's
-   weights from the weight stream (megatron_mtp.serving.stream: Llama's Hugging Face names, the
-   MTP depths in MiMo's layout, what vLLM's load_weights takes), then each data-parallel rank takes
-   its share of the step's prompts and samples a group of G responses per prompt by speculative
-   decoding (megatron_mtp.serving.speculative, the decoder of tools/eval_speculative.py, over its
-   KV cache), the MTP depths drafting and the main head verifying. Tokens are sampled by
+   weights from the weight stream (megatron_mtp.serving.stream: the family's Hugging Face names,
+   the MTP depths in the engine's layout, what vLLM's load_weights takes), then each rank, one
+   rollout engine, takes its share of the step's prompts and samples a group of G responses per
+   prompt by speculative decoding (megatron_mtp.serving.speculative, the decoder of
+   tools/eval_speculative.py, over its KV cache), the MTP depths drafting and the main head
+   verifying. Tokens are sampled by
    per-position Gumbel noise keyed by (seed, response, position), so the rollouts are exactly
-   plain sampling's, with or without drafts;
+   plain sampling's, with or without drafts. The responses are gathered, and each data-parallel
+   replica trains on its share;
 2. rewards from the task (examples/rl/task.py: string reversal, exact), group-normalized
    advantages A = (r - mean_group) / (std_group + 1e-6) given to every token of the response;
 3. one exact optimizer step on a SplitStep: the main loss is the policy gradient's, sum of
    A_t * (-log pi(a_t)) through step_loss.main_loss, at token level (divided by the step's
    response tokens) or sequence level (each response's token mean, averaged over responses:
-   GRPO's); one update per batch of rollouts, so the importance ratio is 1 and its clipping
-   does nothing (no KL term). The MTP heads train on the rollout tokens with mtp_detach_heads:
-   their loss never reaches the policy.
+   GRPO's; on packed rows the step is token level and each response's tokens carry
+   A / n_i x N_tok / N_seq, the same loss); one update per batch of rollouts, so the importance
+   ratio is 1 and its clipping does nothing (no KL term). The MTP heads train on the rollout
+   tokens with mtp_detach_heads: their loss never reaches the policy.
 
 --heads online: the heads train every step (above); frozen: they keep the weights they had
 after the warm-start (restored after every step), so their drafts age as the policy moves;
@@ -75,6 +92,13 @@ PROG = "grpo.py"
 def parse(argv=None):
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policy", choices=("llama", "qwen3_5"), default="llama",
+                        help="a Llama, or a tiny Qwen3.5-MoE (Gated DeltaNet, gated attention, MoE with aux_loss)")
+    parser.add_argument("--rows", choices=("padded", "packed"), default=None,
+                        help="one response per row (padded), or --micro-batch-size responses per packed THD row "
+                             "(default: padded for llama, packed for qwen3_5)")
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="cut every sequence over this many ranks (packed: each padded to a multiple of 2 x CP)")
     parser.add_argument("--heads", choices=("online", "frozen", "none"), default="online")
     parser.add_argument("--mtp-loss-type", choices=("ce", "kl", "tv", "e2e_tv"), default="ce",
                         help="what the heads train toward (spec section 12): the rollout token (ce) or the "
@@ -87,19 +111,30 @@ def parse(argv=None):
     parser.add_argument("--sft-steps", type=int, default=30, help="supervised warm-start steps")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8, help="responses sampled per prompt")
-    parser.add_argument("--micro-batch-size", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=16, help="rows per micro-batch (packed: responses "
+                        "per row, one row per micro-batch)")
     parser.add_argument("--main-loss-level", choices=("token", "sequence"), default="sequence")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--length", type=int, default=5, help="letters to reverse")
     parser.add_argument("--alphabet", type=int, default=8)
-    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="default 2 (llama), 4 (qwen3_5: a multiple of 4, one full-attention layer in four)")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=None, help="directory for console.log and summary.json")
     args = parser.parse_args(argv)
-    for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "depths"):
+    args.rows = args.rows or ("packed" if args.policy == "qwen3_5" else "padded")
+    args.num_layers = args.num_layers or (4 if args.policy == "qwen3_5" else 2)
+    if args.policy == "qwen3_5" and args.num_layers % 4:
+        parser.error(f"--num-layers {args.num_layers}: the qwen3_5 policy's layers come in fours")
+    for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "depths", "context_parallel_size",
+                 "num_layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rows == "padded" and (2 * args.length + 2) % (2 * args.context_parallel_size):
+        parser.error(f"--context-parallel-size {args.context_parallel_size} with --rows padded: a row of "
+                     f"{2 * args.length + 2} positions does not split into 2 x CP chunks (give --length so "
+                     "that 2 x length + 2 does, or --rows packed)")
     if args.sft_steps < 0:
         parser.error("--sft-steps must be >= 0")
     return args
@@ -110,9 +145,27 @@ def progress(message: str) -> None:
         print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
+def policy_config(args, task, depths: int) -> dict:
+    """The policy's shape as its Hugging Face config.json says it (the weight stream's family and names)."""
+    shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers, "num_attention_heads": 4,
+             "vocab_size": task.vocab_size, "max_position_embeddings": task.sequence_length,
+             "num_nextn_predict_layers": depths}
+    if args.policy == "llama":
+        return {**shape, "architectures": ["LlamaForCausalLM"], "intermediate_size": 4 * args.hidden_size,
+                "rms_norm_eps": 1e-5}
+    # Qwen3.5-MoE, tiny: every fourth layer gated full attention (q/k norms, a quarter of each head
+    # rotated), the others Gated DeltaNet with 2 key heads (a multiple of CP = 2: whole heads per rank
+    # after its all-to-all); experts and a gated shared expert in every layer and MTP depth.
+    return {**shape, "architectures": ["Qwen3_5MoeForCausalLM"], "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+            "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": args.hidden_size // 2,
+            "shared_expert_intermediate_size": args.hidden_size // 2}
+
+
 def build(args, task):
     """The policy (DDP-wrapped chunks, its optimizer, its MTP depths, the arguments a checkpoint of it
-    would hold) and the rollout engine's model: a Llama, whose weights stream in Llama's Hugging Face
+    would hold) and the rollout engine's model, whose weights stream in the family's Hugging Face
     names."""
     import dataclasses
 
@@ -123,39 +176,61 @@ def build(args, task):
     from megatron_mtp.serving import model as serving_model
     from megatron_mtp.serving.config import ModelConfig
 
-    initialize_distributed(1, 1, None, args.seed)
+    initialize_distributed(1, 1, None, args.seed, cp=args.context_parallel_size)
     depths = 0 if args.heads == "none" else args.depths
-    policy_args = ModelConfig.from_hf(
-        {"architectures": ["LlamaForCausalLM"], "hidden_size": args.hidden_size,
-         "intermediate_size": 4 * args.hidden_size, "num_hidden_layers": args.num_layers, "num_attention_heads": 4,
-         "vocab_size": task.vocab_size, "max_position_embeddings": task.sequence_length, "rms_norm_eps": 1e-5,
-         "num_nextn_predict_layers": depths}, pad_to=1).megatron_args()
+    shape = ModelConfig.from_hf(policy_config(args, task, depths), pad_to=1)
+    # Qwen3.5's MTP block is one layer, which vLLM and SGLang run at every drafted position (its
+    # layout streams one): D depths of one repeated layer
+    shape.mtp_repeated = args.policy == "qwen3_5"
+    policy_args = shape.megatron_args()
+    # The serving config (one process) made the trainer's: CP, and Qwen3.5's auxiliary loss, which the
+    # engine does not compute (an import's arguments hold none)
+    router = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 1e-3} if policy_args.num_experts \
+        else {}
     config = dataclasses.replace(serving_model.transformer_config(policy_args), calculate_per_token_loss=True,
                                  mtp_detach_heads=bool(depths), mtp_loss_scaling_factor=0.3,
-                                 mtp_loss_type=args.mtp_loss_type)
+                                 mtp_loss_type=args.mtp_loss_type, context_parallel_size=args.context_parallel_size,
+                                 **router)
     chunks = build_model(config, task.vocab_size, task.sequence_length)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
                                                        clip_grad=1.0),
                                        chunks)  # fp32, not distributed: see --heads frozen
     # The rollout engine's own model (one process, its KV cache), given the policy's weights by the stream
-    rollout_model = serving_model.build(policy_args)
+    rollout_model = serving_model.build(policy_args, pg_collection=serving_model.own_groups())
     return chunks, optimizer, depths, policy_args, rollout_model
 
 
-def refresh(rollout_model, chunks, policy_args) -> None:
+def refresh(rollout_model, chunks, policy_args) -> bool:
     """The policy's weights into the rollout engine, as an RL framework pushes them after every step: the
     weight stream's (name, tensor) in Hugging Face names (what vLLM's load_weights and SGLang's
     update_weights_from_tensor take; docs/serving.md), loaded here by the import's mapping. A collective:
-    every rank streams."""
+    every rank streams. Returns whether the engine holds what it was sent, bit for bit: its weights in
+    the stream's names equal the stream's. (Its own tensors may differ from the policy's in the last
+    bit where the family stores a norm as 1 + w: Qwen3.5's Gated DeltaNet output norm; see
+    `largest_difference`.)"""
     from megatron_mtp.serving import export, mapping, stream
 
     plan = export.plan(policy_args)
     hf = dict(stream.weights(chunks, policy_args))
-    own = mapping.hf_to_megatron(hf, plan.cfg, plan.layout, plan.cfg.mtp_num_layers if plan.layout else 0)
+    depths = plan.cfg.mtp_num_layers if plan.layout else 0
+    own = mapping.hf_to_megatron(hf, plan.cfg, plan.layout, depths)
+    if plan.cfg.mtp_repeated:  # the one layer the engine runs at every depth, as the import holds it
+        own = mapping.collapse_repeated(own, depths)
     missing, unexpected = rollout_model.load_state_dict(own, strict=False)
     left = [name for name in missing if "_extra_state" not in name]
     if unexpected or left:
         raise RuntimeError(f"the stream does not fill the engine's model: {(unexpected + left)[:3]}")
+    held = export.hf_tensors(plan, dict(rollout_model.named_parameters()), "the rollout engine")
+    return sorted(held) == sorted(hf) and all(torch.equal(held[name], hf[name]) for name in hf)
+
+
+def largest_difference(rollout_model, model) -> float:
+    """The largest |engine - policy| over the policy's parameters (the same names in both): 0 where
+    the stream is lossless, at most 2^-24 for a norm streamed as 1 + w (w' + 1 - 1 in fp32)."""
+    engine, policy = dict(rollout_model.named_parameters()), dict(model.named_parameters())
+    if sorted(engine) != sorted(policy):
+        raise RuntimeError(f"the engine's parameters are not the policy's: {sorted(set(engine) ^ set(policy))[:3]}")
+    return max(float((engine[name].detach() - value.detach()).abs().max()) for name, value in policy.items())
 
 
 def policy_gradient_loss(per_token_ce, advantages, loss_mask):
@@ -167,22 +242,102 @@ def policy_gradient_loss(per_token_ce, advantages, loss_mask):
 
 def forward_step(data_iterator, model, positive_advantage_only=False):
     """Micro-batch = (tokens [b, s+1], loss_mask [b, s], advantages [b, s]). With
-    positive_advantage_only the MTP depths see only the responses whose advantage is > 0."""
+    positive_advantage_only the MTP depths see only the responses whose advantage is > 0. Under CP
+    the advantages are cut as gpt_per_token_loss cuts the loss mask."""
+    from megatron.core import parallel_state
+
+    from megatron.core.fork import context_parallel
     from megatron_mtp.library.step import gpt_per_token_loss
 
     tokens, loss_mask, advantages = next(data_iterator)
     sample_mask = (advantages.sum(dim=1) > 0).float() if positive_advantage_only else None
     output, loss_mask = gpt_per_token_loss(model, tokens, loss_mask, sample_mask)
-    return output, partial(policy_gradient_loss, advantages=advantages.to(loss_mask.device), loss_mask=loss_mask)
+    advantages = advantages.to(loss_mask.device)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        advantages = context_parallel.shard(advantages, 1, parallel_state.get_context_parallel_group())
+    return output, partial(policy_gradient_loss, advantages=advantages, loss_mask=loss_mask)
+
+
+def packed_forward_step(data_iterator, model, positive_advantage_only=False):
+    """Micro-batch = one packed row (`packed_rows`); under CP this rank's pieces of its sequences
+    (cut by the padded cu_seqlens), the MTP depths rolled within each sequence."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron.core.fork import context_parallel
+    from megatron.core.fork import device as compute_device
+
+    input_ids, loss_mask, weights, labels, positions, padded, unpadded = next(data_iterator)
+    device = compute_device.current_device()
+    model_mask = loss_mask * (weights > 0) if positive_advantage_only else loss_mask
+    if positive_advantage_only and model.config.sparse_lm_loss:
+        raise ValueError("an MTP-only sample mask needs the main head's dense loss: turn sparse_lm_loss off")
+    row = [t.to(device) for t in (input_ids, labels, loss_mask, model_mask, weights, positions)]
+    padded, unpadded = padded.to(device), unpadded.to(device)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        group = parallel_state.get_context_parallel_group()
+        row = [context_parallel.shard(t, 1, group, padded) for t in row]
+    input_ids, labels, loss_mask, model_mask, weights, positions = row
+    longest = int((padded[1:] - padded[:-1]).max())
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=unpadded, cu_seqlens_kv=unpadded,
+                             cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    output = model(input_ids, positions, None, labels=labels, loss_mask=model_mask, packed_seq_params=packed)
+    return output, partial(policy_gradient_loss, advantages=weights, loss_mask=loss_mask)
+
+
+def packed_rows(sequences, advantages, task, args) -> list:
+    """THD rows of --micro-batch-size sequences each, as RL frameworks pack: every sequence its own
+    segment (its tokens the inputs, each target the next token of the same sequence, the last none),
+    padded to a multiple of 2 x CP (context parallelism's split; the padding masked), the row's
+    last segment padded to the row's fixed length. Per row: (input ids, loss mask, per-token
+    advantages, labels, positions from 0 in every sequence [1, T]; padded and real cu_seqlens)."""
+    step = 2 * args.context_parallel_size
+    length = args.micro_batch_size * -(-task.sequence_length // step) * step
+    rows = []
+    for first in range(0, len(sequences), args.micro_batch_size):
+        input_ids, labels, positions = (torch.zeros(1, length, dtype=torch.long) for _ in range(3))
+        loss_mask, weights = torch.zeros(1, length), torch.zeros(1, length)
+        padded, real = [0], [0]
+        chunk = slice(first, first + args.micro_batch_size)
+        for sequence, advantage in zip(sequences[chunk], advantages[chunk], strict=True):
+            start, n = padded[-1], len(sequence)
+            end = start + -(-n // step) * step
+            input_ids[0, start:start + n] = torch.tensor(sequence)
+            labels[0, start:start + n - 1] = torch.tensor(sequence[1:])
+            loss_mask[0, start + task.prompt_length - 1:start + n - 1] = 1.0  # the positions predicting the response
+            weights[0, start:end] = advantage
+            positions[0, start:end] = torch.arange(end - start)
+            padded.append(end)
+            real.append(real[-1] + n)
+        padded[-1] = length
+        rows.append((input_ids, loss_mask, weights * loss_mask, labels, positions,
+                     torch.tensor(padded, dtype=torch.int32), torch.tensor(real, dtype=torch.int32)))
+    return rows
 
 
 def train_step(chunks, optimizer, sequences, advantages, task, args) -> dict:
-    """One exact step over this rank's sequences (prompt + response, responses of any length up to
-    the answer's, padded) and per-sequence advantages."""
+    """One exact step over this replica's sequences (prompt + response, responses of any length up to
+    the answer's) and per-sequence advantages: one per row (padded), or packed."""
+    from megatron.core import parallel_state
+
     from megatron_mtp.library import step
 
     if len(sequences) != len(advantages):
         raise ValueError(f"{len(sequences)} sequences, {len(advantages)} advantages")
+    if args.rows == "packed":
+        level = args.main_loss_level
+        if level == "sequence":
+            # The step counts a packed row as one sequence; GRPO's mean over responses of each one's token
+            # mean is the token-level loss with response i's tokens weighted A_i / n_i x N_tok / N_seq.
+            lengths = [len(s) - task.prompt_length for s in sequences]  # its predicted tokens
+            tokens, responses = all_sum([sum(lengths), len(lengths)], parallel_state.get_data_parallel_group())
+            advantages = [a / n * tokens / responses for a, n in zip(advantages, lengths, strict=True)]
+            level = "token"
+        rows = packed_rows(sequences, advantages, task, args)
+        return step.train_step(chunks, optimizer, rows, rows[0][0].size(1), level,
+                               forward_step=partial(packed_forward_step,
+                                                    positive_advantage_only=args.mtp_positive_advantage))
     tokens = torch.zeros(len(sequences), task.sequence_length, dtype=torch.long)
     loss_mask = torch.zeros(len(sequences), task.sequence_length - 1)
     for row, sequence in enumerate(sequences):
@@ -233,9 +388,21 @@ def advantages_of(rewards: list[float], group: int) -> list[float]:
     return out
 
 
-def all_sum(values: list[float]) -> list[float]:
+def replica_share(sequences: list, advantages: list, dp: int, dp_rank: int) -> tuple[list, list]:
+    """Every engine's sequences and advantages (rank order: the step's prompt order), then this
+    data-parallel replica's share (a replica's CP ranks train the same sequences)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (sequences, advantages))
+    sequences = [s for mine, _ in gathered for s in mine]
+    advantages = [a for _, mine in gathered for a in mine]
+    share = len(sequences) // dp
+    return sequences[dp_rank * share:(dp_rank + 1) * share], advantages[dp_rank * share:(dp_rank + 1) * share]
+
+
+def all_sum(values: list[float], group=None) -> list[float]:
+    """Summed over the world's ranks (or `group`'s)."""
     tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     return tensor.tolist()
 
 
@@ -267,11 +434,14 @@ def main(argv=None) -> int:
     from megatron_mtp.serving.model import Runner
 
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    if args.prompts_per_step % dp:
-        raise SystemExit(f"{PROG}: error: --prompts-per-step {args.prompts_per_step} must split into {dp} ranks")
+    engines = dist.get_world_size()  # every rank runs a rollout engine
+    if args.prompts_per_step % engines:
+        raise SystemExit(f"{PROG}: error: --prompts-per-step {args.prompts_per_step} must split into {engines} "
+                         "rollout engines (one per rank)")
     model = chunks[0].module
     runner = Runner(rollout_model, task.vocab_size)
-    mine = slice(dp_rank * (args.prompts_per_step // dp), (dp_rank + 1) * (args.prompts_per_step // dp))
+    share = args.prompts_per_step // engines
+    mine = slice(dist.get_rank() * share, (dist.get_rank() + 1) * share)
     out = Path(args.out) if args.out else None
     log = None
     if out is not None and dist.get_rank() == 0:
@@ -298,11 +468,11 @@ def main(argv=None) -> int:
     frozen = {name: param.detach().clone() for name, param in model.named_parameters() if name.startswith("mtp.")}
     heads_after_warm_start = digest(model, heads=True)
 
-    rewards_per_step, synced, started = [], [], time.perf_counter()
+    rewards_per_step, synced, differences, started = [], [], [], time.perf_counter()
     for step in range(1, args.steps + 1):
         prompts = task.prompts(args.prompts_per_step, args.seed, step)[mine]
-        refresh(rollout_model, chunks, policy_args)  # the rollouts sample the policy as it is now
-        synced.append(all(digest(rollout_model, heads) == digest(model, heads) for heads in (False, True)))
+        synced.append(refresh(rollout_model, chunks, policy_args))  # the rollouts sample the policy as it is now
+        differences.append(largest_difference(rollout_model, model))
         stats = speculative.Stats(depths=depths)
         rollout_start = time.perf_counter()
         responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
@@ -314,8 +484,9 @@ def main(argv=None) -> int:
         if len(expanded) != len(responses):
             raise RuntimeError(f"{len(responses)} responses for {len(expanded)} prompt samples")
         rewards = [task.reward(p, r) for p, r in zip(expanded, responses)]
-        metrics = train_step(chunks, optimizer, [p + r for p, r in zip(expanded, responses)],
-                             advantages_of(rewards, args.group_size), task, args)
+        sequences, advantages = replica_share([p + r for p, r in zip(expanded, responses)],
+                                              advantages_of(rewards, args.group_size), dp, dp_rank)
+        metrics = train_step(chunks, optimizer, sequences, advantages, task, args)
         if args.heads == "frozen":
             # The optimizer steps these fp32 parameters themselves (no distributed optimizer, no
             # bf16 main copies), so restoring them here is what the next step starts from.
@@ -343,10 +514,12 @@ def main(argv=None) -> int:
             values[f"mtp_{k} loss"] = metrics[f"mtp_{k} loss"]
             values[f"mtp_{k} acceptance"] = metrics[f"mtp_{k} acceptance"]
             values[f"mtp_{k} sampled acceptance"] = metrics[f"mtp_{k} sampled acceptance"]
+            if f"mtp_{k} load balancing loss" in metrics:  # the depth's aux_loss (the qwen3_5 policy's experts)
+                values[f"mtp_{k} load balancing loss"] = metrics[f"mtp_{k} load balancing loss"]
         values["grad norm"] = metrics["grad norm"]
         if "mtp grad norm" in metrics:  # the MTP group's own norm (detached heads)
             values["mtp grad norm"] = metrics["mtp grad norm"]
-        values["rollout seconds per rank"] = totals[-1] / dp
+        values["rollout seconds per rank"] = totals[-1] / engines
         emit(console_line(step, args.steps, values))
         elapsed = time.perf_counter() - started
         progress(f"RL step {step}/{args.steps}: reward {reward:.4f}, ETA "
@@ -355,8 +528,9 @@ def main(argv=None) -> int:
     summary = {"heads": args.heads, "depths": depths, "mtp loss type": args.mtp_loss_type, "rewards": rewards_per_step,
                "backbone sha256": digest(model, heads=False), "heads sha256 after warm start": heads_after_warm_start,
                "heads sha256": digest(model, heads=True),
-               # per RL step: whether the rollout model held the policy's weights bit for bit after the push
-               "rollout model synced": synced, "arguments": vars(args)}
+               # per RL step: whether the rollout model held the streamed weights bit for bit after the push
+               "rollout model synced": synced, "rollout model largest difference from the policy": differences,
+               "arguments": vars(args)}
     if dist.get_rank() == 0 and out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         log.close()

@@ -13,8 +13,10 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.fork import device as compute_device
 
 
-def initialize_distributed(tp: int, pp: int, vpp: int | None, seed: int, timeout_minutes: int = 10) -> None:
-    """NCCL on GPUs, gloo on CPU; works under torchrun or as a single plain process."""
+def initialize_distributed(tp: int, pp: int, vpp: int | None, seed: int, timeout_minutes: int = 10,
+                           cp: int = 1) -> None:
+    """NCCL on GPUs, gloo on CPU; works under torchrun or as a single plain process. `cp`: the
+    context-parallel size (`initialize_model_parallel`)."""
     if not dist.is_initialized():
         if compute_device.cuda_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -23,7 +25,7 @@ def initialize_distributed(tp: int, pp: int, vpp: int | None, seed: int, timeout
         dist.init_process_group(
             compute_device.distributed_backend(), timeout=datetime.timedelta(minutes=timeout_minutes)
         )
-    initialize_model_parallel(tp, pp, vpp, seed)
+    initialize_model_parallel(tp, pp, vpp, seed, cp=cp)
 
 
 def embedding_ranks(pp_ranks: list[int], tied: bool, mtp_config) -> list[int]:

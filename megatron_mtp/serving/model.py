@@ -96,15 +96,37 @@ def transformer_config(args, mtp_num_layers=None):
     return core_transformer_config_from_args(complete)
 
 
-def build(args, mtp_num_layers=None):
+def build(args, mtp_num_layers=None, pg_collection=None):
     """GPTModel (TP = PP = EP = 1) of a checkpoint's arguments, built by the trainer's builder
-    (megatron_mtp.library.model.build_gpt) with the cached core attention; `setup()` first."""
+    (megatron_mtp.library.model.build_gpt) with the cached core attention; `setup()` first.
+    `pg_collection`: its process groups (default: megatron-core's parallel state; `own_groups()`
+    for an engine beside a model-parallel trainer)."""
     from megatron_mtp.library.model import build_gpt, gpt_options
     from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
 
     model = build_gpt(transformer_config(args, mtp_num_layers), args.padded_vocab_size, args.max_position_embeddings,
-                      pre_process=True, post_process=True, core_attention=CachedSDPACoreAttention, **gpt_options(args))
+                      pre_process=True, post_process=True, core_attention=CachedSDPACoreAttention,
+                      pg_collection=pg_collection, **gpt_options(args))
     return model.eval()
+
+
+def own_groups():
+    """Process groups of this rank alone, every one of them: a model built with them runs in this
+    process whatever the parallel state is (a rollout engine beside a trainer whose context-parallel
+    ranks would otherwise cut its positions). A collective: every rank creates every rank's group."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    own = None
+    for rank in range(dist.get_world_size()):
+        group = dist.new_group([rank])
+        own = group if rank == dist.get_rank() else own
+    groups = ProcessGroupCollection()
+    for name in (f.name for f in dataclasses.fields(groups)):
+        setattr(groups, name, [own] if name == "hcp" else own)
+    return groups
 
 
 def sharded_metadata() -> dict:
