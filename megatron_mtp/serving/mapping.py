@@ -326,7 +326,7 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
 
 
 def unwrap_vlm(config: dict, tensors: dict) -> tuple[dict, dict, int]:
-    """A Qwen3.5 VLM checkpoint (Qwen3_5ForConditionalGeneration: model.language_model.*, lm_head and
+    """A published VLM checkpoint (a family's vlm_wrapper, Qwen3.5's: model.language_model.*, lm_head and
     mtp.* beside the vision tower model.visual.*, the language model's config.json nested in
     text_config) as its text-only CausalLM's: (config, tensors, the vision tower's tensors left out).
     The trainer trains the language model alone; another checkpoint is returned as it is."""

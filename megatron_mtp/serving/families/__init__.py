@@ -8,7 +8,7 @@ its tensor names where they differ from the shared ones, its MTP layout and its 
 layout, and refuses what its transformers class says that megatron-core does not compute.
 
 A new family is its file (a Family subclass that composes the parts it shares: Qwen3-MoE is Qwen3
-with Qwen3MoeExperts), its entry in FAMILIES below, and its tests (docs/serving.md "Families").
+with Qwen3MoeExperts), its line in the registration below, and its tests (docs/serving.md "Families").
 """
 
 from megatron_mtp.serving import ServingError
@@ -26,16 +26,26 @@ from megatron_mtp.serving.families import (
 )
 from megatron_mtp.serving.families.base import Family, MtpLayout
 
-# The order an import's refusal lists them in, and the MTP layouts' (their families' order).
-FAMILIES: dict[str, Family] = {family.name: family for family in (
-    llama.Llama(), qwen2.Qwen2(), mimo.Mimo(), qwen3.Qwen3(), qwen3_moe.Qwen3Moe(), deepseek_v3.DeepseekV3(),
-    glm4_moe.Glm4Moe(), qwen3_next.Qwen3Next(), qwen3_5.Qwen3_5(), qwen3_5_moe.Qwen3_5Moe())}
-BY_ARCHITECTURE: dict[str, Family] = {family.architecture: family for family in FAMILIES.values()}
-# A published VLM's class -> the text-only class of its language model (mapping.unwrap_vlm)
-VLM_WRAPPERS: dict[str, str] = {family.vlm_wrapper: family.architecture for family in FAMILIES.values()
-                                if family.vlm_wrapper}
-MTP_LAYOUTS: dict[str, MtpLayout] = {family.own_mtp_layout.name: family.own_mtp_layout
-                                     for family in FAMILIES.values() if family.own_mtp_layout}
+FAMILIES: dict[str, Family] = {}  # the order an import's refusal lists them in
+BY_ARCHITECTURE: dict[str, Family] = {}
+VLM_WRAPPERS: dict[str, str] = {}  # a published VLM's class -> its language model's class (mapping.unwrap_vlm)
+MTP_LAYOUTS: dict[str, MtpLayout] = {}  # in their families' order (the order detect_mtp names them in)
+
+
+def register(family: Family) -> None:
+    """Adds a family (its class, its VLM class and the MTP layout it defines with it)."""
+    FAMILIES[family.name] = family
+    BY_ARCHITECTURE[family.architecture] = family
+    if family.vlm_wrapper:
+        VLM_WRAPPERS[family.vlm_wrapper] = family.architecture
+    if family.own_mtp_layout:
+        MTP_LAYOUTS.setdefault(family.own_mtp_layout.name, family.own_mtp_layout)
+
+
+for _family in (llama.Llama(), qwen2.Qwen2(), mimo.Mimo(), qwen3.Qwen3(), qwen3_moe.Qwen3Moe(),
+                deepseek_v3.DeepseekV3(), glm4_moe.Glm4Moe(), qwen3_next.Qwen3Next(), qwen3_5.Qwen3_5(),
+                qwen3_5_moe.Qwen3_5Moe()):
+    register(_family)
 
 
 def get(name: str) -> Family:
