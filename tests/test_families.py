@@ -131,6 +131,6 @@ def test_a_family_registered_from_its_own_file_is_read_written_and_offered(monke
     assert export.plan(cfg.megatron_args(), architecture="llama").cfg.family == "llama"
     trained = ModelConfig.from_hf(dict(_COMMON, architectures=["LlamaForCausalLM"])).megatron_args()
     assert export.plan(trained, architecture="toy").cfg.family == "toy"
-    import convert_checkpoint
+    from tools import convert_checkpoint
 
     assert convert_checkpoint.parse(["export", "in", "out", "--architecture", "toy"]).architecture == "toy"
