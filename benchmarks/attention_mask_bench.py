@@ -3,7 +3,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """One training step with and without the dataloader's attention mask, side by side.
 
-    .venv/bin/python benchmarks/attention_mask_bench.py --rounds 2 --iters 8
+    .venv/bin/python -m benchmarks.attention_mask_bench --rounds 2 --iters 8
 
 pretrain_gpt_mtp.py on 2 CPU ranks with TP=2 (the mask is built on tensor rank 0 and
 broadcast to the other), a tiny model on mock data. The two settings take turns, one whole
@@ -15,11 +15,8 @@ per iteration" over its iterations after the first two (warm-up).
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.harness.trainer import train  # noqa: E402
+from tests.harness.trainer import train
 
 MODEL = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "4",
          "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "0",

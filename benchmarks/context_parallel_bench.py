@@ -3,7 +3,7 @@
 """Context parallelism's cost: the CP = 2 step against CP = 1 at the same global batch, side by
 side in one run, and the peak memory per rank.
 
-    .venv/bin/torchrun --nproc-per-node 2 benchmarks/context_parallel_bench.py [--seq 4096] [--rounds 5]
+    .venv/bin/torchrun --nproc-per-node 2 -m benchmarks.context_parallel_bench [--seq 4096] [--rounds 5]
 
 Two ranks, the benchmarks' GPT (common.SHAPE: hidden 256, 4 layers, 8 heads, vocabulary
 8192) with 2 MTP depths, a global batch of two sequences of --seq tokens. CP = 1: the two
@@ -18,16 +18,13 @@ collectives).
 """
 
 import argparse
-import os
 import statistics
-import sys
 import time
 import warnings
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 
 def main() -> None:
@@ -43,7 +40,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     if dist.get_world_size() != 2:
-        raise SystemExit("run it on 2 ranks: torchrun --nproc-per-node 2 benchmarks/context_parallel_bench.py")
+        raise SystemExit("run it on 2 ranks: torchrun --nproc-per-node 2 -m benchmarks.context_parallel_bench")
     rank = dist.get_rank()
     models = {}
     for cp in (1, 2):  # each model keeps the process groups it was built with

@@ -2,7 +2,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Side-by-side cost of the MTP draft objectives (spec section 12) against ``ce``, on CPU.
 
-    .venv/bin/python benchmarks/draft_objectives_bench.py [--rounds 8] [--depths 2]
+    .venv/bin/python -m benchmarks.draft_objectives_bench [--rounds 8] [--depths 2]
 
 Every variant (no MTP; isolated MTP heads with ce, kl, tv and e2e_tv; ce without the
 sampled-acceptance metrics, --no-mtp-sampled-acceptance) is built once and
@@ -14,16 +14,13 @@ gradient like ce, and no [tokens, vocab] tensor outlives its chunk.
 """
 
 import argparse
-import os
 import statistics
-import sys
 import time
 import warnings
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import SHAPE, build, peak_step_memory_mib, setup_process, step  # noqa: E402
+from benchmarks.common import SHAPE, build, peak_step_memory_mib, setup_process, step
 
 OBJECTIVES = ("ce", "kl", "tv", "e2e_tv")
 

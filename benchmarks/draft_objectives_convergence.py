@@ -2,7 +2,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """What each draft objective gains on a fixed policy: the sampled acceptance its heads reach.
 
-    .venv/bin/python benchmarks/draft_objectives_convergence.py [--steps 150] [--optimizer adam|sgd]
+    .venv/bin/python -m benchmarks.draft_objectives_convergence [--steps 150] [--optimizer adam|sgd]
 
 A small GPT (4 layers, hidden 64, vocabulary 48, one MTP depth, isolated) with a frozen backbone
 whose output weight is spread (a policy far from uniform) generates sequences by sampling at
@@ -15,14 +15,11 @@ one token per position where kl sees the whole distribution.
 """
 
 import argparse
-import os
-import sys
 import warnings
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import setup_process  # noqa: E402
+from benchmarks.common import setup_process
 
 VOCAB, SEQ, BATCH = 48, 12, 16
 

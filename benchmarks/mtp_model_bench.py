@@ -2,7 +2,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Side-by-side cost of the MTP model options on CPU (one process, gloo world of one).
 
-    .venv/bin/python benchmarks/mtp_model_bench.py
+    .venv/bin/python -m benchmarks.mtp_model_bench
 
 Step time (forward + backward of one micro-batch) is measured in one run with the
 variants interleaved round by round, and reported as medians and ratios:
@@ -11,16 +11,13 @@ Peak live tensor memory of a step for D = 0, 1 and 3 (benchmarks.common), and wh
 more depth adds.
 """
 
-import os
 import statistics
-import sys
 import time
 import warnings
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import SHAPE, build, peak_step_memory_mib, setup_process, step  # noqa: E402
+from benchmarks.common import SHAPE, build, peak_step_memory_mib, setup_process, step
 
 
 def timing(rounds=8):

@@ -2,7 +2,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """tools/eval_speculative.py's decoding, over the KV cache and by whole-sequence recompute, side by side.
 
-    .venv/bin/python benchmarks/speculative_decoding_bench.py runs/default --new-tokens 32 128
+    .venv/bin/python -m benchmarks.speculative_decoding_bench runs/default --new-tokens 32 128
 
 For each --new-tokens N: the same prompts (the first --prompt-length tokens of documents of the
 checkpoint's data) decoded as eval_speculative.py decodes them (speculative decoding with every
@@ -21,12 +21,8 @@ corpus, as eval_speculative.py does.
 import argparse
 import os
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Cost of cutting a step into chunks: k = 4 chunks vs k = 1, side by side in one run.
 
-    .venv/bin/python benchmarks/split_step_bench.py
+    .venv/bin/python -m benchmarks.split_step_bench
 
 One process (gloo world of one), a small GPT with 2 MTP depths, 8 micro-batches per step.
 The two variants alternate step by step on the same model and data; medians and their
@@ -11,12 +11,10 @@ ratio are printed (target <= 1.05: chunking adds no work beyond the forward/back
 
 import os
 import statistics
-import sys
 import time
 import warnings
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(rounds: int = 10):

@@ -2,7 +2,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The fork's MTP step against pristine upstream, side by side in one run (isolation off).
 
-    .venv/bin/python benchmarks/upstream_overhead_bench.py [--version 0.19.2] [--rounds 10] [--vocab 8192]
+    .venv/bin/python -m benchmarks.upstream_overhead_bench [--version 0.19.2] [--rounds 10] [--vocab 8192]
         [--moe | --architecture mla_moe|delta_net] [--threads N]
 
 Two sides build the same GPT (SDPA layer spec, same weights and data):
@@ -43,8 +43,7 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-from benchmarks.common import ARCHITECTURES, MOE, SHAPE, build, peak_step_memory_mib, setup_process, step  # noqa: E402
+from benchmarks.common import ARCHITECTURES, MOE, SHAPE, build, peak_step_memory_mib, setup_process, step
 
 VARIANTS = {"dense": {}, "moe": MOE, **ARCHITECTURES}  # the model's TransformerConfig fields beside SHAPE
 
@@ -144,11 +143,8 @@ def main() -> None:
     if args.moe and args.architecture:
         parser.error("--moe and --architecture: give one")
     variant = args.architecture or ("moe" if args.moe else "dense")
-
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
-    from fork_tool.series import make_upstream_tree
-
     from megatron_mtp.patched_core import build_tree, current_upstream_version
+    from tools.fork_tool.series import make_upstream_tree
 
     version = args.version or current_upstream_version()
     depths = (0, 1, 3) if variant == "dense" else (0, 1)

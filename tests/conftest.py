@@ -158,3 +158,29 @@ def upstream_tree(build, tmp_path_factory):
     it run here (CPU/gloo, Python 3.11; it touches no MTP or normalization code), to launch bodies on
     (launch(..., upstream_tree=...))."""
     return make_upstream_tree(build, tmp_path_factory.mktemp(f"upstream-{build}"))
+
+
+# Trainer tests' shared fixtures: a module names its corpus (CORPUS) and the flags of the one
+# iteration its runs start from (INITIAL); the fixtures build each once per module.
+
+@pytest.fixture(scope="module")
+def dataset(request, tmp_path_factory):
+    """The module's corpus, preprocessed with the bytes tokenizer: CORPUS = "sentences" (the
+    default; short documents, several per sample) or "paragraphs"."""
+    from tests.harness import corpora
+
+    name = getattr(request.module, "CORPUS", "sentences")
+    root = tmp_path_factory.mktemp("corpus")
+    return corpora.preprocess(corpora.write_jsonl(root / f"{name}.jsonl", getattr(corpora, name)()), root / name)
+
+
+@pytest.fixture(scope="module")
+def initial_weights(dataset, request, tmp_path_factory):
+    """One checkpoint every cut of the module's runs starts from: one iteration, one rank, of the
+    module's INITIAL flags on its dataset."""
+    from tests.harness.trainer import train
+
+    root = tmp_path_factory.mktemp("initial")
+    train(1, *request.module.INITIAL, "--data-path", str(dataset), "--train-iters", "1", "--save", str(root),
+          "--save-interval", "1")
+    return root

@@ -49,7 +49,6 @@ import textwrap
 import pytest
 
 from tests.harness import argument_cases, launch
-from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness.launcher import REPO_ROOT
 from tests.harness.reference_checks import failed_checks
 from tests.harness.trainer import TINY, close, scalars, train
@@ -272,12 +271,6 @@ ARCHITECTURES = {
     "qwen3_next_gpt": (QWEN3_NEXT_GPT, {"dp2x1": (2, ("--micro-batch-size", "4")),
                                        "tp2": (2, ("--micro-batch-size", "2", "--tensor-model-parallel-size", "2"))}),
 }
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
 
 
 @pytest.mark.matrix  # the default tier: MLA and q/k norms against the reference (library), and the trainer's build

@@ -95,7 +95,7 @@ ARCH_SETUPS = {
     "gated_isolated_D2_softmax_seq_z": dict(SETUPS["isolated_D2_softmax_seq_z"], arch="qk_rmsnorm_gate"),
 }
 # Qwen3-Next's hybrid (issue 27): a Gated DeltaNet layer "G", attention "*" and MoE layers "E",
-# MTP depths "/*E" (tests.bodies.tiny_gpt.hybrid_layer_pattern: "GE*E/*E", "GE|*E/*E" under PP);
+# MTP depths "/*E" (tests.harness.tiny_gpt.hybrid_layer_pattern: "GE*E/*E", "GE|*E/*E" under PP);
 # SwiGLU (the DeltaNet's convolution and output gate use SiLU); 70 tokens, so that the state
 # crosses the torch kernel's 64-token chunk (tests.bodies.hybrid.DELTA_NET_SEQ).
 DELTA_NET = dict(arch="delta_net", hybrid=True, seq_length=70)

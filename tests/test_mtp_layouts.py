@@ -30,7 +30,7 @@ from tests.harness import launch
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
-# Model setups, each run on every layout (kwargs of tests.bodies.tiny_gpt.Setup).
+# Model setups, each run on every layout (kwargs of tests.harness.tiny_gpt.Setup).
 SETUPS = {
     "attached_D2": dict(mtp_num_layers=2),
     "isolated_D2_repeated": dict(mtp_num_layers=2, mtp_detach_heads=True, mtp_use_repeated_layer=True),
@@ -45,7 +45,7 @@ HYBRID_SETUPS = {
     "hybrid_attached_D2": dict(mtp_num_layers=2, hybrid=True),
     "hybrid_isolated_D2_tied": dict(mtp_num_layers=2, mtp_detach_heads=True, tied=True, hybrid=True),
 }
-# The architectures MTP models use (issue 27; tests.bodies.tiny_gpt.ARCHITECTURES): Qwen3's q/k
+# The architectures MTP models use (issue 27; tests.harness.tiny_gpt.ARCHITECTURES): Qwen3's q/k
 # RMSNorm with an output gate, DeepSeek-V3's MLA (YaRN, q/k RMSNorm), Qwen3-Next's Gated DeltaNet
 # (a HybridModel whose first layer is "G", and the GPTModel form: --experimental-attention-variant
 # gated_delta_net, also on two upstream pipeline layouts: its MTP layer the decoder's last, wherever

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness.launcher import REPO_ROOT, free_port
 from tests.harness.slurm import LocalSlurm
 from tests.harness.trainer import TINY, checkpoint_tensors, scalars, train
@@ -41,12 +40,6 @@ def slurm(tmp_path_factory):
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
 
 
 def training_arguments(dataset, save: Path, iterations: int) -> tuple[str, ...]:

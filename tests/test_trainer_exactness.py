@@ -7,7 +7,7 @@ Exact steps. Every run starts from the same weights (--finetune from one checkpo
 trains on short documents with --eod-mask-loss, so the loss masks have holes at
 irregular places and micro-batches and ranks hold different numbers of valid tokens.
 - Step 1 of every layout equals the spec's objective recomputed in float64 on the
-  plain-PyTorch reference model (tests/harness/first_step.py): lm loss at the requested
+  plain-PyTorch reference model (tests/reference/first_step.py): lm loss at the requested
   level, each depth's MTP loss, the main and MTP gradient norms; rel 2e-6 (measured
   <= 1.3e-7). Token and sequence level differ by ~1e-5 on the lm loss and ~2e-4 on the
   gradient norm here, so the level is checked, not only the consistency.
@@ -25,9 +25,8 @@ TP = 2). A checkpoint saved with CP = 2 trains on at CP = 1.
 
 import pytest
 
-from tests.harness.corpora import preprocess, sentences, write_jsonl
-from tests.harness.first_step import first_step, gpt_train_samples, reference_weights
 from tests.harness.trainer import TINY, checkpoint_tensors, close, scalars, train
+from tests.reference.first_step import first_step, gpt_train_samples, reference_weights
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +37,6 @@ TIMING = ("elapsed time per iteration (ms)", "tokens/s", "tokens per second", "i
 
 def untimed(values: dict) -> dict:
     return {name: value for name, value in values.items() if not name.startswith(TIMING)}
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
 
 
 BYTES_EOD = 256  # the byte tokenizer's end of document
@@ -61,6 +54,8 @@ EXACT = TINY + ("--num-layers", "4", "--hidden-dropout", "0", "--attention-dropo
                 "--mtp-num-layers", "2", "--train-iters", "3", "--global-batch-size", "8", "--lr", "1e-3")
 # The padded vocabulary is a multiple of --make-vocab-size-divisible-by x TP: 512 in every layout.
 REFERENCE = (1, ("--micro-batch-size", "8", "--make-vocab-size-divisible-by", "256"))  # one micro-batch, one rank
+# the one iteration every layout starts from (the initial_weights fixture, tests/conftest.py)
+INITIAL = (*EXACT, *REFERENCE[1], "--mtp-detach-heads")
 LAYOUTS = {
     "dp2-distributed-optimizer": (2, ("--micro-batch-size", "2", "--use-distributed-optimizer",
                                       "--make-vocab-size-divisible-by", "256")),
@@ -80,15 +75,6 @@ LAYOUTS = {
     "two-micro-batches": (1, ("--micro-batch-size", "4", "--make-vocab-size-divisible-by", "256")),
 }
 COMPARED = ("lm loss", "mtp_1 loss", "mtp_2 loss", "grad-norm", "mtp grad norm")
-
-
-@pytest.fixture(scope="module")
-def initial_weights(dataset, tmp_path_factory):
-    """One checkpoint every layout starts from."""
-    root = tmp_path_factory.mktemp("initial")
-    train(1, *EXACT, *REFERENCE[1], "--data-path", str(dataset), "--train-iters", "1", "--save", str(root),
-          "--save-interval", "1", "--mtp-detach-heads")
-    return root
 
 
 @pytest.mark.parametrize("level,isolation,layouts", [

@@ -28,7 +28,6 @@ import time
 import pytest
 
 from tests.harness import argument_cases
-from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness.launcher import REPO_ROOT
 from tests.harness.trainer import TINY, Run, finish, last_rank_output, start, torchrun_workers, train
 
@@ -37,10 +36,8 @@ pytestmark = pytest.mark.slow
 RUN = TINY + ("--lr", "1e-3", "--mtp-num-layers", "2")
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    return preprocess(write_jsonl(root / "paragraphs.jsonl", paragraphs()), root / "paragraphs")
+# the corpus of the dataset fixture (tests/conftest.py)
+CORPUS = "paragraphs"
 
 
 @pytest.fixture(scope="module")

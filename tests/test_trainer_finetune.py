@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from tests.harness import argument_cases
-from tests.harness.corpora import paragraphs, preprocess, write_jsonl
 from tests.harness.trainer import TINY, checkpoint_tensors, train
 
 pytestmark = pytest.mark.slow
@@ -44,10 +43,8 @@ def layers(tensors: dict) -> list:
     return sorted({".".join(name.split(".")[:3]) for name in tensors if name.startswith("mtp.")})
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    return preprocess(write_jsonl(root / "paragraphs.jsonl", paragraphs()), root / "paragraphs")
+# the corpus of the dataset fixture (tests/conftest.py)
+CORPUS = "paragraphs"
 
 
 @pytest.fixture(scope="module")

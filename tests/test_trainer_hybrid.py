@@ -18,7 +18,6 @@ import subprocess
 import pytest
 
 from tests.harness import argument_cases
-from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness.launcher import REPO_ROOT
 from tests.harness.trainer import TINY, close, scalars, train
 
@@ -34,18 +33,8 @@ CUTS = {"1x4": (1, ("--micro-batch-size", "2")), "dp2x2": (2, ("--micro-batch-si
                     "--hybrid-layer-pattern", "*-|*-/*-/*-"))}
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
-
-
-@pytest.fixture(scope="module")
-def initial_weights(dataset, tmp_path_factory):
-    root = tmp_path_factory.mktemp("initial")
-    train(1, *COMMON, "--micro-batch-size", "8", "--data-path", str(dataset), "--train-iters", "1",
-          "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(root), "--save-interval", "1")
-    return root
+# the flags of the one iteration the initial_weights fixture saves (tests/conftest.py)
+INITIAL = (*COMMON, "--micro-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0")
 
 
 def test_losses_and_grad_norm_are_the_same_however_the_step_is_cut(dataset, initial_weights, tmp_path):

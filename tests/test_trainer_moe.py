@@ -27,7 +27,6 @@ start; bad MoE input is refused in one line before anything is built.
 import pytest
 
 from tests.harness import argument_cases
-from tests.harness.corpora import preprocess, sentences, write_jsonl
 from tests.harness.trainer import TINY, checkpoint_tensors, close, parse, scalars, train
 from tests.test_examples import bash
 
@@ -55,18 +54,8 @@ EVALUATION = ("--eval-interval", "3", "--eval-iters", "1")
 ROUTER_LOSSES = ("seq_load_balancing_loss", "z_loss", "mtp_1 seq load balancing loss", "mtp_1 z loss")
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    return preprocess(write_jsonl(root / "sentences.jsonl", sentences()), root / "sentences")
-
-
-@pytest.fixture(scope="module")
-def initial_weights(dataset, tmp_path_factory):
-    root = tmp_path_factory.mktemp("initial")
-    train(1, *COMMON, "--micro-batch-size", "8", "--data-path", str(dataset), "--train-iters", "1",
-          "--save", str(root), "--save-interval", "1")
-    return root
+# the flags of the one iteration the initial_weights fixture saves (tests/conftest.py)
+INITIAL = (*COMMON, "--micro-batch-size", "8")
 
 
 @pytest.mark.parametrize("isolation,cuts", [

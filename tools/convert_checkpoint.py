@@ -72,9 +72,7 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mtp import cli  # noqa: E402 (after the path above)
+from megatron_mtp import cli
 
 PROG = "convert_checkpoint.py"
 fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)

@@ -68,9 +68,7 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mtp import cli  # noqa: E402 (after the path above)
+from megatron_mtp import cli
 
 PROG = "eval_speculative.py"
 fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)

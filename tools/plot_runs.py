@@ -30,10 +30,8 @@ import re
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mtp import cli  # noqa: E402 (after the path above)
-from megatron_mtp.runs import EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, RunError, read  # noqa: E402
+from megatron_mtp import cli
+from megatron_mtp.runs import EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, RunError, read
 
 PROG = "plot_runs.py"
 fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)

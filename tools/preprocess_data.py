@@ -37,10 +37,9 @@ from pathlib import Path
 # writing a dataset never uses.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_mtp.data.indexed import DatasetError, IndexedWriter  # noqa: E402
-from megatron_mtp.data.tokenizers import UPSTREAM_FLAGS, TokenizerError, UpstreamTokenizer, load_tokenizer  # noqa: E402
+from megatron_mtp.data.indexed import DatasetError, IndexedWriter
+from megatron_mtp.data.tokenizers import UPSTREAM_FLAGS, TokenizerError, UpstreamTokenizer, load_tokenizer
 
 _worker = {}
 

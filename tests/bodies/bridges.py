@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-from tests.bodies.serving import REPO  # noqa: F401 (puts tools/ on the path)
-
 VOCAB = 257
 TOKENS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 DEEPSEEK_MTP = ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
@@ -51,7 +49,7 @@ def _run(main, argv, printed: io.StringIO | None = None) -> tuple[int, str]:
 
 
 def _convert(*argv: str, printed: io.StringIO | None = None) -> tuple[int, str]:
-    import convert_checkpoint
+    from tools import convert_checkpoint
 
     return _run(convert_checkpoint.main, argv, printed)
 
@@ -526,9 +524,8 @@ def mla_decoding(root: Path) -> dict:
     """Speculative and greedy decoding of the DeepSeek-V3 import over the KV cache (multi-latent
     attention's rotary positions counted from each forward's first) against the whole-sequence
     recompute (tests/bodies/serving.py's check), and eval_speculative.py on it."""
-    import eval_speculative
-
     from tests.bodies.serving import kv_cache
+    from tools import eval_speculative
 
     out = kv_cache(str(root), names=("deepseek-v3-mg",))["deepseek-v3-mg"]
     status, stderr = _run(eval_speculative.main,
@@ -685,11 +682,10 @@ def gdn_decoding(root: Path) -> dict:
     main logits against a whole-sequence forward; the work per step (positions each Gated DeltaNet
     layer runs) after prompts of 4 and 40 tokens, against the recompute's; eval_speculative.py on
     the Qwen3-Next import."""
-    import eval_speculative
-
     from megatron_mtp.serving import speculative
     from tests.bodies.serving import kv_cache
     from tests.reference import speculative as reference
+    from tools import eval_speculative
 
     out = kv_cache(str(root), names=GDN_IMPORTS, lengths=(1, 19), new_tokens=16)
     generator = torch.Generator().manual_seed(12)

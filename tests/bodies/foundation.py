@@ -6,8 +6,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
-from tests.bodies.tiny_gpt import Setup, build, train_step
 from tests.harness.layout import model_parallel
+from tests.harness.tiny_gpt import Setup, build, train_step
 
 STEPS = 3
 

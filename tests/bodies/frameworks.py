@@ -37,10 +37,10 @@ from megatron.core.fork.step_loss import StepCounts
 from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.step import gpt_per_token_loss
-from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
-from tests.bodies.moe_full_grads import gathered_full_grads_and_buffers
 from tests.bodies.normalization import BATCH, DEPTHS, GROUPS, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, batch, build
+from tests.harness.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.harness.layout import model_parallel
+from tests.harness.moe_full_grads import gathered_full_grads_and_buffers
 from tests.reference.gpt_mtp import ReferenceGPT, draft_objective_sum, mtp_inner_layer_name
 from tests.reference.moe import ReferenceMoEGPT
 

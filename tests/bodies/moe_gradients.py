@@ -20,9 +20,9 @@ import torch
 from megatron.core.fork import compat, router_losses
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.hybrid import reference_name, slow_decay
-from tests.bodies.moe_full_grads import gathered_full_grads_and_buffers
-from tests.bodies.tiny_gpt import Setup, build, global_batch, reference_architecture, train_step
 from tests.harness.layout import model_parallel
+from tests.harness.moe_full_grads import gathered_full_grads_and_buffers
+from tests.harness.tiny_gpt import Setup, build, global_batch, reference_architecture, train_step
 from tests.reference.gpt_mtp import mtp_inner_layer_name
 from tests.reference.moe import ReferenceMoEGPT, balance_loss, moe_layer_pattern
 

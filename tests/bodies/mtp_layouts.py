@@ -7,7 +7,7 @@ the last virtual stage of an interleaved (VPP) pipeline.
 
 Compared after one step: every copy of every parameter's full gradient (TP shards joined,
 each TP replica, every word-embedding copy under PP: the first stage's, each MTP stage's and,
-tied, the loss stage's output weight; tests.bodies.full_grads) against the one-process
+tied, the loss stage's output weight; tests.harness.full_grads) against the one-process
 run's, the main and MTP group norms, the loss and the per-depth MTP sums.
 """
 
@@ -16,11 +16,11 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
-from tests.bodies import tiny_gpt
-from tests.bodies.full_grads import all_gather_distributed_optimizer_shards, gathered_full_grads, max_rel_to_reference
 from tests.bodies.hybrid import slow_decay
-from tests.bodies.tiny_gpt import Setup, build, train_step
+from tests.harness import tiny_gpt
+from tests.harness.full_grads import all_gather_distributed_optimizer_shards, gathered_full_grads, max_rel_to_reference
 from tests.harness.layout import model_parallel
+from tests.harness.tiny_gpt import Setup, build, train_step
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 

@@ -18,8 +18,8 @@ from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.model import build_model
 from megatron_mtp.library.step import global_counts, gpt_forward_step
-from tests.bodies.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.bodies.mtp_model import max_rel as tensor_rel
+from tests.harness.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.harness.layout import model_parallel
 from tests.reference.gpt_mtp import ReferenceGPT, draft_objective_sum, mtp_inner_layer_name
 

@@ -25,8 +25,8 @@ from megatron_mtp.library.step import train_step
 from tests.bodies.context_parallel import packed_params, packed_row
 from tests.bodies.hybrid import DELTA_NET_PACKED, slow_decay
 from tests.bodies.moe_gradients import compare, fresh_build, one_step, reference_model
-from tests.bodies.tiny_gpt import Setup
 from tests.harness.layout import model_parallel
+from tests.harness.tiny_gpt import Setup
 
 ROWS = 4
 PAD_TO = 4  # 2 x CP at CP = 2

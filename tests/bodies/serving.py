@@ -11,13 +11,9 @@ layer, shared_head.norm, shared_head.head).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
 
 VOCAB, HIDDEN, FFN, HEADS, GROUPS = 257, 64, 96, 4, 2
 
@@ -204,7 +200,7 @@ def counting_model(directory: Path, wrong: bool, depths: int = 2) -> Path:
 # ---------------------------------------------------------------- bodies
 
 def convert(*argv: str) -> None:
-    import convert_checkpoint
+    from tools import convert_checkpoint
 
     status = convert_checkpoint.main(list(argv))
     assert status == 0, f"convert_checkpoint.py {' '.join(argv)} exited with {status}"
@@ -402,7 +398,7 @@ def evaluate(root: str) -> dict:
     """tools/eval_speculative.py on the trained checkpoint (D = 2): prompts from the run's data; the
     first depth alone; rejection and Gumbel sampling at temperature 0.7; a prompts file encoded by
     the checkpoint's own tokenizer (its data's: bytes); and on the MoE checkpoint (D = 1)."""
-    import eval_speculative
+    from tools import eval_speculative
 
     runs = {}
     for name, checkpoint, extra in (("all depths", "trained", ()), ("depth 1", "trained", ("--depths", "1")),
@@ -426,7 +422,7 @@ def evaluate(root: str) -> dict:
 
 def eval_refusals(root: str) -> dict:
     """tools/eval_speculative.py on bad input: each one line, exit status 2."""
-    import eval_speculative
+    from tools import eval_speculative
 
     trained = f"{root}/trained"
     cases = {
@@ -672,7 +668,7 @@ def check(root: str) -> dict:
 
 def _convert_captured(*argv: str) -> tuple[int, str, str]:
     """tools/convert_checkpoint.py in this process: (exit status, stdout, stderr)."""
-    import convert_checkpoint
+    from tools import convert_checkpoint
 
     return _captured(convert_checkpoint.main, *argv)
 

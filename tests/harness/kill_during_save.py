@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
 
 ITERATION = int(os.environ["KILL_AT_ITERATION"])
 MOMENT = os.environ["KILL_DURING_SAVE"]

@@ -7,11 +7,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fork_tool import upstream
-from fork_tool.errors import ForkError
-from fork_tool.git import init_pristine
-from fork_tool.series import PRISTINE_TAG, apply_series
 from megatron_mtp.patched_core import carried_versions, series_patches
+
+from . import upstream
+from .errors import ForkError
+from .git import init_pristine
+from .series import PRISTINE_TAG, apply_series
 
 
 def check_pristine(version: str, sdist: Path | None = None) -> list[tuple[str, str]]:

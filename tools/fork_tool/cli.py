@@ -6,9 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from fork_tool import check, install, rebase, series
-from fork_tool.errors import ForkError
 from megatron_mtp.patched_core import PatchedCoreError, carried_versions, current_upstream_version, series_patches
+
+from . import check, install, rebase, series
+from .errors import ForkError
 
 
 def cmd_prepare(args) -> int:

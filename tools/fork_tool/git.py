@@ -5,7 +5,7 @@
 import subprocess
 from pathlib import Path
 
-from fork_tool.errors import ForkError
+from .errors import ForkError
 
 IDENTITY = ["-c", "user.name=Megatron-MTP", "-c", "user.email=megatron-mtp@users.noreply.localhost"]
 # format-patch output must not depend on the user's git configuration or on how many

@@ -19,10 +19,6 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from fork_tool import upstream
-from fork_tool.errors import ForkError
-from fork_tool.git import init_pristine
-from fork_tool.series import FORK_OWNED_REL, PRISTINE_TAG, apply_series
 from megatron_mtp.patched_core import (
     FORK_OWNED_DIR,
     INSTALL_DIR,
@@ -30,6 +26,11 @@ from megatron_mtp.patched_core import (
     expected_build_version,
     series_patches,
 )
+
+from . import upstream
+from .errors import ForkError
+from .git import init_pristine
+from .series import FORK_OWNED_REL, PRISTINE_TAG, apply_series
 
 VERSION_LINE = re.compile(r"^__version__ = .*$", re.M)
 LATER_VERSION_CHANGE = re.compile(r"^(\s+)__version__ \+= .*$", re.M)

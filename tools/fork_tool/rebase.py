@@ -6,10 +6,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from fork_tool import upstream
-from fork_tool.errors import ForkError
-from fork_tool.git import git, init_pristine
-from fork_tool.series import (
+from megatron_mtp.patched_core import series_dir, series_patches
+
+from . import upstream
+from .errors import ForkError
+from .git import git, init_pristine
+from .series import (
     PRISTINE_TAG,
     apply_series,
     check_part_names,
@@ -19,7 +21,6 @@ from fork_tool.series import (
     link_fork_owned,
     parts,
 )
-from megatron_mtp.patched_core import series_dir, series_patches
 
 OLD_SERIES_REF = "refs/heads/series-{version}"
 

@@ -19,9 +19,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fork_tool import upstream
-from fork_tool.errors import ForkError
-from fork_tool.git import git, init_pristine, is_dirty
 from megatron_mtp.patched_core import (
     BUILD_DIR,
     EXPORT_MARK,
@@ -31,6 +28,10 @@ from megatron_mtp.patched_core import (
     series_dir,
     series_patches,
 )
+
+from . import upstream
+from .errors import ForkError
+from .git import git, init_pristine, is_dirty
 
 PARTS = ("runtime", "fixes", "mtp", "training-loop")
 RUNTIME_PART = "runtime"

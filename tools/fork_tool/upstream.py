@@ -10,8 +10,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-from fork_tool.errors import ForkError
 from megatron_mtp.patched_core import BUILD_DIR, upstream_config
+
+from .errors import ForkError
 
 # Downloaded sdists are cached here (MEGATRON_MTP_DOWNLOADS overrides it, e.g. in tests).
 DOWNLOAD_DIR = Path(os.environ.get("MEGATRON_MTP_DOWNLOADS", BUILD_DIR / "downloads"))

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""tests.bodies.full_grads for MoE layouts: expert-parallel experts gathered by global index.
+"""tests.harness.full_grads for MoE layouts: expert-parallel experts gathered by global index.
 
 Under expert parallelism (EP) each EP rank holds num_experts / EP experts, named
 `local_experts.{j}` (j local); their global index is ep_rank * local + j. Expert parameters are
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from tests.bodies.full_grads import global_name, shard_sections
+from tests.harness.full_grads import global_name, shard_sections
 
 
 def expert_global_name(name: str, ep_rank: int, local_experts: int) -> str:
