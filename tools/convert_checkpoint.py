@@ -10,8 +10,8 @@ GLM-4.5 / Qwen3-Next / Qwen3.5 backbones and their MTP heads.
         --freeze-backbone --mtp-detach-heads ...
 
     # a trainer checkpoint (any TP / PP / VPP layout) to Hugging Face, MTP depths in MiMo's layout
-    tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout mimo|deepseek_v3|qwen3_next|none]
-        [--architecture llama|qwen2|mimo|qwen3|qwen3_next|qwen3_5_moe] [--expert-layout per_expert|stacked]
+    tools/convert_checkpoint.py export RUN_DIR OUT_DIR [--mtp-layout LAYOUT|none] [--architecture FAMILY]
+        [--expert-layout per_expert|stacked]
         [--dtype fp32|bf16] [--tokenizer DIR]
 
 import reads config.json and safetensors (model.safetensors, or shards with
@@ -79,6 +79,9 @@ fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (o
 
 
 def parse(argv):
+    from megatron_mtp.serving import families  # (imports torch: after main's settings)
+
+    same_shape = ", ".join(f"{f.name} as {f.same_shape_as}" for f in families.FAMILIES.values() if f.same_shape_as)
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -101,16 +104,13 @@ def parse(argv):
     exp.add_argument("source", help="trainer checkpoint: the --save directory (its tracker names the iteration) "
                                     "or an iter_NNNNNNN / release directory")
     exp.add_argument("output", help="new (or empty) directory for the Hugging Face checkpoint")
-    exp.add_argument("--mtp-layout", choices=["mimo", "deepseek_v3", "qwen3_next", "none"], default=None,
-                     help="how the MTP depths are written (default: mimo when the checkpoint has MTP depths, "
-                          "deepseek_v3 for a mixture-of-experts model, qwen3_next for Qwen3-Next and Qwen3.5; "
-                          "none: the backbone only)")
-    exp.add_argument("--architecture", choices=["llama", "qwen2", "mimo", "qwen3", "qwen3_next", "qwen3_5_moe"],
-                     default=None,
-                     help="config.json's architecture (default: the imported one, else Qwen2 with QKV biases, "
-                          "Qwen3 with q/k norms, Llama without either, Qwen3-Next with Gated DeltaNet and experts); "
-                          "mimo (Qwen2 with model.mtp_layers) makes vLLM and SGLang serve the MTP depths as MiMo's; "
-                          "qwen3_next and qwen3_5_moe are the same model, stored otherwise")
+    exp.add_argument("--mtp-layout", choices=[*families.MTP_LAYOUTS, "none"], default=None,
+                     help="how the MTP depths are written (default: the layout the family's engines read, "
+                          "megatron_mtp.serving.families; none: the backbone only)")
+    exp.add_argument("--architecture", choices=list(families.FAMILIES), default=None,
+                     help="config.json's family (default: the imported one, else the family of the model's shape, "
+                          f"megatron_mtp.serving.families); the same model stored otherwise: {same_shape} (and back; "
+                          "mimo makes vLLM and SGLang serve the MTP depths as MiMo's)")
     exp.add_argument("--expert-layout", choices=["per_expert", "stacked"], default=None,
                      help="how the routed experts are stored: one tensor each per expert (mlp.experts.{e}.gate_proj "
                           "...) or stacked (mlp.experts.gate_up_proj [E, 2F, H], down_proj [E, H, F]); default: as "
@@ -192,7 +192,7 @@ def run_export(args) -> int:
             mtp += f" (the one repeated layer written {cfg.mtp_num_layers} times, identical)"
     elif cfg.mtp_num_layers:
         mtp = f"the backbone only ({cfg.mtp_num_layers} MTP depths left out)"
-    stored = experts.describe(cfg.family, plan.expert_layout)
+    stored = experts.describe(cfg.adapter.published_experts, plan.expert_layout)
     warned = "".join(f"; warning: {line}" for line in export.engine_warnings(cfg, layout))
     print(f"{PROG}: exported {directory} as {config['architectures'][0]} ({args.dtype}), {mtp}"
           f"{', ' + stored if stored else ''}"
@@ -208,9 +208,9 @@ def run_export(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse(argv if argv is not None else sys.argv[1:])
     warnings.filterwarnings("ignore")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    args = parse(argv if argv is not None else sys.argv[1:])
     from megatron_mtp.serving import ServingError
 
     try:

@@ -1,53 +1,19 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""The model both sides describe: a Llama, Qwen2 or Qwen3 decoder (GQA, RMSNorm, SwiGLU, RoPE;
-Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm), Qwen3-MoE (Qwen3's attention, softmax-routed
-experts), DeepSeek-V3 (multi-latent attention with YaRN, sigmoid-routed experts with an
-expert bias, group-limited routing and a shared expert, dense first layers), GLM-4.5 (GQA
-with QKV biases, optional q/k norms and partial rotary, DeepSeek-V3's experts), Qwen3-Next
-(Gated DeltaNet layers among gated full-attention ones with q/k norms and partial rotary, (1 + w)
-RMSNorms, Qwen3-MoE's experts beside a sigmoid-gated shared expert) or Qwen3.5 (the same, dense or
-with experts in every layer), with D MTP depths,
-read from a Hugging Face config.json or from a trainer checkpoint's arguments, and written back
-to either (config.json, the trainer's flags, the arguments a checkpoint holds).
+"""The model both sides describe: a decoder of one of the Hugging Face families (GQA or multi-latent
+attention, Gated DeltaNet layers among full-attention ones, RMSNorm, SwiGLU MLPs or routed experts,
+RoPE) with D MTP depths, read from a Hugging Face config.json (through its family's adapter,
+serving.families) or from a trainer checkpoint's arguments, and written back to either (config.json,
+the trainer's flags, the arguments a checkpoint holds).
 """
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from megatron_mtp.serving import ServingError
+from megatron_mtp.serving import ServingError, families
+from megatron_mtp.serving.patterns import full_attention_interval, interval_pattern
 
-# MiMo (model_type "mimo") is Qwen2 with MTP depths in model.mtp_layers; its own name in config.json
-# is what makes vLLM and SGLang serve those depths (their MiMo MTP models).
-FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
-            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
-            "Glm4MoeForCausalLM": "glm4_moe", "Qwen3NextForCausalLM": "qwen3_next",
-            "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
-ARCHITECTURES = {family: architecture for architecture, family in FAMILIES.items()}
-# Qwen3.5's text-only model types (config.json's model_type "qwen3_5" / "qwen3_5_moe" is the VLM's)
-MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-# Published Qwen3.5 checkpoints are the VLM (mapping.unwrap_vlm takes its language model): its class,
-# the text-only class of its language model.
-VLM_WRAPPERS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
-QKV_BIAS_FAMILIES = ("qwen2", "mimo")
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # an RMSNorm of each head's query and key (megatron-core's --qk-layernorm)
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe")
-# Qwen3-Next: megatron-core's GPTModel with --experimental-attention-variant gated_delta_net (as
-# Megatron-Bridge builds it), every norm zero-centred (--apply-layernorm-1p: transformers' (1 + w)
-# RMSNorms), an output gate per attention head (--attention-output-gate), q/k norms, Qwen3-MoE's
-# routing with a shared expert gated by a sigmoid (--moe-shared-expert-gate). Qwen3.5 is the same
-# model, dense (qwen3_5) or MoE (qwen3_5_moe: experts in every layer, top-k probabilities always
-# normalized), its Gated DeltaNet projections stored section by section (mapping).
-GATED_DELTA_NET_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-# Families the trainer's arguments cannot tell apart (the same model): the import records its family
-# (serving_family), which the export of the import writes unless --architecture says otherwise. A
-# trained run saves the trainer's own arguments, without it: its export writes the first family
-# (Qwen3-Next, Qwen2) unless --architecture names the other.
-SAME_SHAPE = {"qwen2": ("mimo",), "qwen3_next": ("qwen3_5_moe",)}
-# DeepSeek-V3's routing (sigmoid scores with an expert bias, groups, a shared expert, a scaling factor)
-SIGMOID_ROUTED_FAMILIES = ("deepseek_v3", "glm4_moe")
 # megatron-core's MLA takes YaRN's original context and correction range from MLATransformerConfig's
 # defaults, which the trainer's flags do not set (DeepSeek-V3's own values).
 MLA_YARN_CONSTANTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
@@ -65,8 +31,7 @@ def hybrid_refusal(pattern: str, what: str) -> str:
 
 @dataclass
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "mimo" (Qwen2-shaped) | "qwen3" | "qwen3_moe" | "deepseek_v3" | "glm4_moe" |
-    # "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
+    family: str  # a key of serving.families.FAMILIES (its adapter: `adapter`)
     vocab_size: int  # the tokenizer's vocabulary (Hugging Face's vocab_size)
     padded_vocab_size: int  # rows of megatron-core's embedding and output layer
     hidden_size: int
@@ -101,65 +66,49 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # bos/eos ids etc., carried through
 
     @property
+    def adapter(self) -> families.Family:
+        return families.get(self.family)
+
+    @property
     def attention_output_gate(self) -> bool:
-        return self.family in GATED_DELTA_NET_FAMILIES
+        return self.adapter.attention_output_gate
 
     @property
     def layernorm_zero_centered_gamma(self) -> bool:
-        return self.family in GATED_DELTA_NET_FAMILIES
+        return self.adapter.zero_centred_norms
 
     # ------------------------------------------------------------------ Hugging Face
 
     @classmethod
     def from_hf(cls, config: dict, pad_to: int = 128) -> "ModelConfig":
         architectures = config.get("architectures") or []
-        known = [a for a in architectures if a in FAMILIES]
+        known = [a for a in architectures if a in families.BY_ARCHITECTURE]
         if not known:
             raise ServingError(f"unknown architecture {architectures or config.get('model_type')!r}: "
-                               f"import reads {' or '.join(FAMILIES)}")
-        family = FAMILIES[known[0]]
+                               f"import reads {' or '.join(families.BY_ARCHITECTURE)}")
+        family = families.BY_ARCHITECTURE[known[0]]
         try:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             vocab = int(config["vocab_size"])
             values = dict(
-                family=family, vocab_size=vocab, padded_vocab_size=math.ceil(vocab / pad_to) * pad_to,
-                # Qwen3.5-MoE has no dense MLP (no intermediate_size): the experts' size fills the unused flag
-                hidden_size=hidden, ffn_hidden_size=int(config["moe_intermediate_size"] if family == "qwen3_5_moe"
-                                                        else config["intermediate_size"]),
+                family=family.name, vocab_size=vocab, padded_vocab_size=math.ceil(vocab / pad_to) * pad_to,
+                hidden_size=hidden, ffn_hidden_size=int(config[family.dense_ffn_key]),
                 num_layers=int(config["num_hidden_layers"]), num_attention_heads=heads,
                 num_query_groups=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 tied=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=family in QKV_BIAS_FAMILIES, qk_layernorm=family in QK_NORM_FAMILIES,
+                qkv_bias=family.qkv_bias, qk_layernorm=family.qk_norm,
             )
-            if family in MOE_FAMILIES:
-                values["moe"] = _moe_from_hf(family, config, values["num_layers"])
-            if family == "deepseek_v3":
-                values["mla"] = {name: int(config[name]) for name in
-                                 ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
-                values.update(num_query_groups=heads, head_dim=values["mla"]["qk_nope_head_dim"], qk_layernorm=True)
-            if family == "glm4_moe":
-                values.update(qkv_bias=bool(config.get("attention_bias")), qk_layernorm=bool(config.get("use_qk_norm")))
-            if family in GATED_DELTA_NET_FAMILIES:
-                values.update(gdn=_gdn_from_hf(config, values["num_layers"]), qk_layernorm=True)
+            family.read_hf(config, values)  # experts, multi-latent attention, Gated DeltaNet, ...
         except (KeyError, TypeError) as missing:
             name = missing.args[0] if isinstance(missing, KeyError) else "a number where it has null"
             raise ServingError(f"config.json has no {name!r}") from None
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ServingError(f"config.json: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
-        if family == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
-            raise ServingError("config.json: Llama attention_bias / mlp_bias are not supported")
-        if family in ("qwen3", "qwen3_moe", "deepseek_v3", *GATED_DELTA_NET_FAMILIES) and (
-                config.get("attention_bias") or config.get("mlp_bias")):
-            raise ServingError(f"config.json: {ARCHITECTURES[family]} attention_bias is not supported")
-        if family == "deepseek_v3" and config.get("rope_interleave", True) is not True:
-            raise ServingError("config.json: DeepSeek-V3 with rope_interleave false is not supported (its "
-                               "checkpoints rotate interleaved pairs, as vLLM and SGLang read them)")
-        if family != "llama" and config.get("use_sliding_window"):
-            raise ServingError(f"config.json: {ARCHITECTURES[family]} sliding-window attention is not supported")
+        family.refuse_hf(config)
         if heads % values["num_query_groups"]:
             raise ServingError(f"config.json: num_attention_heads {heads} is not a multiple of "
                                f"num_key_value_heads {values['num_query_groups']}")
@@ -170,13 +119,12 @@ class ModelConfig:
         if parameters.get("rope_type", "default") != "default":
             scaling = parameters
         values["rope_theta"] = float(theta)
-        values["rope_scaling"] = _rope_scaling(scaling, yarn=family == "deepseek_v3")
-        # transformers' Qwen3-Next and Qwen3.5 rotate a quarter of each head when config.json does not say;
-        # Qwen3.5's multimodal rotary (mrope_section) gives every section the same position for text
-        default = 0.25 if family in GATED_DELTA_NET_FAMILIES else 1.0
+        values["rope_scaling"] = _rope_scaling(scaling, yarn=family.yarn)
+        # (Qwen3.5's multimodal rotary, mrope_section, gives every section the same position for text)
         values["rotary_percent"] = float(parameters.get("partial_rotary_factor",
-                                                        config.get("partial_rotary_factor", default)))
-        if values["rotary_percent"] != 1.0 and family not in ("glm4_moe", *GATED_DELTA_NET_FAMILIES):
+                                                        config.get("partial_rotary_factor",
+                                                                   family.default_rotary_percent)))
+        if values["rotary_percent"] != 1.0 and not family.partial_rotary:
             raise ServingError(f"config.json: partial_rotary_factor {values['rotary_percent']} (only GLM-4.5's, "
                                "Qwen3-Next's and Qwen3.5's rotary is partial here)")
         # Qwen3-Next's own key is mtp_num_hidden_layers (Megatron-Bridge reads it too); vLLM's num_nextn_predict_layers
@@ -187,85 +135,8 @@ class ModelConfig:
         return cls(**values)
 
     def to_hf(self, dtype: str, mtp_layout: str | None) -> dict:
-        self._check_family()  # (after --architecture: the family the export writes)
-        if self.family in SIGMOID_ROUTED_FAMILIES:
-            return self._sigmoid_routed_hf(dtype, mtp_layout)
-        config = {
-            "architectures": [ARCHITECTURES[self.family]], "model_type": MODEL_TYPES.get(self.family, self.family),
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.ffn_hidden_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_query_groups,
-            "head_dim": self.head_dim, "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.norm_epsilon, "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "tie_word_embeddings": self.tied, "attention_dropout": self.attention_dropout, "initializer_range": 0.02,
-            "use_cache": True, "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
-        }
-        if self.family == "llama":
-            config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-        elif self.family in ("qwen3", "qwen3_moe"):
-            config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
-                          max_window_layers=self.num_layers)
-        elif self.family in GATED_DELTA_NET_FAMILIES:
-            gdn = self.gdn
-            config.update({name: value for name, value in gdn.items() if name != "layers"})  # the same names
-            config.update(attention_bias=False, partial_rotary_factor=self.rotary_percent,
-                          layer_types=["linear_attention" if x else "full_attention" for x in gdn["layers"]])
-            if self.moe:
-                config["shared_expert_intermediate_size"] = self.moe["shared_ffn"]
-            interval = _full_attention_interval(gdn["layers"])
-            if interval:  # the key of Qwen3-Next's published config.json, which vLLM and SGLang read
-                config["full_attention_interval"] = interval
-        else:
-            config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
-        if self.family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES) and self.moe:
-            moe = self.moe
-            experts = dict(num_experts=moe["experts"], num_experts_per_tok=moe["topk"],
-                           moe_intermediate_size=moe["ffn"])
-            if self.family == "qwen3_5_moe":  # its experts are in every layer and always normalized (checked)
-                del config["intermediate_size"]
-            else:
-                experts.update(norm_topk_prob=moe["normalize"], decoder_sparse_step=1,
-                               mlp_only_layers=[i for i, sparse in enumerate(moe["layers"]) if not sparse])
-            config.update(experts, output_router_logits=False, router_aux_loss_coef=0.0)
-        config.update(self.extra)
-        if mtp_layout and self.mtp_num_layers:
-            config["num_nextn_predict_layers"] = self.mtp_num_layers
-            if self.family in GATED_DELTA_NET_FAMILIES:
-                config["mtp_num_hidden_layers"] = self.mtp_num_layers
-        return config
-
-    def _sigmoid_routed_hf(self, dtype: str, mtp_layout: str | None) -> dict:
-        """DeepSeek-V3's and GLM-4.5's config.json."""
-        moe = self.moe
-        dense = moe["layers"].index(1) if 1 in moe["layers"] else self.num_layers
-        if self.family == "deepseek_v3":
-            attention = {"num_key_value_heads": self.num_attention_heads, **self.mla, "rope_interleave": True,
-                         "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-                         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
-                         "attention_bias": False}
-        else:
-            attention = {"num_key_value_heads": self.num_query_groups, "head_dim": self.head_dim,
-                         "attention_bias": self.qkv_bias, "use_qk_norm": self.qk_layernorm,
-                         "partial_rotary_factor": self.rotary_percent}
-        config = {
-            "architectures": [ARCHITECTURES[self.family]], "model_type": self.family,
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.ffn_hidden_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads, **attention, "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.norm_epsilon, "rope_theta": self.rope_theta,
-            "moe_intermediate_size": moe["ffn"], "n_routed_experts": moe["experts"],
-            "num_experts_per_tok": moe["topk"], "n_shared_experts": moe["shared_ffn"] // moe["ffn"],
-            "n_group": moe["groups"] or 1, "topk_group": moe["group_topk"] or 1, "norm_topk_prob": moe["normalize"],
-            "routed_scaling_factor": moe["scaling"], "first_k_dense_replace": dense,
-            "tie_word_embeddings": self.tied, "attention_dropout": self.attention_dropout, "initializer_range": 0.02,
-            "use_cache": True, "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
-        }
-        config.update(self.extra)
-        if mtp_layout and self.mtp_num_layers:
-            config["num_nextn_predict_layers"] = self.mtp_num_layers
-        return config
+        self.adapter.check_export(self)  # (after --architecture: the family the export writes)
+        return self.adapter.hf_config(self, dtype, mtp_layout)
 
     # ------------------------------------------------------------------ Megatron
 
@@ -325,14 +196,8 @@ class ModelConfig:
             # the end-of-document id may lie past --vocab-size's ids (Megatron-LM's NullTokenizer convention
             # eod = vocab_size): its row is the tokenizer's too
             vocab_size = max(vocab_size, min(eod + 1, int(get("padded_vocab_size"))))
-        family = "qwen3_5" if gdn else "qwen2" if get("add_qkv_bias") else "qwen3" if get("qk_layernorm") else "llama"
-        if moe is not None:
-            family = "deepseek_v3" if mla is not None else "glm4_moe" if moe["score"] == "sigmoid" else \
-                "qwen3_next" if gdn else "qwen3_moe"
-        if get("serving_family") in SAME_SHAPE.get(family, ()):  # e.g. imported from MiMo: exported as MiMo
-            family = get("serving_family")
         config = cls(
-            family=family, vocab_size=vocab_size,
+            family=None, vocab_size=vocab_size,
             padded_vocab_size=int(get("padded_vocab_size")), hidden_size=int(get("hidden_size")),
             ffn_hidden_size=int(get("ffn_hidden_size")), num_layers=int(get("num_layers")),
             num_attention_heads=int(heads), num_query_groups=int(groups),
@@ -345,31 +210,27 @@ class ModelConfig:
             mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
             attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla, gdn=gdn,
         )
+        # the family whose shape it is, or the one an import recorded (e.g. imported from MiMo: exported as MiMo)
+        config.family = families.home(config, get("serving_family"))
         return config
 
-    def _check_family(self) -> None:
-        """What the family's transformers class cannot hold, though the shape is its."""
-        if self.family == "qwen3_5_moe" and (not all(self.moe["layers"]) or not self.moe["normalize"]):
-            raise ServingError("Qwen3.5-MoE has experts in every layer and normalizes their top-k probabilities; "
-                               "the model has dense layers or --moe-router-pre-softmax (--architecture qwen3_next "
-                               "holds them)")
-
     def as_architecture(self, name: str) -> None:
-        """Export as `name` instead of the family the model's shape (or its import) names: llama, qwen2,
-        mimo, qwen3 for a dense model; qwen3_next or qwen3_5_moe for their shape."""
-        if self.moe or self.gdn or name in MOE_FAMILIES or name in GATED_DELTA_NET_FAMILIES:
-            shape = next((k for k, v in SAME_SHAPE.items() if self.family in v), self.family)
-            if name not in (shape, *SAME_SHAPE.get(shape, ())):
-                raise ServingError(f"--architecture {name}: the model is {ARCHITECTURES[self.family]}-shaped")
+        """Export as `name` instead of the family the model's shape (or its import) names: a dense
+        family of the same attention, or a family of the same shape stored otherwise."""
+        target = families.get(name)
+        if self.moe or self.gdn or target.experts or target.gated_delta_net:
+            shape = self.adapter.same_shape_as or self.family
+            if name not in (shape, *families.same_shape(shape)):
+                raise ServingError(f"--architecture {name}: the model is {self.adapter.architecture}-shaped")
             self.family = name
             return
-        if (name in QK_NORM_FAMILIES) != self.qk_layernorm:
-            raise ServingError(f"--architecture {name}: {ARCHITECTURES[name]} "
-                               f"{'has' if name in QK_NORM_FAMILIES else 'has no'} q/k norms, the model "
+        if target.qk_norm != self.qk_layernorm:
+            raise ServingError(f"--architecture {name}: {target.architecture} "
+                               f"{'has' if target.qk_norm else 'has no'} q/k norms, the model "
                                f"{'has' if self.qk_layernorm else 'has none'}")
-        if (name in QKV_BIAS_FAMILIES) != self.qkv_bias:
-            raise ServingError(f"--architecture {name}: {ARCHITECTURES[name]} "
-                               f"{'has' if name in QKV_BIAS_FAMILIES else 'has no'} QKV biases, the model "
+        if target.qkv_bias != self.qkv_bias:
+            raise ServingError(f"--architecture {name}: {target.architecture} "
+                               f"{'has' if target.qkv_bias else 'has no'} QKV biases, the model "
                                f"{'has' if self.qkv_bias else 'has none'}")
         self.family = name
 
@@ -405,7 +266,7 @@ class ModelConfig:
         if not self.gdn:
             return {"experimental_attention_variant": None}
         return {"experimental_attention_variant": "gated_delta_net",
-                "linear_attention_freq": _full_attention_interval(self.gdn["layers"]) or list(self.gdn["layers"]),
+                "linear_attention_freq": full_attention_interval(self.gdn["layers"]) or list(self.gdn["layers"]),
                 **{k: v for k, v in self.gdn.items() if k != "layers"}}
 
     def _moe_mla_args(self) -> dict:
@@ -506,9 +367,6 @@ class ModelConfig:
                 flags += ["--moe-router-topk-scaling-factor", _number(moe["scaling"])]
         return flags
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
@@ -517,17 +375,6 @@ def _number(value: float) -> str:
 def _pattern(layers: list) -> str:
     """A per-layer 0/1 list as Megatron-LM's --moe-layer-freq / --linear-attention-freq read it."""
     return "[" + ",".join(str(x) for x in layers) + "]"
-
-
-def _interval_pattern(interval: int, num_layers: int) -> list:
-    """Every interval-th layer full attention (0), the others Gated DeltaNet (1): megatron-core's
-    --linear-attention-freq N, Qwen3-Next's full_attention_interval."""
-    return [int((i + 1) % interval != 0) for i in range(num_layers)]
-
-
-def _full_attention_interval(layers: list) -> int | None:
-    """N when the Gated DeltaNet layers are `_interval_pattern(N)`, else None."""
-    return next((n for n in range(1, len(layers) + 1) if list(layers) == _interval_pattern(n, len(layers))), None)
 
 
 def _rope_scaling(scaling: dict | None, yarn: bool = False) -> dict | None:
@@ -654,71 +501,6 @@ def _moe_from_args(get, problems: list, mla: bool, gdn: bool) -> dict | None:
     return moe
 
 
-def _moe_from_hf(family: str, config: dict, num_layers: int) -> dict:
-    """The experts of a Qwen3-MoE, Qwen3-Next, DeepSeek-V3 or GLM-4.5 config.json, as megatron-core
-    routes them."""
-    if family in ("qwen3_moe", *GATED_DELTA_NET_FAMILIES):
-        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-        step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or [])
-        moe = dict(experts=experts, topk=int(config["num_experts_per_tok"]), ffn=int(config["moe_intermediate_size"]),
-                   shared_ffn=0, score="softmax", normalize=bool(config.get("norm_topk_prob", False)),
-                   expert_bias=False, groups=None, group_topk=None, scaling=None, shared_gate=False,
-                   layers=[int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(num_layers)])
-        if family in GATED_DELTA_NET_FAMILIES:
-            # transformers' Qwen3-Next builds its shared expert and the expert's sigmoid gate in every MoE layer
-            moe.update(shared_ffn=int(config["shared_expert_intermediate_size"]), shared_gate=True,
-                       normalize=bool(config.get("norm_topk_prob", True)))
-            if family == "qwen3_5_moe":  # transformers' Qwen3.5-MoE reads neither key: every layer, normalized
-                moe.update(normalize=True, layers=[1] * num_layers)
-            if not experts or not moe["shared_ffn"]:
-                raise ServingError(f"config.json: {ARCHITECTURES[family]} without experts or without a shared expert "
-                                   "(num_experts, shared_expert_intermediate_size) is not supported")
-        return moe
-    name = {"deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5"}[family]
-    experts, topk = int(config["n_routed_experts"]), int(config["num_experts_per_tok"])
-    groups, group_topk = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
-    problems = []
-    if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
-        problems.append(f"scoring_func {config.get('scoring_func')!r} / topk_method {config.get('topk_method')!r} "
-                        f"(transformers' {name} routes by sigmoid with e_score_correction_bias)")
-    if topk > 1 and not config.get("norm_topk_prob", True):
-        problems.append("norm_topk_prob false (megatron-core normalizes sigmoid top-k probabilities)")
-    if groups > 1 and topk // group_topk != 2:
-        problems.append(f"num_experts_per_tok {topk} // topk_group {group_topk} != 2 (transformers scores a group "
-                        "by its top 2 experts, megatron-core by its top num_experts_per_tok // topk_group)")
-    if int(config.get("n_shared_experts") or 0) < 1:
-        problems.append("no shared expert")
-    if problems:
-        raise ServingError(f"config.json: {name} with " + "; ".join(problems))
-    first_dense = int(config.get("first_k_dense_replace") or 0)
-    frequency = int(config.get("moe_layer_freq") or 1) if family == "deepseek_v3" else 1
-    return dict(experts=experts, topk=topk, ffn=int(config["moe_intermediate_size"]),
-                shared_ffn=int(config["n_shared_experts"]) * int(config["moe_intermediate_size"]), score="sigmoid",
-                normalize=True, expert_bias=True, groups=groups if groups > 1 else None,
-                group_topk=group_topk if groups > 1 else None, scaling=float(config.get("routed_scaling_factor", 1.0)),
-                shared_gate=False, layers=[int(i >= first_dense and i % frequency == 0) for i in range(num_layers)])
-
-
-def _gdn_from_hf(config: dict, num_layers: int) -> dict:
-    """The Gated DeltaNet layers of a Qwen3-Next config.json: layer_types (transformers 5), else
-    every full_attention_interval-th layer full attention, as transformers derives it."""
-    interval = int(config.get("full_attention_interval") or 4)
-    types = config.get("layer_types") or ["linear_attention" if linear else "full_attention"
-                                          for linear in _interval_pattern(interval, num_layers)]
-    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
-    if len(types) != num_layers or unknown:
-        raise ServingError(f"config.json: layer_types {types} (needs num_hidden_layers {num_layers} of "
-                           "'linear_attention' and 'full_attention')")
-    gdn = {"layers": [int(kind == "linear_attention") for kind in types],
-           **{name: int(config[name]) for name in ("linear_conv_kernel_dim", "linear_key_head_dim",
-                                                   "linear_value_head_dim", "linear_num_key_heads",
-                                                   "linear_num_value_heads")}}
-    if gdn["linear_num_value_heads"] % gdn["linear_num_key_heads"]:
-        raise ServingError(f"config.json: linear_num_value_heads {gdn['linear_num_value_heads']} is not a multiple "
-                           f"of linear_num_key_heads {gdn['linear_num_key_heads']}")
-    return gdn
-
-
 def _gdn_from_args(get, problems: list) -> dict | None:
     """The Gated DeltaNet layers of a trainer checkpoint's arguments (Qwen3-Next's), or None."""
     variant = get("experimental_attention_variant")
@@ -737,7 +519,7 @@ def _gdn_from_args(get, problems: list) -> dict | None:
         problems.append("Gated DeltaNet without --linear-attention-freq")
         return None
     layers = (list(frequency) if isinstance(frequency, (list, tuple))
-              else _interval_pattern(int(frequency), num_layers))
+              else interval_pattern(int(frequency), num_layers))
     return {"layers": layers, **{name: int(get(name)) for name in (
         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
         "linear_num_value_heads")}}

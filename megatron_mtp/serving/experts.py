@@ -8,7 +8,8 @@
 transformers 5 holds every MoE family's experts stacked (`Qwen3MoeExperts`, `DeepseekV3Experts`,
 `Glm4MoeExperts`, `Qwen3NextExperts`, `Qwen3_5MoeExperts`: `gate_up_proj`, `down_proj`) and reads
 both layouts (its conversion mapping merges the per-expert tensors on load); so the import takes
-both, layer by layer, and the export writes the layout the family's published checkpoints use, or
+both, layer by layer, and the export writes the layout the family's published checkpoints use (its
+adapter's published_experts: serving.families), or
 the one `--expert-layout` names. Stacked expert e's `gate_up_proj[e]` is megatron-core's
 `linear_fc1` [gate; up] of local expert e, and `down_proj[e]` its `linear_fc2`: both ways are
 copies, bit for bit.
@@ -19,15 +20,7 @@ import re
 import torch
 
 from megatron_mtp.serving import ServingError
-from megatron_mtp.serving.config import MOE_FAMILIES
 
-# The layout of each family's published checkpoints: (decoder layers, MTP depths). Qwen3.5-MoE's
-# (Qwen3_5MoeForConditionalGeneration) stack each decoder layer's experts and store the MTP depths'
-# one per expert; the others store every expert on its own.
-PUBLISHED = {"qwen3_moe": ("per_expert", "per_expert"), "deepseek_v3": ("per_expert", "per_expert"),
-             "glm4_moe": ("per_expert", "per_expert"), "qwen3_next": ("per_expert", "per_expert"),
-             "qwen3_5_moe": ("stacked", "per_expert")}
-assert sorted(PUBLISHED) == sorted(MOE_FAMILIES)  # every MoE family's transformers class reads both
 STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -60,18 +53,19 @@ def unstack(tensors: dict, expected: dict) -> dict:
     return out
 
 
-def _layouts(family: str, choice: str) -> tuple:
+def _layouts(published: tuple, choice: str) -> tuple:
     """(decoder layers, MTP depths) of an export: the family's published layout or the one chosen."""
-    return PUBLISHED[family] if choice == "published" else (choice, choice)
+    return published if choice == "published" else (choice, choice)
 
 
-def stack(tensors: dict, family: str, choice: str, num_layers: int) -> dict:
-    """One tensor per expert (the export's names) in the layout `choice` names (published,
-    per_expert, stacked); the
-    decoder layers are model.layers.{i}, i < num_layers, every other expert an MTP depth's."""
-    if family not in PUBLISHED:
+def stack(tensors: dict, published: tuple | None, choice: str, num_layers: int) -> dict:
+    """One tensor per expert (the export's names) in the layout `choice` names (published: the
+    family's `published`, (decoder layers, MTP depths), None for a family without experts;
+    per_expert, stacked); the decoder layers are model.layers.{i}, i < num_layers, every other
+    expert an MTP depth's."""
+    if published is None:
         return tensors
-    decoder, mtp = _layouts(family, choice)
+    decoder, mtp = _layouts(published, choice)
     stacked = {}
     for name in tensors:
         if m := PER_EXPERT.fullmatch(name):
@@ -88,10 +82,10 @@ def stack(tensors: dict, family: str, choice: str, num_layers: int) -> dict:
     return out
 
 
-def describe(family: str, choice: str) -> str:
-    """The layout an export writes, in words (its output line)."""
-    if family not in PUBLISHED:
+def describe(published: tuple | None, choice: str) -> str:
+    """The layout an export writes, in words (its output line); `published` as stack's."""
+    if published is None:
         return ""
-    decoder, mtp = _layouts(family, choice)
+    decoder, mtp = _layouts(published, choice)
     words = {"stacked": "stacked", "per_expert": "one per expert"}
     return f"experts {words[decoder]}" + ("" if mtp == decoder else f" ({words[mtp]} in the MTP depths)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_mtp.serving import ServingError, experts, mapping
+from megatron_mtp.serving import ServingError, experts, families, mapping
 from megatron_mtp.serving.config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -30,19 +30,16 @@ class Plan:
 def plan(run_args, mtp_layout: str | None = None, architecture: str | None = None,
          expert_layout: str | None = None) -> Plan:
     """The export of a model trained with `run_args` (the trainer's arguments; a checkpoint holds them).
-    mtp_layout: mimo, deepseek_v3, qwen3_next, none, or None for the family's default."""
+    mtp_layout: a layout of serving.families.MTP_LAYOUTS, none, or None for the family's default."""
     cfg = ModelConfig.from_megatron_args(run_args)
     if architecture:
         cfg.as_architecture(architecture)
     default = mapping.default_mtp_layout(cfg)
     layout = None if mtp_layout == "none" else mtp_layout or (default if cfg.mtp_num_layers else None)
     mapping.check_mtp_layout(cfg, layout)
-    if cfg.moe and layout == "mimo":
-        raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "
-                           f"{cfg.family}-shaped; use --mtp-layout deepseek_v3")
-    if cfg.family == "mimo" and layout == "deepseek_v3":
-        raise ServingError("--mtp-layout deepseek_v3: MiMo's MTP depths are model.mtp_layers (--mtp-layout mimo); "
-                           "give --architecture qwen2 for DeepSeek-V3's layout")
+    if layout:
+        families.mtp_layout(layout).check(cfg)
+    cfg.adapter.check_mtp_layout(layout)
     if layout and not cfg.mtp_num_layers:
         raise ServingError(f"--mtp-layout {mtp_layout}: the checkpoint has no MTP depths "
                            "(trained without --mtp-num-layers); use --mtp-layout none")
@@ -66,7 +63,7 @@ def hf_tensors(export: Plan, global_tensors: dict, source: str) -> dict:
     expected = mapping.hf_shapes(cfg, layout, cfg.mtp_num_layers)
     if sorted(hf) != sorted(expected):
         raise ServingError(f"internal: exported names differ from the loaders' ({sorted(set(hf) ^ set(expected))[:3]})")
-    return experts.stack(hf, cfg.family, export.expert_layout, cfg.num_layers)
+    return experts.stack(hf, cfg.adapter.published_experts, export.expert_layout, cfg.num_layers)
 
 
 def cast(tensors: dict, dtype: str):
@@ -86,14 +83,4 @@ def engine_warnings(cfg: ModelConfig, layout: str | None) -> list[str]:
     """Where vLLM is known to serve the written MTP depths otherwise than megatron-core trained them
     (docs/serving.md "What the engines run"): each a sentence, none when nothing is known."""
     depths = cfg.mtp_num_layers if layout else 0
-    if depths < 2:
-        return []
-    if layout == "qwen3_next" and not cfg.mtp_repeated:
-        return [f"vLLM's Qwen3-Next and Qwen3.5 MTP models run mtp.layers.0 at every draft step (no draft-step index "
-                f"reaches them: vllm-project/vllm#52688), so the {depths - 1} deeper trained depths are loaded and "
-                "never run there; train one --mtp-use-repeated-layer for what vLLM runs"]
-    if layout == "deepseek_v3":
-        return ["megatron-core carries each depth's normalized output (final_layernorm) into the next; vLLM "
-                "before vllm-project/vllm#45895 carries the pre-norm hidden state into draft steps 2+ (see "
-                "vllm-project/vllm#46075), so depths 2+ see inputs they were not trained on there"]
-    return []
+    return families.mtp_layout(layout).engine_warnings(cfg, depths) if depths >= 2 else []

@@ -32,25 +32,13 @@ post_attention_layernorm, model.norm, lm_head); Qwen3-MoE's experts (mlp.gate = 
 mlp.experts.{e}.gate/up/down_proj); DeepSeek-V3's multi-latent attention (q_a_proj, q_a_layernorm,
 q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; both store the rotary dims
 with pairs interleaved: megatron-core's MLA rotates them so) and experts (mlp.gate with
-e_score_correction_bias = the expert
-bias, mlp.shared_experts); the MTP depths in MiMo's layout
-(model.mtp_layers.{k}: token_layernorm = enorm, hidden_layernorm = hnorm, input_proj over
-[hidden, embedding], i.e. eh_proj with its halves swapped, final_layernorm) or DeepSeek-V3's
-(model.layers.{L+k}: enorm, hnorm, eh_proj over [embedding, hidden], shared_head.norm =
-final_layernorm, and the copies shared_head.head = the output weight, embed_tokens = the embedding).
-Qwen3-Next: its attention layers' q_proj holds per head its query then its output gate, its q_norm /
-k_norm are q_layernorm / k_layernorm; its Gated DeltaNet layers (linear_attn) hold in_proj_qkvz and
-in_proj_ba per key head (its queries, key, values and z of that key head's value heads; their betas,
-then alphas), which megatron-core's in_proj holds section by section; conv1d, A_log, dt_bias and
-out_proj are the same tensors; linear_attn.norm scales by w where megatron-core's out_norm scales
-by 1 + w, so it is shifted by one (the model's other norms are (1 + w) on both sides); the shared
-expert is mlp.shared_expert with mlp.shared_expert_gate. Its MTP depths (the engines' layout, as
-vLLM's and SGLang's Qwen3-Next MTP models read it): mtp.layers.{k} (a full-attention layer), and
-once for all depths mtp.pre_fc_norm_embedding = enorm, mtp.pre_fc_norm_hidden = hnorm, mtp.fc =
-eh_proj over [embedding, hidden], mtp.norm = final_layernorm; no copies of the embedding or head.
-Qwen3.5: Qwen3-Next's names, but its Gated DeltaNet layers hold in_proj_qkv (all queries, keys,
-values), in_proj_z, in_proj_b, in_proj_a: megatron-core's in_proj sections as they are; the same
-MTP layout. Its published checkpoints are the VLM's (unwrap_vlm).
+e_score_correction_bias = the expert bias, the shared expert under the family's prefix).
+Gated attention (Qwen3-Next's): q_proj holds per head its query then its output gate. Gated DeltaNet
+layers (linear_attn): the family's input projections (its in_proj_parts: which in_proj sections
+each holds, grouped per key head or section by section); conv1d, A_log, dt_bias and out_proj are
+the same tensors; linear_attn.norm scales by w where megatron-core's out_norm scales by 1 + w, so
+it is shifted by one (the model's other norms are (1 + w) on both sides). The MTP depths: in the
+layout an MtpLayout of serving.families describes (MiMo's, DeepSeek-V3's, Qwen3-Next's).
 An MTP depth's inner layer is built as the last decoder layer (MoE when that one is), with full
 attention.
 """
@@ -59,10 +47,9 @@ import re
 
 import torch
 
-from megatron_mtp.serving import ServingError, experts
-from megatron_mtp.serving.config import GATED_DELTA_NET_FAMILIES, VLM_WRAPPERS, ModelConfig
+from megatron_mtp.serving import ServingError, experts, families
+from megatron_mtp.serving.config import ModelConfig
 
-MTP_LAYOUTS = ("mimo", "deepseek_v3", "qwen3_next")
 # Buffers some checkpoints carry that are recomputed from the config.
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -103,36 +90,24 @@ def _in_proj_sections(cfg: ModelConfig) -> list:
     return [heads * dk, heads * dk, heads * per_head * dv, heads * per_head * dv, heads * per_head, heads * per_head]
 
 
-def _per_key_head(cfg: ModelConfig) -> bool:
-    """Whether Hugging Face's Gated DeltaNet input projections are Qwen3-Next's two, grouped per key
-    head, rather than Qwen3.5's four, section by section."""
-    return cfg.family == "qwen3_next"
-
-
-def _in_proj_parts(cfg: ModelConfig) -> list:
-    """Hugging Face's Gated DeltaNet input projections and the in_proj sections each holds (0
-    queries, 1 keys, 2 values, 3 z, 4 betas, 5 alphas): Qwen3-Next's two, grouped per key head,
-    or Qwen3.5's four, section by section (in_proj_qkv's rows all queries, keys, values)."""
-    if _per_key_head(cfg):
-        return [("linear_attn.in_proj_qkvz.weight", (0, 1, 2, 3)), ("linear_attn.in_proj_ba.weight", (4, 5))]
-    return [("linear_attn.in_proj_qkv.weight", (0, 1, 2)), ("linear_attn.in_proj_z.weight", (3,)),
-            ("linear_attn.in_proj_b.weight", (4,)), ("linear_attn.in_proj_a.weight", (5,))]
+def _in_proj_groups(cfg: ModelConfig) -> int:
+    """How many groups Hugging Face's Gated DeltaNet input projections hold the in_proj sections in:
+    one per key head, or one (section by section)."""
+    return cfg.gdn["linear_num_key_heads"] if cfg.adapter.in_proj_per_key_head else 1
 
 
 def _in_proj_split(weight: torch.Tensor, cfg: ModelConfig) -> dict:
-    """megatron-core's in_proj (section by section) -> Hugging Face's projections (_in_proj_parts)."""
-    sections, hidden = torch.split(weight, _in_proj_sections(cfg)), weight.shape[1]
-    heads = cfg.gdn["linear_num_key_heads"] if _per_key_head(cfg) else 1  # (one group: section by section)
+    """megatron-core's in_proj (section by section) -> Hugging Face's projections (the family's in_proj_parts)."""
+    sections, hidden, heads = torch.split(weight, _in_proj_sections(cfg)), weight.shape[1], _in_proj_groups(cfg)
     return {name: torch.cat([sections[i].reshape(heads, -1, hidden) for i in held], 1).reshape(-1, hidden).contiguous()
-            for name, held in _in_proj_parts(cfg)}
+            for name, held in cfg.adapter.in_proj_parts}
 
 
 def _in_proj_fuse(layer: dict, cfg: ModelConfig) -> torch.Tensor:
-    """Hugging Face's projections (_in_proj_parts) -> megatron-core's in_proj, section by section."""
-    rows = _in_proj_sections(cfg)
-    heads = cfg.gdn["linear_num_key_heads"] if _per_key_head(cfg) else 1
+    """Hugging Face's projections (the family's in_proj_parts) -> megatron-core's in_proj, section by section."""
+    rows, heads = _in_proj_sections(cfg), _in_proj_groups(cfg)
     sections = {}
-    for name, held in _in_proj_parts(cfg):
+    for name, held in cfg.adapter.in_proj_parts:
         hidden = layer[name].shape[1]
         parts = torch.split(layer[name].reshape(heads, -1, hidden), [rows[i] // heads for i in held], 1)
         sections.update({i: part.reshape(-1, hidden) for i, part in zip(held, parts, strict=True)})
@@ -159,17 +134,12 @@ GDN_NAMES = [("self_attention.conv1d.weight", "linear_attn.conv1d.weight"),
              ("self_attention.out_proj.weight", "linear_attn.out_proj.weight")]
 
 
-def _shared_expert(cfg: ModelConfig) -> str:
-    """Hugging Face's prefix of the shared expert (Qwen3-Next's one, DeepSeek-V3's n_shared_experts fused)."""
-    return "mlp.shared_expert." if cfg.family in GATED_DELTA_NET_FAMILIES else "mlp.shared_experts."
-
-
 def _mlp_names(cfg: ModelConfig, sparse: bool) -> list:
     """(megatron-core prefix, Hugging Face prefix) of each SwiGLU MLP of a layer."""
     if not sparse:
         return [("mlp.", "mlp.")]
     experts = [(f"mlp.experts.local_experts.{e}.", f"mlp.experts.{e}.") for e in range(cfg.moe["experts"])]
-    return experts + ([("mlp.shared_experts.", _shared_expert(cfg))] if cfg.moe["shared_ffn"] else [])
+    return experts + ([("mlp.shared_experts.", cfg.adapter.hf_shared_expert)] if cfg.moe["shared_ffn"] else [])
 
 
 def _renamed(cfg: ModelConfig, sparse: bool, linear: bool) -> list:
@@ -192,7 +162,7 @@ def _renamed(cfg: ModelConfig, sparse: bool, linear: bool) -> list:
         if cfg.moe["expert_bias"]:
             names.append(("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"))
         if cfg.moe["shared_gate"]:
-            names.append(("mlp.shared_experts.gate_weight", _shared_expert(cfg)[:-1] + "_gate.weight"))
+            names.append(("mlp.shared_experts.gate_weight", cfg.adapter.hf_shared_expert[:-1] + "_gate.weight"))
     return names + [(ours + "linear_fc2.weight", hf + "down_proj.weight") for ours, hf in _mlp_names(cfg, sparse)]
 
 
@@ -235,7 +205,7 @@ def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False, linear: bool = False
         heads, dk, per_head, dv = _key_heads(cfg)
         qk, v = heads * dk, heads * per_head * dv
         rows = _in_proj_sections(cfg)
-        shapes.update({name: (sum(rows[i] for i in held), H) for name, held in _in_proj_parts(cfg)})
+        shapes.update({name: (sum(rows[i] for i in held), H) for name, held in cfg.adapter.in_proj_parts})
         shapes.update({"linear_attn.conv1d.weight": (2 * qk + v, 1, cfg.gdn["linear_conv_kernel_dim"]),
                        "linear_attn.A_log": (heads * per_head,), "linear_attn.dt_bias": (heads * per_head,),
                        "linear_attn.norm.weight": (dv,), "linear_attn.out_proj.weight": (H, v)})
@@ -265,7 +235,7 @@ def hf_layer_shapes(cfg: ModelConfig, sparse: bool = False, linear: bool = False
         if cfg.moe["expert_bias"]:
             shapes["mlp.gate.e_score_correction_bias"] = (cfg.moe["experts"],)
         if cfg.moe["shared_gate"]:
-            shapes[_shared_expert(cfg)[:-1] + "_gate.weight"] = (1, H)
+            shapes[cfg.adapter.hf_shared_expert[:-1] + "_gate.weight"] = (1, H)
     for ours, hf in _mlp_names(cfg, sparse):
         F = (cfg.ffn_hidden_size if not sparse else cfg.moe["shared_ffn"] if "shared" in ours else cfg.moe["ffn"])
         shapes.update({hf + "gate_proj.weight": (F, H), hf + "up_proj.weight": (F, H), hf + "down_proj.weight": (H, F)})
@@ -302,17 +272,6 @@ def check_mtp_layer(cfg: ModelConfig, depths: int) -> None:
                            "attention")
 
 
-# Qwen3-Next's MTP tensors shared by all its depths (megatron-core suffix, Hugging Face name).
-QWEN3_NEXT_MTP = [("enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
-                  ("hnorm.weight", "mtp.pre_fc_norm_hidden.weight"), ("eh_proj.weight", "mtp.fc.weight"),
-                  ("final_layernorm.weight", "mtp.norm.weight")]
-
-
-def mtp_prefix(layout: str, cfg: ModelConfig, depth: int) -> str:
-    return {"mimo": f"model.mtp_layers.{depth}.", "qwen3_next": f"mtp.layers.{depth}.",
-            "deepseek_v3": f"model.layers.{cfg.num_layers + depth}."}[layout]
-
-
 def hf_shapes(cfg: ModelConfig, mtp_layout: str | None, mtp_depths: int) -> dict:
     """Every tensor name of the Hugging Face checkpoint and its shape (the loaders' names)."""
     V, H = cfg.vocab_size, cfg.hidden_size
@@ -321,18 +280,11 @@ def hf_shapes(cfg: ModelConfig, mtp_layout: str | None, mtp_depths: int) -> dict
         shapes["lm_head.weight"] = (V, H)
     for i, (sparse, linear) in enumerate(layer_kinds(cfg)):
         shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_layer_shapes(cfg, sparse, linear).items()})
+    layout = families.mtp_layout(mtp_layout) if mtp_layout else None
     for depth in range(mtp_depths if mtp_layout else 0):
-        prefix = mtp_prefix(mtp_layout, cfg, depth)
+        prefix = layout.prefix(cfg, depth)
         shapes.update({prefix + k: s for k, s in hf_layer_shapes(cfg, mtp_sparse(cfg)).items()})
-        if mtp_layout == "mimo":
-            shapes.update({prefix + "token_layernorm.weight": (H,), prefix + "hidden_layernorm.weight": (H,),
-                           prefix + "input_proj.weight": (H, 2 * H), prefix + "final_layernorm.weight": (H,)})
-        elif mtp_layout == "qwen3_next":
-            shapes.update({name: (H, 2 * H) if name == "mtp.fc.weight" else (H,) for _, name in QWEN3_NEXT_MTP})
-        else:
-            shapes.update({prefix + "enorm.weight": (H,), prefix + "hnorm.weight": (H,),
-                           prefix + "eh_proj.weight": (H, 2 * H), prefix + "shared_head.norm.weight": (H,),
-                           prefix + "shared_head.head.weight": (V, H), prefix + "embed_tokens.weight": (V, H)})
+        shapes.update(layout.shapes(cfg, prefix))
     return shapes
 
 
@@ -363,49 +315,29 @@ def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> d
     head = None if cfg.tied else _unpad(tensors["output_layer.weight"], cfg)
     if head is not None:
         out["lm_head.weight"] = head
-    H = cfg.hidden_size
+    layout = families.mtp_layout(mtp_layout) if mtp_layout else None
     for depth in range(cfg.mtp_num_layers if mtp_layout else 0):
         source = f"mtp.layers.{0 if cfg.mtp_repeated else depth}."
-        prefix = mtp_prefix(mtp_layout, cfg, depth)
+        prefix = layout.prefix(cfg, depth)
         inner = _inner(tensors, source + "mtp_model_layer.")
         out.update({prefix + k: v for k, v in layer_to_hf(inner, cfg, mtp_sparse(cfg)).items()})
-        eh = tensors[source + "eh_proj.weight"]
-        if mtp_layout == "mimo":
-            out[prefix + "token_layernorm.weight"] = tensors[source + "enorm.weight"]
-            out[prefix + "hidden_layernorm.weight"] = tensors[source + "hnorm.weight"]
-            out[prefix + "input_proj.weight"] = torch.cat([eh[:, H:], eh[:, :H]], 1).contiguous()  # [hidden, emb]
-            out[prefix + "final_layernorm.weight"] = tensors[source + "final_layernorm.weight"]
-        elif mtp_layout == "qwen3_next":
-            for ours, name in QWEN3_NEXT_MTP:
-                if name in out and not torch.equal(out[name], tensors[source + ours]):
-                    raise ServingError(f"--mtp-layout qwen3_next holds one {name} for all MTP depths, and depth "
-                                       f"{depth + 1}'s {ours} differs from depth 1's: export with --mtp-layout none "
-                                       "(the backbone only), or train the depths as one --mtp-use-repeated-layer")
-                out[name] = tensors[source + ours]
-        else:
-            out[prefix + "enorm.weight"] = tensors[source + "enorm.weight"]
-            out[prefix + "hnorm.weight"] = tensors[source + "hnorm.weight"]
-            out[prefix + "eh_proj.weight"] = eh
-            out[prefix + "shared_head.norm.weight"] = tensors[source + "final_layernorm.weight"]
-            out[prefix + "shared_head.head.weight"] = (head if head is not None
-                                                       else out["model.embed_tokens.weight"]).clone()
-            out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        layout.to_hf(tensors, source, prefix, depth, cfg, out)
     return out
 
 
 def unwrap_vlm(config: dict, tensors: dict) -> tuple[dict, dict, int]:
-    """A Qwen3.5 VLM checkpoint (Qwen3_5ForConditionalGeneration: model.language_model.*, lm_head and
+    """A published VLM checkpoint (a family's vlm_wrapper, Qwen3.5's: model.language_model.*, lm_head and
     mtp.* beside the vision tower model.visual.*, the language model's config.json nested in
     text_config) as its text-only CausalLM's: (config, tensors, the vision tower's tensors left out).
     The trainer trains the language model alone; another checkpoint is returned as it is."""
-    wrapper = next((a for a in config.get("architectures") or [] if a in VLM_WRAPPERS), None)
+    wrapper = next((a for a in config.get("architectures") or [] if a in families.VLM_WRAPPERS), None)
     if wrapper is None:
         return config, tensors, 0
     if not isinstance(config.get("text_config"), dict):
         raise ServingError(f"config.json: {wrapper} without a text_config (the language model's config)")
     # transformers' wrapper ties its lm_head by its own tie_word_embeddings (false when absent), not
     # text_config's; the token ids text_config lacks are the wrapper's
-    text = dict(config["text_config"], architectures=[VLM_WRAPPERS[wrapper]],
+    text = dict(config["text_config"], architectures=[families.VLM_WRAPPERS[wrapper]],
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
     text.update({k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                  if k in config and k not in text})
@@ -419,10 +351,7 @@ def unwrap_vlm(config: dict, tensors: dict) -> tuple[dict, dict, int]:
 
 def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
     """The MTP layout and depth count of a Hugging Face checkpoint's names."""
-    layouts = {"mimo": {int(m.group(1)) for n in names if (m := re.match(r"model\.mtp_layers\.(\d+)\.", n))},
-               "deepseek_v3": {int(m.group(1)) - cfg.num_layers for n in names
-                               if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers},
-               "qwen3_next": {int(m.group(1)) for n in names if (m := re.match(r"mtp\.layers\.(\d+)\.", n))}}
+    layouts = {name: layout.depths(names, cfg) for name, layout in families.MTP_LAYOUTS.items()}
     found = [(layout, depths) for layout, depths in layouts.items() if depths]
     if len(found) > 1:
         raise ServingError(f"the checkpoint holds MTP depths in "
@@ -439,16 +368,15 @@ def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
 
 
 def default_mtp_layout(cfg: ModelConfig) -> str:
-    """The layout a family's engines read its MTP depths in (MiMo's layers are Qwen2 layers, not MoE)."""
-    if cfg.family in GATED_DELTA_NET_FAMILIES:
-        return "qwen3_next"
-    return "deepseek_v3" if cfg.moe else "mimo"
+    """The layout the family's engines read its MTP depths in."""
+    return cfg.adapter.mtp_layout
 
 
 def check_mtp_layout(cfg: ModelConfig, layout: str | None) -> None:
-    """Qwen3-Next's MTP layout is its family's alone (its norms scale by 1 + w, the others' by w)."""
+    """A layout whose norms scale by 1 + w holds only a model whose norms do, and the others only the
+    others (one line naming the family's own)."""
     default = default_mtp_layout(cfg)
-    if layout and (layout == "qwen3_next") != (default == "qwen3_next"):
+    if layout and families.mtp_layout(layout).zero_centred != families.mtp_layout(default).zero_centred:
         raise ServingError(f"MTP depths in {layout}'s layout on a {cfg.family}-shaped model, whose engines read them "
                            f"in {default}'s (--mtp-layout {default})")
 
@@ -485,32 +413,14 @@ def hf_to_megatron(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, dept
     out["decoder.final_layernorm.weight"] = t["model.norm.weight"]
     if not cfg.tied:
         out["output_layer.weight"] = _pad(t["lm_head.weight"], cfg)
-    H = cfg.hidden_size
+    layout = families.mtp_layout(mtp_layout) if depths else None
     for depth in range(depths):
-        prefix = mtp_prefix(mtp_layout, cfg, depth)
+        prefix = layout.prefix(cfg, depth)
         target = f"mtp.layers.{depth}."
         sparse = mtp_sparse(cfg)
         inner = layer_from_hf({k: t[prefix + k] for k in hf_layer_shapes(cfg, sparse)}, cfg, sparse)
         out.update({target + "mtp_model_layer." + k: v for k, v in inner.items()})
-        if mtp_layout == "mimo":
-            proj = t[prefix + "input_proj.weight"]
-            out[target + "enorm.weight"] = t[prefix + "token_layernorm.weight"]
-            out[target + "hnorm.weight"] = t[prefix + "hidden_layernorm.weight"]
-            out[target + "eh_proj.weight"] = torch.cat([proj[:, H:], proj[:, :H]], 1)  # [emb, hidden]
-            out[target + "final_layernorm.weight"] = t[prefix + "final_layernorm.weight"]
-        elif mtp_layout == "qwen3_next":
-            out.update({target + ours: t[name] for ours, name in QWEN3_NEXT_MTP})
-        else:
-            head = t["model.embed_tokens.weight"] if cfg.tied else t["lm_head.weight"]
-            for copy, original in (("shared_head.head.weight", head),
-                                   ("embed_tokens.weight", t["model.embed_tokens.weight"])):
-                if not torch.equal(t[prefix + copy], original):
-                    raise ServingError(f"{prefix}{copy} differs from the main model's: megatron-core's MTP "
-                                       "depths share the embedding and the output layer")
-            out[target + "enorm.weight"] = t[prefix + "enorm.weight"]
-            out[target + "hnorm.weight"] = t[prefix + "hnorm.weight"]
-            out[target + "eh_proj.weight"] = t[prefix + "eh_proj.weight"]
-            out[target + "final_layernorm.weight"] = t[prefix + "shared_head.norm.weight"]
+        out.update(layout.from_hf(t, prefix, target, cfg))
     return {k: v.contiguous() for k, v in out.items()}
 
 
