@@ -99,6 +99,25 @@ def matrix_suite(tmp_path_factory):
 
 
 @pytest.mark.matrix
+def test_router_losses_through_the_call_in_nemo_rl_s_train(tmp_path):
+    """MoE experts over EP=2 with an auxiliary loss per micro-batch and a z-loss, on the backbone
+    and the MTP depths: NeMo-RL's train with the call given T (every input position) and its
+    moe_grad_scale_func line removed, as its guide's diff says, gives the reference's full gradients
+    with spec section 11's router terms; without the call (its own 1 / valid tokens on the routers)
+    it differs. AReaL's and verl's averaging schedules are refused with router losses
+    (test_refusals_change_nothing), and so is NeMo-RL's split path as it stands, with counts and
+    without (docs/integrations/nemo-rl.md)."""
+    ranks = launch("tests.bodies.frameworks:run_layouts", 4,
+                   {"ckpt_root": str(tmp_path), "layouts": MOE_LAYOUTS, "moe": True, "router": True}, timeout=900)
+    for results in ranks:
+        for name, *_ in MOE_LAYOUTS:
+            for framework in ("nemo",):
+                call = results[f"{name}/{framework}/call"]["rel"]
+                without = results[f"{name}/{framework}/without"]["rel"]
+                assert call < TOL and without > 1e-2, (name, framework, call, without)
+
+
+@pytest.mark.matrix
 def test_more_layouts_and_expert_parallelism(matrix_suite):
     dense, moe = matrix_suite
     check_layouts(dense, MATRIX_LAYOUTS)

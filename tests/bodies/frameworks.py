@@ -27,6 +27,8 @@ The reference (tests/reference/gpt_mtp.py) takes the framework's main loss over 
 plus the spec's (lambda / D) sum_k S_k / N_tok (section 12's objective where the model trains one).
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -42,7 +44,7 @@ from tests.harness.full_grads import gathered_full_grads, max_rel_to_reference
 from tests.harness.layout import model_parallel
 from tests.harness.moe_full_grads import gathered_full_grads_and_buffers
 from tests.reference.gpt_mtp import ReferenceGPT, draft_objective_sum, mtp_inner_layer_name
-from tests.reference.moe import ReferenceMoEGPT
+from tests.reference.moe import ReferenceMoEGPT, router_loss_terms
 
 LAMBDA = 0.3
 MICRO_BATCH = 2
@@ -138,7 +140,9 @@ def verl_update_policy(chunks, optimizer, microbatches, step):
     optimizer.zero_grad()
 
 
-def nemo_train(chunks, optimizer, microbatches, step):
+def nemo_train(chunks, optimizer, microbatches, step, own_moe_scale: bool = True):
+    """`own_moe_scale`: NeMo-RL's moe_grad_scale_func assignment, which the guide's diff removes
+    with router losses under the call (the call sets the spec's 1 / T itself)."""
     config = chunks[0].config
     tokens = torch.stack([mask.sum() for _, mask in microbatches]).sum().double()  # process_global_batch
     dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
@@ -148,7 +152,8 @@ def nemo_train(chunks, optimizer, microbatches, step):
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         scale = 1.0 / tokens.clamp(min=1).float()
-        config.moe_grad_scale_func = lambda: scale  # _set_moe_grad_scale_func(_compute_moe_grad_scale(...))
+        if own_moe_scale:
+            config.moe_grad_scale_func = lambda: scale  # _set_moe_grad_scale_func(_compute_moe_grad_scale(...))
         config.mtp_grad_scale_func = lambda: scale  # _set_mtp_grad_scale_func
 
         def forward_step(data_iterator, model):
@@ -163,7 +168,8 @@ def nemo_train(chunks, optimizer, microbatches, step):
 
         _forward_backward(chunks, forward_step, microbatches)  # megatron_forward_backward
         config.mtp_grad_scale_func = None
-        config.moe_grad_scale_func = None
+        if own_moe_scale:
+            config.moe_grad_scale_func = None
         optimizer.step()
 
 
@@ -233,11 +239,17 @@ MOE_OPTIONS = dict(MOE, moe_router_score_function="softmax", moe_router_pre_soft
                    moe_router_load_balancing_type="aux_loss", moe_z_loss_coeff=None, swiglu=False)
 
 
-def reference_grads(state, tokens, mask, framework, detach, objective="ce", temperature=1.0, moe=False) -> dict:
+# Router losses (spec section 11) for the per-token controllers, which the call normalizes by T: an
+# auxiliary loss per micro-batch and a z-loss, on the MoE layers of the backbone and the MTP depths.
+ROUTER = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
+
+
+def reference_grads(state, tokens, mask, framework, detach, objective="ce", temperature=1.0, moe=False,
+                    router=False) -> dict:
     kwargs = dict(groups=GROUPS, tied=False, detach_heads=detach, mtp_loss_scaling_factor=LAMBDA,
                   mtp_inner_name=mtp_inner_layer_name(state))
     if moe:
-        options = dict(MOE_OPTIONS, moe_ffn_hidden_size=4 * HIDDEN)
+        options = dict(MOE_OPTIONS, moe_ffn_hidden_size=4 * HIDDEN, **(ROUTER if router else {}))
         ref = ReferenceMoEGPT(VOCAB, HIDDEN, HEADS, LAYERS, DEPTHS, options, **kwargs)
     else:
         ref = ReferenceGPT(VOCAB, HIDDEN, HEADS, LAYERS, DEPTHS, **kwargs)
@@ -247,22 +259,28 @@ def reference_grads(state, tokens, mask, framework, detach, objective="ce", temp
     logits, main, per_depth = ref.losses(inputs, labels, mask)
     mtp = draft_objective_sum(objective, logits, per_depth, None, temperature)
     loss = main_term(framework, main, mask) + LAMBDA / DEPTHS * mtp / mask.sum().clamp(min=1)
+    if router:
+        loss = loss + sum(router_loss_terms(ref.router_entries, options, MICRO_BATCH).values())
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
 
-def _fields(objective: str, moe: bool) -> dict:
+def _fields(objective: str, moe: bool, router: bool = False) -> dict:
     fields = {} if objective == "ce" else {"mtp_loss_type": objective}
     if moe:
         fields.update(MOE, expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())
+    if router:
+        fields.update(ROUTER)
     return fields
 
 
-def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True, moe=False) -> dict:
+def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True, moe=False, router=False) -> dict:
     """One step of the framework's controller on this layout: every copy of every full gradient
-    (captured inside the optimizer's step, after the reduce) and the step's metrics."""
+    (captured inside the optimizer's step, after the reduce) and the step's metrics. With `router`,
+    the MoE router losses too: the call is given T (every input position of the global batch), and
+    NeMo-RL's train runs without its moe_grad_scale_func line, as its guide's diff says."""
     chunks, optimizer, config = build(detach, lam=LAMBDA, calculate_per_token_loss=PER_TOKEN_MODE[framework],
-                                      **_fields(objective, moe))
+                                      **_fields(objective, moe, router))
     load_checkpoint(ckpt, chunks)
     microbatches = rank_microbatches(tokens, mask, MICRO_BATCH)
     step_counts = StepCounts(tokens=int(mask.sum()), sequences=int((mask.sum(dim=1) > 0).sum()))
@@ -272,7 +290,9 @@ def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True
         if not call:
             import contextlib
             return contextlib.nullcontext()
-        opened.append(exact_mtp_step(chunks, step_counts if counts else None, optimizer=optimizer))
+        routed = tokens[:, :-1].numel() if router else None  # T: every input position (spec section 11)
+        opened.append(exact_mtp_step(chunks, step_counts if counts else None, optimizer=optimizer,
+                                     routed_tokens=routed))
         return opened[-1]
 
     captured, original = {}, optimizer.step
@@ -282,8 +302,11 @@ def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True
         return original()
 
     optimizer.step = capturing_step
+    controller = CONTROLLERS[framework]
+    if router and call and framework == "nemo":
+        controller = functools.partial(nemo_train, own_moe_scale=False)
     try:
-        CONTROLLERS[framework](chunks, optimizer, microbatches, step)
+        controller(chunks, optimizer, microbatches, step)
     finally:
         optimizer.step = original
     metrics = opened[0].metrics if opened else {}
@@ -315,7 +338,14 @@ def cp_rank_without_targets():
     return tokens, mask
 
 
-def run_layouts(ckpt_root: str, layouts: list, moe: bool = False) -> dict:
+# (controller, isolation, counts given) with router losses: NeMo-RL's train. The averaging controllers
+# are refused with router losses (tests/test_frameworks.py's refusals), and so is NeMo-RL's split path
+# as it stands: without counts (router losses need them) and with them (its scale_gradients would
+# scale the MTP branch too), each in one line (docs/integrations/nemo-rl.md).
+ROUTER_CASES = [("nemo", False, True)]
+
+
+def run_layouts(ckpt_root: str, layouts: list, moe: bool = False, router: bool = False) -> dict:
     """Each layout (name, TP, PP, CP, EP) x controller: the worst deviation from the reference with the
     call and without it (NeMo-RL's train: with it only, see tests/test_frameworks.py); under CP also a
     step where one CP rank has no target at all, and one with the tv draft objective (with the call)."""
@@ -325,11 +355,12 @@ def run_layouts(ckpt_root: str, layouts: list, moe: bool = False) -> dict:
     out = {}
     for name, tp, pp, cp, ep in layouts:
         with model_parallel(tp=tp, pp=pp, cp=cp, ep=ep):
-            for framework, detach, counts in CASES:
-                want = reference_grads(states[detach], tokens, mask, framework, detach, moe=moe)
-                for call in (True, False) if framework != "nemo" else (True,):
+            # with router losses NeMo-RL's own train differs too (its moe_grad_scale_func is 1 / valid tokens)
+            for framework, detach, counts in ROUTER_CASES if router else CASES:
+                want = reference_grads(states[detach], tokens, mask, framework, detach, moe=moe, router=router)
+                for call in (True, False) if framework != "nemo" or router else (True,):
                     got = run(framework, detach, call, tokens, mask, f"{ckpt_root}/init{int(detach)}{suffix}",
-                              counts=counts, moe=moe)
+                              counts=counts, moe=moe, router=router)
                     out[f"{name}/{framework}/{'call' if call else 'without'}"] = {
                         "rel": max_rel_to_reference(got["full"], want), "metrics": got["metrics"]}
             if cp > 1:  # the draft objective tv (spec section 12) through the same call, isolated heads
