@@ -54,13 +54,14 @@ def main() -> None:
     args = grpo.parse(["--num-layers", "8", "--depths", "1", "--heads", "online", "--sft-steps",
                        str(options.sft_steps)])
     task = Reversal(args.length, args.alphabet)
-    chunks, optimizer, _ = grpo.build(args, task)
+    chunks, optimizer, _, policy_args, rollout_model = grpo.build(args, task)
     for step in range(args.sft_steps):
         prompts = task.prompts(args.prompts_per_step * args.group_size, args.seed + 1, step)
         grpo.train_step(chunks, optimizer, [p + task.answer(p) for p in prompts], [1.0] * len(prompts), task, args)
-    model = chunks[0].module
-    model.eval()
-    runner = Runner(model, task.vocab_size)
+    # the rollout engine's model, given the warm-started policy by the weight stream as the example's is
+    if not grpo.refresh(rollout_model, chunks, policy_args):
+        raise SystemExit("the rollout model does not hold the streamed weights")
+    runner = Runner(rollout_model, task.vocab_size)
     prompts = task.prompts(options.prompts, args.seed, 1)
     seconds = {"plain": [], "speculative": []}
     stats = speculative.Stats(depths=1)
