@@ -217,34 +217,30 @@ def delta_net_case(depths: int, detach: bool, sparse: bool, form: str, repeated:
     return errors
 
 
-def delta_net_packed(form: str, cases: list) -> dict:
-    """Each (depths, detach) case on a packed row in `form` (sparse MTP loss with isolation, dense
-    without), by "D{depths}_{attached|isolated}"."""
+def _delta_net_cases(form: str, cases, packed: bool = False) -> dict:
+    """Each (depths, detach, repeated) case in `form` (sparse MTP loss with isolation, dense without),
+    by "D{depths}_{attached|isolated}[_repeated]"; a case that raises reports its traceback."""
     results = {}
     with model_parallel():
-        for depths, detach in cases:
-            name = f"D{depths}_{'isolated' if detach else 'attached'}"
+        for depths, detach, repeated in cases:
+            name = f"D{depths}_{'isolated' if detach else 'attached'}{'_repeated' if repeated else ''}"
             try:
-                results[name] = delta_net_case(depths, detach, sparse=detach, form=form, packed=True)
+                results[name] = delta_net_case(depths, detach, sparse=detach, form=form, repeated=repeated,
+                                               packed=packed)
             except Exception:  # noqa: BLE001 - reported to the test, which fails
                 import traceback
 
                 results[name] = {"error": traceback.format_exc()[-3000:]}
     return results
+
+
+def delta_net_packed(form: str, cases: list) -> dict:
+    """Each (depths, detach) case on a packed row in `form`."""
+    return _delta_net_cases(form, [(depths, detach, False) for depths, detach in cases], packed=True)
 
 
 def delta_net(form: str = "hybrid") -> dict:
-    """D in {1, 2} x isolation off/on (sparse MTP loss with isolation, dense without), and D = 2 with
-    one repeated MTP layer, in `form` ("hybrid" or "gpt": FORMS)."""
-    results = {}
-    with model_parallel():
-        for depths, detach, repeated in ((1, False, False), (1, True, False), (2, False, False), (2, True, False),
-                                         (2, False, True)):
-            name = f"D{depths}_{'isolated' if detach else 'attached'}{'_repeated' if repeated else ''}"
-            try:
-                results[name] = delta_net_case(depths, detach, sparse=detach, form=form, repeated=repeated)
-            except Exception:  # noqa: BLE001 - reported to the test, which fails
-                import traceback
-
-                results[name] = {"error": traceback.format_exc()[-3000:]}
-    return results
+    """D in {1, 2} x isolation off/on, and D = 2 with one repeated MTP layer, in `form` ("hybrid" or
+    "gpt": FORMS)."""
+    return _delta_net_cases(form, ((1, False, False), (1, True, False), (2, False, False), (2, True, False),
+                                   (2, False, True)))
