@@ -84,7 +84,7 @@ def count_parameters(args) -> int | str:
     from megatron.training import global_vars
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron.core.fork.specs import SpecError
+    from megatron.core.fork.runtime.specs import SpecError
     from megatron_mtp.arguments import LOCAL_HYBRID_LAYERS
     from megatron_mtp.library.initialize import initialize_model_parallel
     from megatron_mtp.serving.model import MOE_KERNELS, ONE_PROCESS
@@ -186,7 +186,7 @@ def get_batch(data_iterator, vp_stage=None):
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
 
-    from megatron.core.fork import device as compute_device
+    from megatron.core.fork.runtime import device as compute_device
 
     args = get_args()
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -220,7 +220,7 @@ SPIKY_LOSS_FACTOR = 10
 
 
 def loss_func(loss_mask, output_tensor, model=None):
-    """The exact main loss at the step's level (megatron.core.fork.step_loss.main_loss),
+    """The exact main loss at the step's level (megatron.core.fork.mtp.step_loss.main_loss),
     reported as [sum, count] so that upstream's loop reduces it into the exact mean. As
     Megatron-LM's pretrain_gpt.py, this rank's raw loss sum goes through the rerun state
     machine before any reduction: NaN or Inf (--check-for-nan-in-loss-and-grad, on by
@@ -229,7 +229,7 @@ def loss_func(loss_mask, output_tensor, model=None):
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args
 
-    from megatron.core.fork.step_loss import main_loss
+    from megatron.core.fork.mtp.step_loss import main_loss
 
     args = get_args()
     loss, count, report = main_loss(output_tensor, loss_mask)
@@ -285,7 +285,7 @@ def main() -> int:
         from megatron_mtp import console_log
 
         console_log.tee(args.log_file)
-    from megatron.core.fork.trainer import exact_step
+    from megatron.core.fork.training_loop import exact_step
 
     exact_step.enable(args.main_loss_level)
     datasets_provider.is_distributed = True
@@ -317,14 +317,14 @@ def _pretrain(args) -> int:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from megatron.core.fork.specs import SpecError
-    from megatron.core.fork.trainer import checkpoint
+    from megatron.core.fork.fixes import checkpoint_files
+    from megatron.core.fork.runtime.specs import SpecError
     from megatron_mtp import arguments
 
     try:
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider, get_embedding_ranks=get_embedding_ranks)
-    except checkpoint.CheckpointError as error:  # raised alike on every rank: one line, not a traceback each
+    except checkpoint_files.CheckpointError as error:  # raised alike on every rank: one line, not a traceback each
         arguments.fail(error)
         return 1
     except SpecError as error:  # a flag the selected layer specs do not build, refused before the model is

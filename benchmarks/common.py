@@ -87,7 +87,7 @@ def step(model, tokens, valid_fraction: float = 1.0, cp_group=None) -> None:
     parallelism) the rank's pieces of the rows (upstream's load-balanced split)."""
     import torch
 
-    from megatron.core.fork import context_parallel
+    from megatron.core.fork.runtime import context_parallel
 
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.size(1)).unsqueeze(0).expand_as(inputs)

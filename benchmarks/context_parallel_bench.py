@@ -9,7 +9,7 @@ Two ranks, the benchmarks' GPT (common.SHAPE: hidden 256, 4 layers, 8 heads, voc
 8192) with 2 MTP depths, a global batch of two sequences of --seq tokens. CP = 1: the two
 ranks are data-parallel, one sequence each. CP = 2: both sequences on both ranks, each rank
 holding half of every sequence (upstream's load-balanced chunks), its attention over every
-rank's keys and values (megatron.core.fork.context_parallel). Both models are built once
+rank's keys and values (megatron.core.fork.runtime.context_parallel). Both models are built once
 (the same weights) and their steps alternate; step = forward and backward of the rank's
 share (the gradient all-reduce, the same size in both layouts, is left out). Rank 0 prints
 median step times, their ratio and, for each rank, the peak growth of its heap during a

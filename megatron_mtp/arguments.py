@@ -168,7 +168,7 @@ def is_weight(item: str) -> bool:
         return False
 
 
-LOCAL_HYBRID_LAYERS = "*-EG"  # megatron.core.fork.specs.get_hybrid_stack_spec
+LOCAL_HYBRID_LAYERS = "*-EG"  # megatron.core.fork.runtime.specs.get_hybrid_stack_spec
 
 
 def _missing(module: str) -> bool:
@@ -260,16 +260,16 @@ def _check(args) -> None:
     if args.load is not None and not os.path.isdir(args.load) and not args.save == args.load:
         raise ArgumentError(f"--load {args.load}: no such directory")
     if args.load is not None and os.path.isdir(args.load):
-        from megatron.core.fork.trainer import checkpoint
+        from megatron.core.fork.fixes import checkpoint_files
 
-        checkpoint.verify(args.load, args.ckpt_step)  # names a damaged file before anything is built
+        checkpoint_files.verify(args.load, args.ckpt_step)  # names a damaged file before anything is built
 
 
 def _shape_of(args) -> dict:
-    """The model_shape (megatron.core.fork.model_shape) the arguments build, without building it."""
+    """The model_shape (megatron.core.fork.training_loop.model_shape) the arguments build, without building it."""
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron.core.fork.model_shape import config_shape
+    from megatron.core.fork.training_loop.model_shape import config_shape
 
     shape = config_shape(core_transformer_config_from_args(args), args.hybrid_layer_pattern)
     shape["vocab_size"] = args.padded_vocab_size
@@ -281,7 +281,8 @@ def _check_checkpoints(args) -> None:
     """Nothing a run did not load is overwritten: a --save directory that holds checkpoints is
     written only by the run that resumes from its latest one. A checkpoint of another shape
     is refused here, before anything is built (the load checks again)."""
-    from megatron.core.fork.trainer import checkpoint
+    from megatron.core.fork.fixes import checkpoint_files
+    from megatron.core.fork.training_loop import checkpoint
 
     loads_from_save = (args.load is not None and args.save is not None
                        and os.path.realpath(args.load) == os.path.realpath(args.save))
@@ -297,7 +298,7 @@ def _check_checkpoints(args) -> None:
                                     f"or resume them with --load {args.save} and their model flags")
         try:
             checkpoint.check_shape(saved, _shape_of(args), args.finetune)
-        except checkpoint.CheckpointError as error:
+        except checkpoint_files.CheckpointError as error:
             if not loads_from_save:
                 raise
             # resuming was not the point: the way out is a directory of this run's own
@@ -310,7 +311,7 @@ def _check_checkpoints(args) -> None:
             args.dist_ckpt_strictness = "log_all"
     if args.save is None or not os.path.isdir(args.save):
         return
-    latest = checkpoint.tracked_iteration(args.save)
+    latest = checkpoint_files.tracked_iteration(args.save)
     if latest is None:
         return
     if not loads_from_save:
@@ -330,12 +331,12 @@ def _check_checkpoints(args) -> None:
 
 def finished(args) -> str | None:
     """The line that says a run has nothing left to train (it resumes at or past --train-iters)."""
-    from megatron.core.fork.trainer import checkpoint
+    from megatron.core.fork.fixes import checkpoint_files
 
     if args.load is None or args.finetune or args.skip_train or not args.train_iters \
             or not os.path.isdir(args.load):
         return None
-    iteration = args.ckpt_step if args.ckpt_step is not None else checkpoint.tracked_iteration(args.load)
+    iteration = args.ckpt_step if args.ckpt_step is not None else checkpoint_files.tracked_iteration(args.load)
     if not iteration or iteration < args.train_iters:
         return None
     return (f"pretrain_gpt_mtp.py: {args.load} holds a finished run (iteration {iteration} of --train-iters "
@@ -460,7 +461,7 @@ def _parse():
     import torch
     from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args, parse_args
 
-    from megatron.core.fork.trainer import checkpoint
+    from megatron.core.fork.fixes import checkpoint_files
 
     on_cpu = not torch.cuda.is_available()
     unusable = _unusable_gpus() if on_cpu else None
@@ -501,7 +502,7 @@ def _parse():
         core_transformer_config_from_args(args)  # the config's own checks (the MTP options'), before anything is built
         _check_checkpoints(args)
         return args
-    except (ArgumentError, DatasetError, checkpoint.CheckpointError, AssertionError, ValueError,
+    except (ArgumentError, DatasetError, checkpoint_files.CheckpointError, AssertionError, ValueError,
             TypeError) as error:
         fail(error)
         return None

@@ -6,7 +6,7 @@ Each refusal is one line naming the fix: what megatron-core would assert later o
 rank (top-k, expert counts, the expert-parallel layout), the paths that need a CUDA-only
 kernel on a machine without CUDA (a --dry-run of a Transformer Engine run, as the GPU
 scripts', checks them as on its GPUs), and what an exact step cannot normalize
-(megatron.core.fork.router_losses).
+(megatron.core.fork.mtp.router_losses).
 """
 
 from types import SimpleNamespace
@@ -61,7 +61,7 @@ def check(args, world: int, error) -> None:
         if args.moe_grouped_gemm and args.transformer_impl == "transformer_engine":
             raise error("--moe-grouped-gemm with Transformer Engine layers needs CUDA: drop it (SequentialMLP "
                         "experts) or --transformer-impl local")
-    from megatron.core.fork import router_losses
+    from megatron.core.fork.mtp import router_losses
 
     try:
         router_losses.check_exact_step(SimpleNamespace(

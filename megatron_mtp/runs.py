@@ -28,7 +28,7 @@ ITERATION = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|(.*)$")
 # at N, as its TensorBoard values (written after the in-loop ones at the same step) do.
 VALIDATION = re.compile(r"validation.* loss at iteration (\d+)(?: on \w+ set)? \|(.*)$")
 SEQ_LENGTH = re.compile(r"^(?:\[default\d+\]:)?\s+seq_length \.+ (\d+)\s*$", re.MULTILINE)
-# The trainer's console and TensorBoard name (megatron.core.fork.trainer.metrics.EXPECTED_LENGTH,
+# The trainer's console and TensorBoard name (megatron.core.fork.training_loop.metrics.EXPECTED_LENGTH,
 # not imported: reading a run needs neither torch nor megatron).
 EXPECTED_LENGTH_NAME = "expected accepted length (incl. bonus token)"
 SAMPLING_LENGTH_NAME = "expected accepted length (sampling)"  # ...statistics.EXPECTED_LENGTH_SAMPLING

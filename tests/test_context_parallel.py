@@ -2,7 +2,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Context parallelism (CP) with exact MTP on CPU (issue 28), model side.
 
-- The MTP roll of a CP rank's pieces (megatron.core.fork.context_parallel, which the 0.19.2
+- The MTP roll of a CP rank's pieces (megatron.core.fork.runtime.context_parallel, which the 0.19.2
   series' roll_tensor hands CP pieces and packed rows to) equals the global roll of whole
   rows and of packed rows of odd-length sequences (padded to multiples of 2 x CP, one of a
   single token), at CP = 2 on a strict subgroup of the world (TP = 2) and at CP = 4, and

@@ -14,7 +14,7 @@ recorded is compared without them.
 import pytest
 from megatron.core.transformer import TransformerConfig
 
-from megatron.core.fork.model_shape import check_same_shape, config_shape
+from megatron.core.fork.training_loop.model_shape import check_same_shape, config_shape
 
 BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, mtp_num_layers=1)
 GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,

@@ -161,6 +161,6 @@ def test_bad_runs_are_refused_in_one_line(case, console, tensorboard, tmp_path):
 
 
 def test_the_reader_names_the_trainer_s_metric_as_the_trainer_does():
-    from megatron.core.fork.trainer.metrics import EXPECTED_LENGTH
+    from megatron.core.fork.training_loop.metrics import EXPECTED_LENGTH
 
     assert EXPECTED_LENGTH_NAME == EXPECTED_LENGTH

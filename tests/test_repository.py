@@ -76,3 +76,21 @@ def test_the_tree_passes_ruff():
     command = [str(ruff)] if ruff.exists() else [sys.executable, "-m", "ruff"]
     result = subprocess.run([*command, "check", "--no-cache", "."], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_the_fork_s_folders_follow_the_series_parts_and_docs_series_tables_their_callers():
+    """Each patch calls only its own part's folder of megatron/core/fork or an earlier part's,
+    and so does each fork module's import; docs/series.md holds `tools/fork callers`' tables."""
+    from tools.fork_tool import callers
+
+    text = (REPO_ROOT / "docs" / "series.md").read_text()
+    begin, end = "<!-- tools/fork callers: begin -->\n", "<!-- tools/fork callers: end -->"
+    assert begin in text and end in text, "docs/series.md lost the markers of the callers table"
+    written = text[text.index(begin) + len(begin):text.index(end)]
+    versions = ("0.19.2", "0.16.1")
+    for version in versions:
+        assert not callers.layering_errors(version), callers.layering_errors(version)
+    expected = "\n".join(callers.table(version) for version in versions)
+    assert written == expected, "docs/series.md's callers table is stale: paste `tools/fork callers` for " + \
+        ", ".join(versions)
+    assert "`mtp.heads.attach_mtp_losses`" in expected and "`runtime.device.current_device`" in expected

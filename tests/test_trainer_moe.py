@@ -116,6 +116,30 @@ def test_resume_is_bit_exact_and_an_ep2_checkpoint_trains_on_with_ep1(dataset, t
     assert_trains_on(tmp_path / "tb-whole", tmp_path / "tb-ep1")
 
 
+@pytest.mark.matrix
+def test_a_per_bucket_optimizer_state_of_another_expert_layout_is_refused_in_one_line(dataset, tmp_path):
+    """Saved with EP = 2 (megatron-core's chain of a dense and an expert optimizer) in the
+    distributed optimizer's per-bucket layout, which cannot follow the parameters to one
+    optimizer: resumed with EP = 1, load_checkpoint's hook (patch "Optimizer: load a state
+    saved by a chain of another length") refuses it in one line naming the ways out, on every
+    rank, before any tensor is read; with --no-load-optim the same load trains on."""
+    common = (*COMMON, "--micro-batch-size", "2", "--data-path", str(dataset), "--use-distributed-optimizer")
+    train(2, *common, "--expert-model-parallel-size", "2", "--train-iters", "2", "--save-interval", "2",
+          "--save", str(tmp_path / "ep2"))
+    resume = (*common, "--train-iters", "3", "--load", str(tmp_path / "ep2"), "--save", str(tmp_path / "ep1"),
+              "--save-interval", "3")
+    refused = train(2, *resume, check=False)
+    assert refused.returncode != 0 and not refused.iterations, refused.tail()
+    errors = set(refused.errors())
+    assert len(errors) == 1, refused.tail()
+    message = errors.pop()
+    assert "per-bucket layout 'dp_reshardable' of 2 optimizer(s)" in message and "this run's 1" in message, message
+    assert "--dist-ckpt-optim-fully-reshardable" in message and "--no-load-optim" in message, message
+    assert not (tmp_path / "ep1").exists() or not any((tmp_path / "ep1").iterdir())
+    trained = train(2, *resume, "--no-load-optim")
+    assert sorted(trained.iterations) == [3], trained.tail()
+
+
 def assert_trains_on(whole_logs, resharded_logs) -> None:
     """The run logged to `resharded_logs`, resumed at iteration 3 in another expert layout,
     logs at iterations 4-6 what the saving run logged to `whole_logs`."""

@@ -235,7 +235,7 @@ def largest_difference(rollout_model, model) -> float:
 
 def policy_gradient_loss(per_token_ce, advantages, loss_mask):
     """A_t * (-log pi(a_t)) per token, normalized by the running step (token or sequence level)."""
-    from megatron.core.fork.step_loss import main_loss
+    from megatron.core.fork.mtp.step_loss import main_loss
 
     return main_loss(per_token_ce * advantages, loss_mask)
 
@@ -246,7 +246,7 @@ def forward_step(data_iterator, model, positive_advantage_only=False):
     the advantages are cut as gpt_per_token_loss cuts the loss mask."""
     from megatron.core import parallel_state
 
-    from megatron.core.fork import context_parallel
+    from megatron.core.fork.runtime import context_parallel
     from megatron_mtp.library.step import gpt_per_token_loss
 
     tokens, loss_mask, advantages = next(data_iterator)
@@ -264,8 +264,8 @@ def packed_forward_step(data_iterator, model, positive_advantage_only=False):
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron.core.fork import context_parallel
-    from megatron.core.fork import device as compute_device
+    from megatron.core.fork.runtime import context_parallel
+    from megatron.core.fork.runtime import device as compute_device
 
     input_ids, loss_mask, weights, labels, positions, padded, unpadded = next(data_iterator)
     device = compute_device.current_device()

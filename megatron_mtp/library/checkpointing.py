@@ -4,7 +4,7 @@
 
 A checkpoint is written into a temporary sibling directory and renamed into place
 only when complete, so an interrupted save never leaves a half-written checkpoint
-under the final name. It records the model's shape (megatron.core.fork.model_shape),
+under the final name. It records the model's shape (megatron.core.fork.training_loop.model_shape),
 and loading into a model of another shape is refused, naming each difference, before
 any tensor is read.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron.core.fork import step_loss
-from megatron.core.fork.model_shape import check_same_shape, model_shape
+from megatron.core.fork.mtp import step_loss
+from megatron.core.fork.training_loop.model_shape import check_same_shape, model_shape
 
 MODEL_SHAPE_KEY = "model_shape"
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import device as compute_device
 
 
 def initialize_distributed(tp: int, pp: int, vpp: int | None, seed: int, timeout_minutes: int = 10,

@@ -11,7 +11,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.core.fork.specs import (
+from megatron.core.fork.runtime.specs import (
     SpecError,
     get_hybrid_stack_spec,
     gpt_specs,
@@ -54,7 +54,7 @@ def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: i
     """The GPTModel (with its MTP block on the last stage) of one (virtual) pipeline stage: the
     one GPT builder of the trainer, the library and serving. Its decoder and MTP specs are
     Megatron-LM's selection for the config (`layer_spec` replaces it, as --spec), with this
-    device's modules (megatron.core.fork.specs.gpt_specs; `core_attention` replaces the local
+    device's modules (megatron.core.fork.runtime.specs.gpt_specs; `core_attention` replaces the local
     layers' SDPA attention: serving's cached one); `options` are GPTModel's (rotary by
     default, as in DeepSeek-V3: learned absolute positions with MTP under pipeline parallelism
     are refused, as the MTP stage's copy would not stay in sync)."""

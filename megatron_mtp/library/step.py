@@ -1,6 +1,6 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""One optimizer step of the trainer: a split step (megatron.core.fork.split_step) with one chunk.
+"""One optimizer step of the trainer: a split step (megatron.core.fork.mtp.split_step) with one chunk.
 
 The step's batch is known, so its global counts (valid main tokens and sequences) are
 all-reduced once up front and every loss branch is seeded with its exact global scale
@@ -12,17 +12,17 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 
-from megatron.core.fork import context_parallel
-from megatron.core.fork import device as compute_device
-from megatron.core.fork.split_step import SplitStep
-from megatron.core.fork.step_loss import StepCounts, main_loss, step_counts
+from megatron.core.fork.mtp.split_step import SplitStep
+from megatron.core.fork.mtp.step_loss import StepCounts, main_loss, step_counts
+from megatron.core.fork.runtime import context_parallel
+from megatron.core.fork.runtime import device as compute_device
 
 
 def gpt_per_token_loss(model, tokens, loss_mask, mtp_sample_mask=None):
     """The model's per-token cross-entropy [b, s] on tokens [b, s+1] (targets: the tokens shifted
     by one) and loss_mask [b, s], both moved to the compute device: (loss, loss_mask there).
     With context parallelism both are this CP rank's pieces of the sequences (upstream's
-    load-balanced split, megatron.core.fork.context_parallel).
+    load-balanced split, megatron.core.fork.runtime.context_parallel).
 
     mtp_sample_mask [b]: spec section 12's MTP-only sample mask r (for example advantage > 0).
     It multiplies the masks of the MTP depths and nothing else: the model is given

@@ -44,7 +44,7 @@ class Staging:
         return self.path
 
     def _permissions(self):  # mkdtemp (and safetensors) create private files; a checkpoint is shared as usual
-        from megatron.core.fork.trainer.checkpoint import umask_mode
+        from megatron.core.fork.fixes.checkpoint_files import umask_mode
 
         for root, dirs, names in os.walk(self.path):
             for name in dirs:
@@ -203,8 +203,8 @@ def write_megatron(staging: Path, args, tensors: dict, depths_in_tensors: int, s
     of the tensors that were initialized rather than imported."""
     from megatron.core import dist_checkpointing
 
-    from megatron.core.fork.model_shape import model_shape
-    from megatron.core.fork.trainer import checkpoint as trainer_checkpoint
+    from megatron.core.fork.training_loop import checkpoint as trainer_checkpoint
+    from megatron.core.fork.training_loop.model_shape import model_shape
     from megatron_mtp.serving import model as serving_model
 
     serving_model.setup(seed)

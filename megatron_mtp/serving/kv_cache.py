@@ -25,7 +25,7 @@ import contextlib
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.core.fork.sdpa_attention import SDPACoreAttention
+from megatron.core.fork.runtime.sdpa_attention import SDPACoreAttention
 from megatron_mtp.serving import recurrent
 
 

@@ -83,7 +83,7 @@ def builder_cases(cases: dict, save: str) -> dict:
     from megatron.training.arguments import core_transformer_config_from_args
 
     import pretrain_gpt_mtp
-    from megatron.core.fork.specs import SpecError
+    from megatron.core.fork.runtime.specs import SpecError
     from megatron_mtp.serving.model import setup
 
     results = {}

@@ -20,8 +20,8 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_token_prediction
 
-from megatron.core.fork import context_parallel
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.fork.runtime import context_parallel
 from megatron_mtp.library.model import build_gpt
 from tests.bodies.mtp_model import VOCAB, counts_equal, make_config, max_rel, reference_for, reference_sums
 from tests.harness.layout import model_parallel

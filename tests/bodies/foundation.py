@@ -164,7 +164,7 @@ def sdpa_matches_upstream_attention() -> dict:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.core.fork.specs import on_this_device
+    from megatron.core.fork.runtime.specs import on_this_device
 
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,

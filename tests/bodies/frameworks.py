@@ -34,8 +34,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron.core.fork.exact_mtp_step import exact_mtp_step
-from megatron.core.fork.step_loss import StepCounts
+from megatron.core.fork.mtp.exact_mtp_step import exact_mtp_step
+from megatron.core.fork.mtp.step_loss import StepCounts
 from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.step import gpt_per_token_loss
@@ -373,7 +373,7 @@ def run_layouts(ckpt_root: str, layouts: list, moe: bool = False, router: bool =
                 want = reference_grads(states[False], empty_tokens, empty_mask, "nemo", False)
                 got = run("nemo", False, True, empty_tokens, empty_mask, f"{ckpt_root}/init0")
                 local = sum(float(m.sum()) for _, m in rank_microbatches(empty_tokens, empty_mask, MICRO_BATCH))
-                from megatron.core.fork import context_parallel
+                from megatron.core.fork.runtime import context_parallel
                 piece = context_parallel.shard(empty_mask, 1, parallel_state.get_context_parallel_group())
                 out[f"{name}/cp_rank_without_targets"] = {
                     "rel": max_rel_to_reference(got["full"], want), "metrics": got["metrics"],
@@ -408,7 +408,7 @@ def _refused(action) -> str | None:
 def refusals(ckpt_root: str) -> dict:
     """Each refusal's one-line message, and whether the step left parameters, gradients and hooks
     as before (no optimizer step, nothing accumulated)."""
-    from megatron.core.fork.step_loss import active
+    from megatron.core.fork.mtp.step_loss import active
 
     tokens, mask = batch()
     out = {}

@@ -1,13 +1,13 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""The fork's CPU Gated DeltaNet kernels (megatron/core/fork/gated_delta_rule.py) on packed rows:
+"""The fork's CPU Gated DeltaNet kernels (megatron/core/fork/runtime/gated_delta_rule.py) on packed rows:
 each packed sequence against the same kernel on that sequence alone as a row of its own
 (FLA's cu_seqlens semantics: nothing crosses a boundary), for the chunked form, the recurrent
 form and the causal convolution; outputs, final states and input gradients."""
 
 import torch
 
-from megatron.core.fork import gated_delta_rule as kernels
+from megatron.core.fork.runtime import gated_delta_rule as kernels
 
 LENGTHS = (5, 1, 70, 3)  # odd lengths, a single token, one past the chunked kernel's chunk of 64
 HEADS, KEY, VALUE, CHANNELS, WIDTH = 2, 4, 3, 6, 4

@@ -32,7 +32,7 @@ def _steps(use_transformer_engine: bool) -> list[dict]:
 
 
 def bf16_steps() -> dict:
-    from megatron.core.fork import device as compute_device
+    from megatron.core.fork.runtime import device as compute_device
 
     has_te = importlib.util.find_spec("transformer_engine") is not None
     return {
@@ -55,7 +55,7 @@ def packed_delta_net(dtype: str = "bfloat16") -> dict:
     part of that, or the kernels would not be resetting at the boundaries."""
     import dataclasses
 
-    from megatron.core.fork import device as compute_device
+    from megatron.core.fork.runtime import device as compute_device
     from tests.bodies.context_parallel import packed_row
     from tests.bodies.hybrid import DELTA_NET_PACKED, delta_net_model, delta_net_reference
     from tests.bodies.mtp_model import Capture, packed_params

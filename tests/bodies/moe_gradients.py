@@ -17,7 +17,8 @@ tests.bodies.hybrid.reference_name), its Gated DeltaNet's decay slowed first
 
 import torch
 
-from megatron.core.fork import compat, router_losses
+from megatron.core.fork.mtp import router_losses
+from megatron.core.fork.runtime import compat
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.hybrid import reference_name, slow_decay
 from tests.harness.layout import model_parallel

@@ -18,8 +18,8 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 
-from megatron.core.fork import context_parallel
-from megatron.core.fork.step_loss import main_loss
+from megatron.core.fork.mtp.step_loss import main_loss
+from megatron.core.fork.runtime import context_parallel
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.step import train_step
 from tests.bodies.context_parallel import packed_params, packed_row

@@ -28,7 +28,7 @@ def install() -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron.core.fork.trainer import checkpoint
+    from megatron.core.fork.fixes import checkpoint_files
 
     if MOMENT == "after-tensor-files":
         save = dist_checkpointing.save
@@ -48,11 +48,11 @@ def install() -> None:
                 return getattr(os, name)
 
             def replace(self, source, target):
-                if str(target).endswith(checkpoint.TRACKER) and open(source).read() == str(ITERATION):
+                if str(target).endswith(checkpoint_files.TRACKER) and open(source).read() == str(ITERATION):
                     die()
                 os.replace(source, target)
 
-        checkpoint.os = Os()
+        checkpoint_files.os = Os()
     else:
         raise SystemExit(f"unknown KILL_DURING_SAVE {MOMENT!r}")
 

@@ -39,9 +39,9 @@ import sys
 # What the tests' processes import (an import that fails in some tree is skipped there).
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
            "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer", "megatron.core.distributed",
-           "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel", "megatron.core.fork.specs",
+           "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel", "megatron.core.fork.runtime.specs",
            "megatron.training", "megatron.training.training", "megatron.training.arguments",
-           "megatron.core.fork.trainer.exact_step", "megatron_mtp.arguments",
+           "megatron.core.fork.training_loop.exact_step", "megatron_mtp.arguments",
            "megatron_mtp.library.model", "megatron_mtp.library.step", "megatron_mtp.library.checkpointing",
            "megatron_mtp.library.initialize", "tests.harness.worker")
 

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.core.fork import chained_optimizer_state
+from megatron.core.fork.fixes import chained_optimizer_state
+from megatron.core.fork.fixes.checkpoint_files import CheckpointError
 
 HYPER = {"wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False, "lr": 5e-4, "weight_decay": 0.01}
 NO_DECAY = {**HYPER, "wd_mult": 0.0, "weight_decay": 0.0}
@@ -90,7 +91,7 @@ def chain_of(n):
 
 def test_a_per_bucket_layout_of_another_chain_is_refused_in_one_line():
     per_bucket = {part: {"param_state_sharding_type": "dp_reshardable"} for part in (0, 1)}
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(CheckpointError) as refused:
         chained_optimizer_state.check_reshardable(per_bucket, chain_of(1))
     message = str(refused.value)
     assert "\n" not in message and "'dp_reshardable' of 2 optimizer(s)" in message and "this run's 1" in message

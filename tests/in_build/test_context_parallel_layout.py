@@ -1,6 +1,6 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""The context-parallel layout (megatron.core.fork.context_parallel.local_positions) against
+"""The context-parallel layout (megatron.core.fork.runtime.context_parallel.local_positions) against
 indices written by hand: of every (padded) sequence, 2 x CP equal chunks, CP rank r holding
 chunks r and 2 x CP - 1 - r (upstream's load balance). The data split, the MTP roll, the CP
 attention's mask and, without Transformer Engine, upstream's get_batch_on_this_cp_rank all read
@@ -10,7 +10,7 @@ cannot see a wrong layout; this test can."""
 import pytest
 import torch
 
-from megatron.core.fork.context_parallel import local_positions
+from megatron.core.fork.runtime.context_parallel import local_positions
 
 # (total positions, CP, cu_seqlens_padded or None, the positions each CP rank holds)
 LAYOUTS = [

@@ -1,12 +1,12 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""megatron.core.fork.device stands in for upstream's torch.cuda calls (patch 0002): on GPUs
+"""megatron.core.fork.runtime.device stands in for upstream's torch.cuda calls (patch 0002): on GPUs
 current_device() returns exactly what torch.cuda.current_device() returns (an int, which the
 rerun state machine stores in checkpoints), on the CPU the CPU device."""
 
 import torch
 
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import device as compute_device
 
 
 def test_on_a_gpu_current_device_is_upstreams_index(monkeypatch):

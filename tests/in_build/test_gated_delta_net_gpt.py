@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron.core import package_info
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.core.fork.specs import SpecError, gpt_specs
+from megatron.core.fork.runtime.specs import SpecError, gpt_specs
 
 
 def test_the_variant_is_refused_where_its_layers_are_not_selected():

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.core.fork import compat, router_losses
+from megatron.core.fork.mtp import router_losses
+from megatron.core.fork.runtime import compat
 
 
 def moe_config(**overrides):

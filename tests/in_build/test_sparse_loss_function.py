@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.core.fork.mtp.sparse_cross_entropy import ChunkedVocabParallelCrossEntropy
 from megatron.core.fork.mtp.sparse_loss import rows_needed
-from megatron.core.fork.sparse_cross_entropy import ChunkedVocabParallelCrossEntropy
 
 ROWS, HIDDEN, VOCAB = 23, 16, 40
 

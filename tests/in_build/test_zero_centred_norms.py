@@ -10,8 +10,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.core.fork import compat
-from megatron.core.fork.specs import SpecError, refuse_dropped
+from megatron.core.fork.runtime import compat
+from megatron.core.fork.runtime.specs import SpecError, refuse_dropped
 
 
 def config(**overrides):

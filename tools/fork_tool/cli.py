@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megatron_mtp.patched_core import PatchedCoreError, carried_versions, current_upstream_version, series_patches
 
-from . import check, install, rebase, series
+from . import callers, check, install, rebase, series
 from .errors import ForkError
 
 
@@ -74,6 +74,14 @@ def cmd_carry(args) -> int:
                              keep_going=args.keep_going, without=tuple(args.without))
     print("\n".join(lines))
     return 0 if ok else 1
+
+
+def cmd_callers(args) -> int:
+    print(callers.table(args.version), end="")
+    errors = callers.layering_errors(args.version)
+    for error in errors:
+        print(f"tools/fork callers: a later part's folder is called: {error}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -146,6 +154,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--without", action="append", default=[], metavar="PART", choices=series.PARTS,
                    help="leave out a part of the series (e.g. runtime, for GPUs); repeatable")
     p.add_argument("--force", action="store_true", help="replace an existing tree at the target")
+
+    add("callers", cmd_callers, "Print the table of the fork functions each patch's hunks call (docs/series.md "
+        "holds it); exits 1 if a patch or a fork module calls a folder of a later part than its own.")
     return top
 
 

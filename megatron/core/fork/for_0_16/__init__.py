@@ -13,5 +13,5 @@ attributes and results, so that both series train the same objective:
 - options: TransformerConfig's base with the two MTP options 0.17 added upstream.
 
 Nothing else imports them; what differs between the carried versions at run time goes
-through megatron.core.fork.compat.
+through megatron.core.fork.runtime.compat.
 """

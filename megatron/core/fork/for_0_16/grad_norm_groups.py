@@ -19,7 +19,7 @@ import math
 import torch
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import device as compute_device
 
 GRAD_NORM_GROUP_ATTR = "grad_norm_group"
 SEPARATE_GROUPS = ("mtp",)

@@ -13,7 +13,7 @@ z^0_{t+k} is computed from h^0 rolled left by k inside its sequence
 (megatron.core.fork.mtp.supervision.rolled_main_hidden: upstream's ``roll_tensor``, which
 this series makes exact across context-parallel ranks and packed segments) and the detached
 output weight, at the same rows as z^k_t, in the same
-chunks of the sparse cross-entropy (megatron.core.fork.sparse_cross_entropy): no
+chunks of the sparse cross-entropy (megatron.core.fork.mtp.sparse_cross_entropy): no
 [tokens, vocab] tensor outlives its chunk. Under tensor parallelism each rank holds a
 vocabulary shard; the maxima, exponential sums and the sums over the vocabulary of
 min(p, q), of q where q < p, and of p log(p / q) are all-reduced, so every value is the

@@ -19,21 +19,21 @@ projection at every row.
 import torch
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-from megatron.core.fork import compat, step_loss
-from megatron.core.fork.mtp import isolation, last_depth
+from megatron.core.fork.mtp import isolation, last_depth, step_loss
 from megatron.core.fork.mtp.draft_objectives import objective_of
 from megatron.core.fork.mtp.sparse_loss import every_row, rows_needed, sparse_depth_losses
 from megatron.core.fork.mtp.supervision import depth_targets, labels_and_mask
+from megatron.core.fork.runtime import compat
 
 
 def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):
     """Backward weight of a depth's raw masked CE sum.
 
     calculate_per_token_loss: lambda / D on raw sums, and the active step's normalization
-    (megatron.core.fork.step_loss) makes the division by the global N_tok exact,
+    (megatron.core.fork.mtp.step_loss) makes the division by the global N_tok exact,
     either here (counts up front) or after the gradient reduce. Otherwise (each micro-batch normalized by its own
     counts, upstream's default mode) the micro-batch's main-token count stands in for N_tok. In a
-    framework's step (megatron.core.fork.exact_mtp_step) the step gives the whole seed, loss scale included.
+    framework's step (megatron.core.fork.mtp.exact_mtp_step) the step gives the whole seed, loss scale included.
     """
     weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
     step = step_loss.active()

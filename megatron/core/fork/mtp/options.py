@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 
-from megatron.core.fork import compat
 from megatron.core.fork.mtp import draft_objectives
+from megatron.core.fork.runtime import compat
 
 
 @dataclass
@@ -60,7 +60,7 @@ class MTPTrainingConfig(ModelParallelConfig):
     'ce' skips it, and the two metrics are not reported."""
 
     exact_steps: bool = False
-    """Make every step of megatron.training's loop exact (megatron.core.fork.trainer.exact_step)
+    """Make every step of megatron.training's loop exact (megatron.core.fork.training_loop.exact_step)
     for a loss function with upstream pretrain_gpt.py's per-token contract (the raw masked sum
     and its token count): one normalization by the step's global counts for the main loss
     (token level), every MTP depth and the MoE router losses, whatever the micro-batches and

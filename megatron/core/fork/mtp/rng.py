@@ -29,7 +29,7 @@ import hashlib
 
 import torch
 
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import device as compute_device
 
 PREFIX = "mtp/"
 DEFAULT = "default"  # the compute device's default generator

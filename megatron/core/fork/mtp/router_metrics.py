@@ -25,9 +25,8 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron.core.fork import device as compute_device
-from megatron.core.fork import router_losses
-from megatron.core.fork.mtp import last_depth
+from megatron.core.fork.mtp import last_depth, router_losses
+from megatron.core.fork.runtime import device as compute_device
 
 LABELS = {"load_balancing_loss": "load balancing loss", "seq_load_balancing_loss": "seq load balancing loss",
           "global_load_balancing_loss": "global load balancing loss", "z_loss": "z loss"}

@@ -6,7 +6,7 @@ Depth k's rows are the positions valid at depth k, plus the few where only a dee
 is valid: the chain statistic of a deeper depth needs depth k's prediction there (loss
 weight 0). They are gathered from h^k (autograd scatters their gradient back), and the
 rows of all depths go through one chunked cross-entropy
-(megatron.core.fork.sparse_cross_entropy), so all depths share one buffer for the output
+(megatron.core.fork.mtp.sparse_cross_entropy), so all depths share one buffer for the output
 weight's gradient (none under isolation: the weight is detached). The statistics come from
 the same chunks' logits.
 """
@@ -14,14 +14,14 @@ the same chunks' logits.
 import torch
 
 from megatron.core.fork.mtp.draft_objectives import DraftTargets, depth_terms, objective_of, objective_sum
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS
-from megatron.core.fork.mtp.supervision import rolled_main_hidden
-from megatron.core.fork.sparse_cross_entropy import (
+from megatron.core.fork.mtp.sparse_cross_entropy import (
     chunked_cross_entropy,
     full_sequence,
     refuse_output_bias,
     vocab_parallel_rows,
 )
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.fork.mtp.supervision import rolled_main_hidden
 
 
 def rows_needed(masks: list[torch.Tensor]) -> list[torch.Tensor]:

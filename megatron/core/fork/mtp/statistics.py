@@ -17,7 +17,7 @@ not that target is itself supervised (the target token exists whenever depth k's
 import torch
 import torch.distributed as dist
 
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import device as compute_device
 
 CE_SUM, VALID, CORRECT, CHAIN_CORRECT, SAMPLED_ACCEPTED, SAMPLED_CHAIN_ACCEPTED = range(6)
 FIELDS = 6

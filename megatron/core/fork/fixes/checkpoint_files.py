@@ -1,19 +1,13 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""What megatron.training's checkpoints carry for MTP training, and how they are committed
-and checked (spec section 9).
-
-``state`` goes into every checkpoint beside upstream's entries: the model's shape
-(megatron.core.fork.model_shape) and the metric counters that span steps. On load,
-``check`` refuses a checkpoint of another shape before any tensor is read, naming each
-difference (with --finetune the MTP depths may differ: heads can be added to, or dropped
-from, a pretrained backbone), and ``restore`` continues the counters.
+"""Checkpoint directories committed atomically and checked before a load reads them.
 
 A checkpoint becomes the one to resume from when the tracker file names its iteration;
 ``write_tracker`` replaces that file atomically, so a save killed at any moment leaves the
 tracker naming the previous, complete checkpoint. ``verify`` reads what a load reads first
 (tracker, metadata, common state, the tensor files' extents) and names the file that is
-missing, truncated or unreadable, before anything is built.
+missing, truncated or unreadable, before anything is built. Independent of MTP: patch
+"Checkpoints: an atomic tracker file" calls it from megatron.training.checkpointing.
 """
 
 import json
@@ -21,48 +15,11 @@ import os
 import pickle
 import tempfile
 
-from megatron.core.msc_utils import MultiStorageClientFeature, maybe_msc
-
-from megatron.core.fork import chained_optimizer_state
-from megatron.core.fork.model_shape import check_same_shape, model_shape
-from megatron.core.fork.trainer import metrics
-
-KEY = "mtp_training"
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded into this run; the message names why."""
-
-
-def state(model) -> dict:
-    return {"model_shape": model_shape(model[0]), "metrics": metrics.state_dict()}
-
-
-def check(common_state: dict, model, finetune: bool, optimizer=None) -> None:
-    """Raise CheckpointError if the checkpoint's model shape differs from `model`'s, or if its
-    optimizer state cannot load into `optimizer` (None: the optimizer state is not loaded)."""
-    check_shape((common_state or {}).get(KEY), model_shape(model[0]), finetune)
-    try:
-        chained_optimizer_state.check_reshardable((common_state or {}).get("optimizer"), optimizer)
-    except ValueError as error:
-        raise CheckpointError(str(error)) from None
-
-
-def check_shape(saved: dict | None, current: dict, finetune: bool) -> None:
-    """Raise CheckpointError if the shape in this trainer's entry `saved` (None: a checkpoint
-    not written by this trainer, which upstream's own argument checks cover) differs from
-    `current` (a ``model_shape``)."""
-    if saved is None:
-        return
-    try:
-        check_same_shape(saved["model_shape"], current, finetune)
-    except ValueError as error:
-        raise CheckpointError(str(error)) from None
-
-
-def restore(common_state: dict) -> None:
-    metrics.load_state_dict(((common_state or {}).get(KEY) or {}).get("metrics"))
 
 
 def umask_mode(full: int) -> int:
@@ -75,6 +32,9 @@ def umask_mode(full: int) -> int:
 
 def write_tracker(path: str, text: str) -> None:
     """Write the tracker file so that it holds either its old or its new text, never a part."""
+    # Here, not at the top: CheckpointError is imported on 0.16.1 too, whose msc_utils lacks maybe_msc.
+    from megatron.core.msc_utils import MultiStorageClientFeature, maybe_msc
+
     if MultiStorageClientFeature.is_enabled():  # object stores replace an object whole
         with maybe_msc.open(path, "w") as file:
             file.write(text)
@@ -131,7 +91,7 @@ def verify(load_dir: str, step: int | None = None) -> str | None:
     metadata = os.path.join(directory, "metadata.json")
     if os.path.isfile(metadata):
         try:
-            _read(metadata, lambda path: json.load(open(path)))
+            read(metadata, lambda path: json.load(open(path)))
             _verify_torch_dist(directory)
         except CheckpointError as error:
             earlier = [i for i in _iterations(load_dir) if i < iteration]
@@ -149,19 +109,8 @@ def _iterations(load_dir: str) -> list[int]:
     return sorted(int(number) for number in names if number.isdigit())
 
 
-def saved_entry(load_dir: str, step: int | None = None) -> dict | None:
-    """This trainer's entry (model shape, counters) in the checkpoint a run would resume from;
-    None when there is nothing to resume or the checkpoint was not written by this trainer.
-    Reads the common state only, no tensor."""
-    directory = verify(load_dir, step)
-    if directory is None or not os.path.isfile(os.path.join(directory, "metadata.json")):
-        return None
-    from megatron.core.dist_checkpointing import load_common_state_dict
-
-    return (_read(directory, load_common_state_dict) or {}).get(KEY)
-
-
-def _read(path: str, reader):
+def read(path: str, reader):
+    """reader(path), a failure raised as a CheckpointError naming the file."""
     try:
         return reader(path)
     except FileNotFoundError:
@@ -176,7 +125,7 @@ def _verify_torch_dist(directory: str) -> None:
     from megatron.core.dist_checkpointing import load_common_state_dict
 
     index = os.path.join(directory, ".metadata")
-    storage = _read(index, lambda path: pickle.load(open(path, "rb"))).storage_data or {}
+    storage = read(index, lambda path: pickle.load(open(path, "rb"))).storage_data or {}
     needed = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -187,4 +136,4 @@ def _verify_torch_dist(directory: str) -> None:
         size = os.path.getsize(path)
         if size < length:
             raise CheckpointError(f"{path}: truncated ({size} bytes, the checkpoint's index needs {length})")
-    _read(directory, load_common_state_dict)
+    read(directory, load_common_state_dict)

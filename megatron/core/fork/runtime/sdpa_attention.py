@@ -10,7 +10,7 @@ rows (a block-diagonal causal mask built from ``cu_seqlens``), and keeps
 attention dropout under the tensor-parallel RNG tracker as upstream does.
 
 With context parallelism each rank attends with its own queries to every rank's keys and
-values, all-gathered over the CP group (megatron.core.fork.context_parallel: upstream's
+values, all-gathered over the CP group (megatron.core.fork.runtime.context_parallel: upstream's
 load-balanced layout; the causal and packed masks by global position). Transformer
 Engine's CP attention (p2p, a2a, all-gather) stays the GPU path; this one needs no kernel.
 """
@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
-from megatron.core.fork import context_parallel
+from megatron.core.fork.runtime import context_parallel
 
 
 def causal_mask(q_positions: Tensor, k_positions: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:

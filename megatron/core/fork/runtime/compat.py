@@ -53,7 +53,7 @@ def drop_moe_metrics_tracker() -> None:
 
 def mtp_rolls_across_context_parallel_ranks() -> bool:
     """Whether this megatron-core's MTP roll is the fork's exact one across context-parallel
-    ranks (the 0.19.2 series routes roll_tensor to megatron.core.fork.context_parallel; the
+    ranks (the 0.19.2 series routes roll_tensor to megatron.core.fork.runtime.context_parallel; the
     0.16.1 series does not carry it, so MTP with context parallelism stays refused there)."""
     return _at_least(0, 19)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.core.fork import device as compute_device
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
+from megatron.core.fork.runtime import device as compute_device
 
 TOKEN, SEQUENCE = "token", "sequence"
 MAIN_LOSS_LEVELS = (TOKEN, SEQUENCE)
@@ -137,7 +137,7 @@ def _context_parallel_group():
 
 
 class FrameworkNormalization(StepNormalization):
-    """A framework's own step (megatron.core.fork.exact_mtp_step, main_loss=None): the framework
+    """A framework's own step (megatron.core.fork.mtp.exact_mtp_step, main_loss=None): the framework
     scales its main loss as it always does; the step owns only the MTP branch's seed, the whole of
     it: lambda / D (applied by the heads) times the loss scale, 1/N_tok when the counts are given,
     and the inverse of the uniform factor the framework's DDP applies after backward

@@ -13,7 +13,7 @@ the same values through the collectives gloo has.
 import torch
 import torch.distributed as dist
 
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import device as compute_device
 
 
 def all_gather_uneven(outputs: list, input_: torch.Tensor, group) -> None:

@@ -24,6 +24,8 @@ the parameters to another chain.
 
 import torch
 
+from megatron.core.fork.fixes.checkpoint_files import CheckpointError
+
 # DistributedOptimizer's layouts keyed by the model's parameters (the others are per bucket).
 MODEL_SPACE_LAYOUTS = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
 
@@ -40,7 +42,7 @@ def saved_chain(state: dict) -> list:
 
 
 def check_reshardable(saved_state: dict | None, optimizer) -> None:
-    """Raise ValueError, naming the way out, if the common optimizer state `saved_state` was
+    """Raise CheckpointError, naming the way out, if the common optimizer state `saved_state` was
     written by a chain of another length than `optimizer`'s in a layout that cannot follow
     the parameters there."""
     if not saved_state or optimizer is None:
@@ -51,7 +53,7 @@ def check_reshardable(saved_state: dict | None, optimizer) -> None:
     layouts = {part.get("param_state_sharding_type") for part in saved if isinstance(part, dict)}
     per_bucket = sorted(str(layout) for layout in layouts - {None} if layout not in MODEL_SPACE_LAYOUTS)
     if per_bucket:
-        raise ValueError(
+        raise CheckpointError(
             f"the checkpoint's optimizer state is in the per-bucket layout {per_bucket[0]!r} of "
             f"{len(saved)} optimizer(s), which cannot be resharded to this run's "
             f"{chain_length(optimizer)} (the expert parallel size changed): save it with "

@@ -5,13 +5,13 @@
 SplitStep (a controller's step, in chunks), trainer/exact_step (megatron.training's
 ``train_step``) and a framework's own step differ in who draws the data, who normalizes the main
 loss and who calls finalize_model_grads and the optimizer. The rest is one ``StepScope``, which
-each of them enters through its public front, megatron.core.fork.exact_mtp_step.ExactMTPStep:
+each of them enters through its public front, megatron.core.fork.mtp.exact_mtp_step.ExactMTPStep:
 
 - ``StepScope(...)`` checks everything a step can refuse (the router losses' kind, the
   normalization's mode, the routed-token count the router losses need) and changes nothing;
 - ``enter(overrides)`` saves the config hooks the step overrides, sets them, activates the
-  step's normalization (megatron.core.fork.step_loss), gives the routers their exact scale
-  (megatron.core.fork.router_losses) and starts the step's MTP and router statistics afresh;
+  step's normalization (megatron.core.fork.mtp.step_loss), gives the routers their exact scale
+  (megatron.core.fork.mtp.router_losses) and starts the step's MTP and router statistics afresh;
 - ``exit()`` restores the hooks and deactivates the normalization;
 - ``reduced_sums(config, extra)`` reduces the step's MTP sums, and any sums the driver keeps,
   over the last pipeline stage's data-parallel ranks in one collective.
@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.core.fork import device as compute_device
-from megatron.core.fork import router_losses, step_loss
-from megatron.core.fork.mtp import router_metrics
+from megatron.core.fork.mtp import router_losses, router_metrics, step_loss
 from megatron.core.fork.mtp.statistics import FIELDS, STEP_STATISTICS
+from megatron.core.fork.runtime import device as compute_device
 
 MOE_SCALE_HOOK = "moe_grad_scale_func"
 

@@ -37,9 +37,9 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron.core.fork import compat
 from megatron.core.fork.mtp.draft_objectives import DraftTargets, chunk_terms
 from megatron.core.fork.mtp.statistics import vocab_parallel_max
+from megatron.core.fork.runtime import compat
 
 # Relative deviation of the incoming gradient from factor * row_weights that the backward
 # accepts (autograd's own products differ from it by float round-off only).

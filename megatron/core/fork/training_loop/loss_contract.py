@@ -16,7 +16,7 @@ function; the steps are pretrain_gpt_mtp.py's at the token level.
 
 import torch
 
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import device as compute_device
 
 
 def main_loss_seed(config, main_scale: float) -> dict:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import device as compute_device
 
 
 def _size_rank(group) -> tuple[int, int]:

@@ -28,8 +28,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron.core.fork import compat
-from megatron.core.fork.sdpa_attention import SDPACoreAttention
+from megatron.core.fork.runtime import compat
+from megatron.core.fork.runtime.sdpa_attention import SDPACoreAttention
 
 
 class SpecError(ValueError):

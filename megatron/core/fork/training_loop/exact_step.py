@@ -7,18 +7,18 @@ step. ``begin`` draws the step's micro-batches from the data iterator(s) up fron
 all-reduces the step's counts once: valid next-token targets and sequences with at least
 one, counted where each sample's loss mask is read (tensor-parallel rank 0 of the last
 pipeline stage, every data-parallel rank its own share). Those counts become the step's
-normalization (megatron.core.fork.step_loss): the main loss and every MTP depth are
+normalization (megatron.core.fork.mtp.step_loss): the main loss and every MTP depth are
 seeded with their exact global scales, and finalize_model_grads runs without a token
 count, so it divides by nothing more. The step is then exact for token- and
 sequence-level main losses, isolation on and off, every DP/TP/PP/VPP layout and
 micro-batch count, which upstream's per-token mode is not for MTP (issue #7452).
 
 With MoE router losses the step also counts its routed tokens T (every input position) and
-gives the routers their exact scale, the loss scale over T (megatron.core.fork.router_losses).
+gives the routers their exact scale, the loss scale over T (megatron.core.fork.mtp.router_losses).
 
 ``end`` restores the config, reduces the step's MTP sums (one collective) and hands them,
-with the MTP gradient norm, to the metrics (megatron.core.fork.trainer.metrics). The checks,
-config hooks, normalization and router scale around the step are megatron.core.fork.exact_mtp_step's
+with the MTP gradient norm, to the metrics (megatron.core.fork.training_loop.metrics). The checks,
+config hooks, normalization and router scale around the step are megatron.core.fork.mtp.exact_mtp_step's
 (the front of step_scope's core), as SplitStep's and a framework's own step's are. Exact
 steps are on once the trainer calls ``enable`` (its loss function must then be
 step_loss.main_loss); otherwise the steps are upstream's and only the metrics come
@@ -30,12 +30,11 @@ from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
-from megatron.core.fork import router_losses, step_loss
-from megatron.core.fork.exact_mtp_step import ExactMTPStep
-from megatron.core.fork.mtp import router_metrics
+from megatron.core.fork.mtp import router_losses, router_metrics, step_loss
+from megatron.core.fork.mtp.exact_mtp_step import ExactMTPStep
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
-from megatron.core.fork.step_scope import reduced_sums
-from megatron.core.fork.trainer import loss_contract, metrics
+from megatron.core.fork.mtp.step_scope import reduced_sums
+from megatron.core.fork.training_loop import loss_contract, metrics
 
 
 def loss_mask_of(batch) -> torch.Tensor:

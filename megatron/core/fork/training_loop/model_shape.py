@@ -6,7 +6,7 @@ Distributed checkpoints load by key: a model with fewer MTP depths than the chec
 simply never asks for the extra depths' tensors, so a depth mismatch would load
 silently. A trainer saves ``model_shape`` beside the weights and calls
 ``check_same_shape`` before loading any tensor (every checkpoint writer of this project:
-megatron.training's, through megatron.core.fork.trainer.checkpoint, and the library's). Isolation on or off
+megatron.training's, through megatron.core.fork.training_loop.checkpoint, and the library's). Isolation on or off
 (``mtp_detach_heads``) is a training choice, not a shape: it is not compared. With mixture
 of experts the expert count, the experts' sizes and which layers are MoE layers are part of
 the shape (dist checkpoints key experts by global index: another count or placement would
@@ -21,7 +21,7 @@ rest and drop it).
 
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron.core.fork import compat
+from megatron.core.fork.runtime import compat
 
 SHAPE_FIELDS = (
     "num_layers",

@@ -7,7 +7,7 @@
         ...   # the framework's own step: zero_grad, forward_backward_func, optimizer.step()
     step.metrics   # per-depth MTP metrics, mtp grad norm, the MTP depths' router losses
 
-This is the public front of megatron.core.fork.step_scope's StepScope, the one core of every
+This is the public front of megatron.core.fork.mtp.step_scope's StepScope, the one core of every
 exact step: SplitStep and megatron.training's exact steps enter it too (with `main_loss`, the
 level of their own step_loss.main_loss, and the hooks they drive). Without `main_loss` the step
 is a framework's (AReaL's train_batch, NeMo-RL's train, verl's update_policy): its main loss keeps
@@ -36,12 +36,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
 from megatron.core.utils import get_model_config
 
-from megatron.core.fork import device as compute_device
-from megatron.core.fork import router_losses, step_loss
-from megatron.core.fork.mtp import router_metrics
+from megatron.core.fork.mtp import router_losses, router_metrics, step_loss
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
-from megatron.core.fork.step_scope import MOE_SCALE_HOOK, StepScope, reduced_sums
+from megatron.core.fork.mtp.step_scope import MOE_SCALE_HOOK, StepScope, reduced_sums
+from megatron.core.fork.runtime import device as compute_device
 
 
 def _counts(counts) -> "step_loss.StepCounts | None":

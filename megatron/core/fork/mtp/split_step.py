@@ -7,10 +7,10 @@ a plain trainer calls it once. Chunks run forward/backward through megatron-core
 schedules (``get_forward_backward_func``) on raw loss sums, with gradient
 synchronisation and finalize_model_grads held back; ``finish`` reduces the step's counts
 once, runs finalize_model_grads once (which reduces the gradients and applies the exact
-normalization of megatron.core.fork.step_loss), clips each gradient-norm group by its
+normalization of megatron.core.fork.mtp.step_loss), clips each gradient-norm group by its
 own norm, steps the optimizer and returns the step's exact metrics. What every exact step
 does around that (checks, config hooks, normalization, router scale, the one reduce of its
-sums) is megatron.core.fork.exact_mtp_step's, the front of step_scope's core, shared with
+sums) is megatron.core.fork.mtp.exact_mtp_step's, the front of step_scope's core, shared with
 megatron.training's steps and with the steps frameworks run themselves.
 
 Requires ``calculate_per_token_loss=True`` and a forward step whose loss function is
@@ -27,12 +27,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-from megatron.core.fork import device as compute_device
-from megatron.core.fork import step_loss
-from megatron.core.fork.exact_mtp_step import ExactMTPStep
-from megatron.core.fork.mtp import router_metrics
+from megatron.core.fork.mtp import router_metrics, step_loss
+from megatron.core.fork.mtp.exact_mtp_step import ExactMTPStep
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
+from megatron.core.fork.runtime import device as compute_device
 
 MAIN_GRAD_NORM_GROUP = "main"
 

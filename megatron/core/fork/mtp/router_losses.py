@@ -47,8 +47,8 @@ too, for the evaluation's record: they reach the metrics trackers, and no gradie
 
 import torch
 
-from megatron.core.fork import compat
-from megatron.core.fork import device as compute_device
+from megatron.core.fork.runtime import compat
+from megatron.core.fork.runtime import device as compute_device
 
 _GLOBAL = "global_aux_loss"
 _IN_EVALUATION = False
