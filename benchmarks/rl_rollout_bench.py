@@ -19,13 +19,8 @@ where the time goes, the cost of one target forward of 1 and of 2 tokens over th
 import argparse
 import os
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "rl"))
 
 
 def timed(function, repeats: int = 20) -> float:
@@ -43,10 +38,10 @@ def main() -> None:
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    import grpo
     import torch
-    from task import EOS, Reversal
 
+    from examples.rl import grpo
+    from examples.rl.task import EOS, Reversal
     from megatron_mtp.serving import speculative
     from megatron_mtp.serving.model import Runner
 

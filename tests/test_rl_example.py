@@ -19,12 +19,10 @@ DeltaNet layers' recurrent state and takes Qwen3.5-MoE's Hugging Face names from
 """
 
 import json
-import sys
 
 import pytest
 
 from megatron_mtp.runs import read
-from tests.harness.launcher import REPO_ROOT
 from tests.harness.trainer import train
 
 pytestmark = pytest.mark.slow
@@ -35,8 +33,7 @@ SHORT = ("--steps", str(STEPS), "--sft-steps", "20", "--prompts-per-step", "4", 
 
 
 def test_the_reversal_task_rewards_exactly():
-    sys.path.insert(0, str(REPO_ROOT / "examples" / "rl"))
-    from task import BOS, EOS, EQUALS, Reversal
+    from examples.rl.task import BOS, EOS, EQUALS, Reversal
 
     task = Reversal(length=3, alphabet=4)
     prompts = task.prompts(5, seed=1, step=2)

@@ -81,10 +81,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from task import EOS, Reversal  # noqa: E402
+if __package__:  # imported as examples.rl.grpo (python -m benchmarks.rl_rollout_bench, from the checkout)
+    from .task import EOS, Reversal
+else:  # run as a script (torchrun examples/rl/grpo.py): its directory is first on sys.path
+    from task import EOS, Reversal
 
 PROG = "grpo.py"
 
