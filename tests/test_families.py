@@ -72,6 +72,8 @@ def test_every_file_in_families_is_a_registered_family():
     assert all(family.mtp_layout in families.MTP_LAYOUTS for family in families.FAMILIES.values())
     assert all(family.same_shape_as in families.FAMILIES for family in families.FAMILIES.values()
                if family.same_shape_as)
+    titles = [getattr(family, "title", None) for family in families.FAMILIES.values()]  # messages name them
+    assert all(isinstance(title, str) and title for title in titles) and len(set(titles)) == len(titles), titles
 
 
 def _names() -> set:

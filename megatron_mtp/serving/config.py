@@ -21,6 +21,15 @@ MLA_YARN_CONSTANTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.
 LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+def _titles(which, suffix: str) -> str:
+    """The registered families `which` accepts, for a message: "Llama-, Qwen2- or Qwen3-" (suffix
+    "-"), "GLM-4.5's and Qwen3-Next's" (suffix "s": possessive)."""
+    names = [f"{family.title}'s" if suffix == "s" else f"{family.title}{suffix}"
+             for family in families.FAMILIES.values() if which(family)]
+    joiner = " and " if suffix == "s" else " or "
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + joiner + names[-1]
+
+
 def hybrid_refusal(pattern: str, what: str) -> str:
     """The one line for a HybridModel checkpoint where only GPTModel ones are read."""
     return (f"the checkpoint's model is a HybridModel (--hybrid-layer-pattern {pattern}), which {what}: it reads "
@@ -125,8 +134,8 @@ class ModelConfig:
                                                         config.get("partial_rotary_factor",
                                                                    family.default_rotary_percent)))
         if values["rotary_percent"] != 1.0 and not family.partial_rotary:
-            raise ServingError(f"config.json: partial_rotary_factor {values['rotary_percent']} (only GLM-4.5's, "
-                               "Qwen3-Next's and Qwen3.5's rotary is partial here)")
+            raise ServingError(f"config.json: partial_rotary_factor {values['rotary_percent']} (only "
+                               f"{_titles(lambda f: f.partial_rotary, 's')} rotary is partial here)")
         # Qwen3-Next's own key is mtp_num_hidden_layers (Megatron-Bridge reads it too); vLLM's num_nextn_predict_layers
         values["mtp_num_layers"] = int(config.get("num_nextn_predict_layers") or config.get("mtp_num_hidden_layers")
                                        or 0)
@@ -142,9 +151,8 @@ class ModelConfig:
 
     @classmethod
     def from_megatron_args(cls, args) -> "ModelConfig":
-        """A trainer checkpoint's arguments; refused (one line) unless the model is Llama-, Qwen2-,
-        Qwen3- (q/k norms without QKV biases), Qwen3-MoE-, DeepSeek-V3-, GLM-4.5-, Qwen3-Next- or
-        Qwen3.5-shaped."""
+        """A trainer checkpoint's arguments; refused (one line) unless the model has the trained
+        shape of a family (families.FAMILIES, those not `same_shape_as` another)."""
         def get(name, default=None):
             return getattr(args, name, default)
 
@@ -163,7 +171,8 @@ class ModelConfig:
         partial = get("rotary_percent", 1.0) != 1.0 and (sigmoid_routed or gdn) and not get("multi_latent_attention")
         if get("position_embedding_type") != "rope" or (get("rotary_percent", 1.0) != 1.0 and not partial) or \
                 get("rotary_interleaved"):
-            problems.append("positions other than full, non-interleaved RoPE (partial: GLM-4.5's and Qwen3-Next's)")
+            problems.append("positions other than full, non-interleaved RoPE (partial: "
+                            f"{_titles(lambda f: f.partial_rotary and not f.same_shape_as, 's')})")
         if get("qk_layernorm") and get("add_qkv_bias") and not sigmoid_routed:
             problems.append("--qk-layernorm with --add-qkv-bias (Qwen3 has q/k norms, Qwen2 QKV biases; both: "
                             "GLM-4.5, with its experts)")
@@ -176,8 +185,8 @@ class ModelConfig:
         mla = _mla_from_args(get, problems)
         moe = _moe_from_args(get, problems, mla is not None, gdn is not None)
         if problems:
-            raise ServingError("the checkpoint's model is not Llama-, Qwen2-, Qwen3-, Qwen3-MoE-, DeepSeek-V3-, "
-                               "GLM-4.5-, Qwen3-Next- or Qwen3.5-shaped, it has " + ", ".join(problems))
+            raise ServingError(f"the checkpoint's model is not {_titles(lambda f: not f.same_shape_as, '-')}shaped, "
+                               "it has " + ", ".join(problems))
         heads = get("num_attention_heads")
         groups = get("num_query_groups") if get("group_query_attention") else heads
         scaling = None

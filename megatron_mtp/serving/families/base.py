@@ -53,6 +53,7 @@ class MtpLayout:
 
 class Family:
     name: str  # the registry's key
+    title: str  # the family's name in messages (GLM-4.5)
     architecture: str  # transformers' class, config.json's architectures
     model_type: str | None = None  # config.json's model_type, when not the name
     vlm_wrapper: str | None = None  # the published VLM class whose language model this class is

@@ -25,7 +25,6 @@ class SigmoidRouted(Family):
     experts = True
     mtp_layout = "deepseek_v3"
     published_experts = ("per_expert", "per_expert")
-    title: str  # the family's name in refusals
 
     def read_hf(self, config: dict, values: dict) -> None:
         values["moe"] = self.moe_from_hf(config, values["num_layers"])

@@ -7,6 +7,7 @@ from megatron_mtp.serving.families.base import Family
 
 class Llama(Family):
     name = "llama"
+    title = "Llama"
     architecture = "LlamaForCausalLM"
     mtp_layout = "mimo"  # the engines serve a dense model's MTP depths as MiMo's
     refuses_sliding_window = False  # transformers' Llama has no such key

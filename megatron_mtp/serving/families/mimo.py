@@ -54,6 +54,7 @@ class MimoLayout(MtpLayout):
 
 class Mimo(Qwen2):
     name = "mimo"
+    title = "MiMo"
     architecture = "MiMoForCausalLM"
     same_shape_as = "qwen2"
     own_mtp_layout = MimoLayout()

@@ -7,6 +7,7 @@ from megatron_mtp.serving.families.base import Family
 
 class Qwen2(Family):
     name = "qwen2"
+    title = "Qwen2"
     architecture = "Qwen2ForCausalLM"
     mtp_layout = "mimo"
     qkv_bias = True

@@ -8,6 +8,7 @@ from megatron_mtp.serving.families.base import Family
 
 class Qwen3(Family):
     name = "qwen3"
+    title = "Qwen3"
     architecture = "Qwen3ForCausalLM"
     mtp_layout = "mimo"
     qk_norm = True

@@ -11,6 +11,7 @@ from megatron_mtp.serving.families.qwen3_next import GatedDeltaNet
 
 class Qwen3_5(GatedDeltaNet):
     name = "qwen3_5"
+    title = "Qwen3.5"
     architecture = "Qwen3_5ForCausalLM"
     model_type = "qwen3_5_text"  # config.json's model_type "qwen3_5" is the VLM's
     vlm_wrapper = "Qwen3_5ForConditionalGeneration"

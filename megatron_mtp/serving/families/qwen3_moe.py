@@ -45,6 +45,7 @@ class Qwen3MoeExperts(Family):
 
 class Qwen3Moe(Qwen3MoeExperts, Qwen3):
     name = "qwen3_moe"
+    title = "Qwen3-MoE"
     architecture = "Qwen3MoeForCausalLM"
     mtp_layout = "deepseek_v3"  # the engines serve an MoE model's MTP depths as DeepSeek-V3's
 

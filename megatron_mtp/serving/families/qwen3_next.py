@@ -135,6 +135,7 @@ class Qwen3NextExperts(Qwen3MoeExperts):
 
 class Qwen3Next(Qwen3NextExperts, GatedDeltaNet):
     name = "qwen3_next"
+    title = "Qwen3-Next"
     architecture = "Qwen3NextForCausalLM"
     own_mtp_layout = Qwen3NextLayout()
     in_proj_parts = [("linear_attn.in_proj_qkvz.weight", (0, 1, 2, 3)), ("linear_attn.in_proj_ba.weight", (4, 5))]
