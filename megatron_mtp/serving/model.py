@@ -218,7 +218,7 @@ def local_names(global_tensors: dict, num_layers: int) -> dict:
 
 
 class Runner:
-    """The main head and the MTP depths of a GPTModel, run separately over a KV cache.
+    """The main head and the MTP depths of a GPTModel or HybridModel, run separately over a KV cache.
 
     Each forward names the position of its first token: the main head and each depth keep the
     keys and values of the positions before it (`kv_cache.KVCache`), so a decoding step runs
