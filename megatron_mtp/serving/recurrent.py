@@ -107,7 +107,7 @@ def forward(module, entry: Entry, start: int, hidden_states: torch.Tensor, keep:
     if head < seq_len:  # token by token: the state after each position
         core, after = recurrence(*(x[:, head:] for x in (query, key, value, g, beta)), state)
         cores.append(core.to(query.dtype))
-        states.update({start + head + 1 + t: state for t, state in enumerate(after)})
+        states.update({start + head + 1 + t: held for t, held in enumerate(after)})
     core = torch.cat(cores, 1)
     entry.hold(start, qkv, states, width)
     out, bias = module.out_proj(module._gated_norm_and_a2a(core, gate, None, batch, seq_len))
