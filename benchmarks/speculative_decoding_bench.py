@@ -11,8 +11,8 @@ MTP depth drafting, then plain greedy decoding as the lossless reference), once 
 (tests/reference/speculative.py, what the tool did before the cache), the two taking turns
 prompt by prompt. Both sides' outputs are checked equal. Printed: each side's seconds per
 generated token and their ratio; a recompute's cost per token grows with the sequence, the
-cache's should not (compare the rows of two N). With Gated DeltaNet layers (Qwen3-Next, Qwen3.5)
-also a count of work: the positions each side runs through the Gated DeltaNet layers per
+cache's should not (compare the rows of two N). With Gated DeltaNet layers (Qwen3-Next, Qwen3.5;
+a HybridModel's `G` layers) also a count of work: the positions each side runs through the Gated DeltaNet layers per
 generated token (the cache continues from each layer's recurrent state, the recompute runs every
 position again). A checkpoint without data (an import) takes its prompts from the embedded
 corpus, as eval_speculative.py does.
@@ -51,10 +51,13 @@ def main() -> None:
     from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
 
     prefix = next(iter(prompts.data_prefixes(run_args)), None) or str(corpus_prefix(default_cache_dir()))
-    print(f"{directory}: {run_args.num_layers} layers, hidden {run_args.hidden_size}, D = {depths}; "
+    layers = f"HybridModel {run_args.hybrid_layer_pattern}" if getattr(run_args, "hybrid_layer_pattern", None) \
+        else f"{run_args.num_layers} layers"
+    print(f"{directory}: {layers}, hidden {run_args.hidden_size}, D = {depths}; "
           f"{args.num_prompts} prompts of {args.prompt_length} tokens from {prefix}; 1 thread")
     work = runner.cache.recurrent_positions  # positions run through Gated DeltaNet layers, by stream
-    recurrent = bool(getattr(run_args, "experimental_attention_variant", None) == "gated_delta_net")
+    recurrent = (getattr(run_args, "experimental_attention_variant", None) == "gated_delta_net"
+                 or "G" in (getattr(run_args, "hybrid_layer_pattern", None) or ""))
     extra = (" Gated DeltaNet positions per token, cache | recompute |", " --- | --- |") if recurrent else ("", "")
     print("| new tokens | KV cache, s per token | recompute, s per token | recompute / cache |" + extra[0])
     print("| --- | --- | --- | --- |" + extra[1])

@@ -36,6 +36,10 @@ from tests.harness.trainer import TINY, train
 
 PARITY = 1e-5  # relative, fp32
 KV_CACHE = 1e-5  # relative, a draft's logits over the cache against the recompute (measured <= 5e-7)
+HYBRID_PATTERN = "G-*G-/G*-/G*-"  # Gated DeltaNet, attention and MLP layers; two MTP depths, each with its own
+HYBRID = ("--hybrid-layer-pattern", HYBRID_PATTERN, "--swiglu", "--normalization", "RMSNorm", "--linear-num-key-heads",
+          "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16", "--linear-value-head-dim", "16",
+          "--linear-conv-kernel-dim", "4")
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +52,14 @@ def pipeline(tmp_path_factory):
           "--pipeline-model-parallel-size", "2", "--train-iters", "4",
           "--lr", "3e-3", "--save", str(root / "trained"), "--save-interval", "4", timeout=400)
     # an MoE checkpoint (D = 1) with Qwen3-Next's attention (an output gate, q/k norms, zero-centred norms),
-    # which eval_speculative.py runs over its KV cache, and a HybridModel one, which it refuses
+    # which eval_speculative.py runs over its KV cache, and a HybridModel one with Gated DeltaNet layers in
+    # the decoder and in each MTP depth, which it runs over the same cache (export refuses it)
     train(1, *TINY, "--num-experts", "2", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
           "--disable-bias-linear", "--attention-output-gate", "--qk-layernorm", "--normalization", "RMSNorm",
           "--apply-layernorm-1p", "--mtp-num-layers", "1", "--train-iters", "1", "--save", str(root / "trained-moe"),
           "--save-interval", "1", timeout=300)
-    train(1, *TINY, "--hybrid-layer-pattern", "*-*-/*-", "--train-iters", "1", "--save", str(root / "trained-hybrid"),
+    # (one iteration: its drafts are often rejected, so decoding continues from earlier states)
+    train(1, *TINY, *HYBRID, "--train-iters", "1", "--lr", "3e-3", "--save", str(root / "trained-hybrid"),
           "--save-interval", "1", timeout=300)
     results = launch("tests.bodies.serving:check", 1, {"root": str(root)}, timeout=600)[0]
     return root, {**results, "prepared": prepared}
@@ -141,6 +147,39 @@ def test_decoding_over_the_kv_cache_equals_a_whole_sequence_recompute(pipeline):
         # Sampling (GumbelSampler): speculative = plain sampling, token for token; drafts were accepted.
         assert result["sampled same"], (name, result)
     assert part(pipeline, "kv cache")["trained"]["sampled accepted"] > 0
+
+
+def test_a_hybridmodel_decodes_its_gated_delta_net_and_attention_over_the_cache_as_the_recompute(pipeline):
+    """The HybridModel checkpoint (HYBRID_PATTERN), its attention layers over the KV cache and its
+    Gated DeltaNet layers over their cached convolution inputs and recurrent states, in the decoder
+    and in each MTP depth: greedy and Gumbel speculative decoding give the whole-sequence
+    recompute's tokens and every draft's logits, drafts accepted; rejection sampling's verify steps
+    the whole-sequence forward's logits."""
+    decoded = part(pipeline, "hybrid")
+    assert decoded["same"] and decoded["sampled same"] and decoded["draft calls"] > 0, decoded
+    assert decoded["sampled accepted"] > 0 and decoded["worst"] <= KV_CACHE, decoded
+    rejection = decoded["rejection"]
+    assert rejection["tokens"] == 16 and rejection["verify steps"] > 0 and rejection["worst"] <= KV_CACHE, rejection
+
+
+def test_a_hybridmodel_s_gated_delta_net_work_per_step_does_not_grow_with_the_prefix(pipeline):
+    """After the prefill each verify step runs its 1 + D positions through each of the decoder's
+    Gated DeltaNet layers, after a prompt of 4 tokens as after one of 40; the recompute runs the
+    whole sequence."""
+    work, layers, depths = part(pipeline, "hybrid")["work"], HYBRID_PATTERN.split("/")[0].count("G"), 2
+    for length, counted in work.items():
+        assert counted["cached"] and all(positions == 1 + depths and ran == positions * layers
+                                         for positions, ran in counted["cached"]), (length, counted)
+        assert min(counted["recomputed"]) >= int(length) * layers, (length, counted)
+
+
+def test_eval_speculative_runs_a_hybridmodel_and_refuses_mamba_layers_in_one_line(pipeline):
+    decoded = part(pipeline, "hybrid")
+    greedy, rejection = decoded["eval_speculative greedy"], decoded["eval_speculative rejection"]
+    assert greedy["status"] == 0 and "lossless: True" in greedy["stdout"], greedy
+    assert rejection["status"] == 0 and "verify steps:" in rejection["stdout"], rejection
+    refusal = decoded["mamba refusal"]
+    assert "\n" not in refusal and "(--hybrid-layer-pattern M*M-/*-) has layers M" in refusal, refusal
 
 
 def test_rejection_sampling_on_a_trained_checkpoint_is_lossless_in_distribution(pipeline):
@@ -285,8 +324,7 @@ def test_eval_speculative_encodes_prompts_with_the_checkpoint_s_tokenizer(pipeli
 
 def test_eval_speculative_refuses_bad_input_in_one_line(pipeline):
     expected = {"missing prompts": "--prompts", "bad tokenizer": "--tokenizer",
-                "tokenizer without prompts": "--tokenizer encodes --prompts",
-                "hybrid": "HybridModel (--hybrid-layer-pattern *-*-/*-)"}
+                "tokenizer without prompts": "--tokenizer encodes --prompts"}
     refusals = part(pipeline, "eval refusals")
     for name, words in expected.items():
         refusal = refusals[name]
@@ -606,5 +644,6 @@ def test_a_hybridmodel_checkpoint_s_export_is_refused_naming_the_gptmodel_form(p
                              str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
-    assert "is a HybridModel (--hybrid-layer-pattern *-*-/*-), which export does not read" in errors[0], errors
+    assert f"is a HybridModel (--hybrid-layer-pattern {HYBRID_PATTERN}), which export does not read" in errors[0], \
+        errors
     assert "--experimental-attention-variant gated_delta_net" in errors[0], errors

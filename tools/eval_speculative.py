@@ -43,8 +43,8 @@ with the checkpoint's own tokenizer (the one its data was written with, or its M
 --tokenizer-type / --tokenizer-model; a NullTokenizer reads space-separated ids), or with
 --tokenizer (bytes, a tokenizer.json or a SentencePiece model).
 
-Runs on CPU, megatron-core's GPTModel loaded in one process from any saved TP / PP / VPP layout,
-each forward over a KV cache (megatron_mtp.serving.kv_cache): a verify step runs the accepted
+Runs on CPU, megatron-core's GPTModel or HybridModel loaded in one process from any saved TP / PP /
+VPP layout, each forward over a KV cache (megatron_mtp.serving.kv_cache): a verify step runs the accepted
 token and the drafts, a depth the positions it has not taken for good, so the cost per token
 does not grow with a recompute of the whole sequence. megatron-core 0.19.2's dynamic inference
 engine with MTP speculative decoding (num_speculative_tokens,
@@ -56,7 +56,9 @@ MoE checkpoints run with upstream's MoE layers at one rank (the experts resharde
 checkpointing), as the trainer builds them on CPU; Gated DeltaNet layers (GPTModel's
 --experimental-attention-variant gated_delta_net: Qwen3-Next, Qwen3.5) with their convolution
 inputs and recurrent state in the same cache (megatron_mtp.serving.recurrent); a HybridModel
-checkpoint is refused in one line.
+(--hybrid-layer-pattern) with its attention layers over the KV cache and its Gated DeltaNet layers,
+in the decoder and in the MTP depths, over the recurrent cache, as the trainer builds it; one with
+Mamba layers is refused in one line.
 Progress goes to stderr.
 """
 

@@ -17,7 +17,7 @@
 - stream: the weight stream of a live distributed model (any TP / PP / VPP / EP layout) in
   Hugging Face names, bit for bit the export's: what an RL framework pushes to its rollout engine.
 - files: reading and writing Hugging Face directories and megatron-core dist checkpoints.
-- model: megatron-core's GPTModel in one process (any saved TP / PP / VPP layout is read
+- model: megatron-core's GPTModel or HybridModel in one process (any saved TP / PP / VPP layout is read
   through dist checkpointing), its main-head and per-depth MTP forward over a KV cache.
 - kv_cache: the cache and the core attention that reads it (one stream per model part).
 - speculative: greedy decoding with MTP drafts, verified by the main head, and its statistics.

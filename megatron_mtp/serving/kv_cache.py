@@ -36,11 +36,15 @@ class KVCache:
         self.recurrent = {}  # (stream, module id) -> recurrent.Entry of a Gated DeltaNet layer
         self.recurrent_positions = {}  # stream -> positions run through Gated DeltaNet layers (a work count)
         self.stream, self.start = None, 0  # the stream of the forward under way (None: no caching), its start
+        self.keep = 0  # of the forward under way: positions before its end the next one may start at
 
     @contextlib.contextmanager
-    def positions(self, stream, start: int, count: int):
+    def positions(self, stream, start: int, count: int, keep: int = 0):
         """A forward of `stream` over positions start .. start + count - 1: what the stream held from
-        `start` on is dropped first (a rejected draft's positions), the new ones are held after."""
+        `start` on is dropped first (a rejected draft's positions), the new ones are held after. The
+        next forward of the stream starts at most `keep` positions before this one's end (a Gated
+        DeltaNet layer keeps its state there; after a forward from a later position it holds every
+        position's)."""
         held = self.lengths.get(stream, 0)
         if start > held:
             raise ValueError(f"KV cache stream {stream!r} holds {held} positions; a forward at {start} leaves a gap")
@@ -53,7 +57,7 @@ class KVCache:
             if slot[0] == stream and key.shape[0] > start:
                 self.entries[slot] = (key[:start], value[:start])
         self.lengths[stream] = start
-        self.stream, self.start = stream, start
+        self.stream, self.start, self.keep = stream, start, keep
         try:
             yield
             self.lengths[stream] = start + count
@@ -80,7 +84,7 @@ class KVCache:
         entry = self.recurrent.setdefault((self.stream, id(module)), recurrent.Entry())
         entry.check(self.start)
         self.recurrent_positions[self.stream] = self.recurrent_positions.get(self.stream, 0) + hidden_states.shape[0]
-        return recurrent.forward(module, entry, self.start, hidden_states)
+        return recurrent.forward(module, entry, self.start, hidden_states, self.keep)
 
 
 class CachedSDPACoreAttention(SDPACoreAttention):

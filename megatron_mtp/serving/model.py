@@ -1,7 +1,8 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """megatron-core's GPTModel (the trainer's local specs with SDPA attention; dense, MoE, with Gated DeltaNet
-layers) in one process.
+layers) or HybridModel (the trainer's local hybrid stack: attention, MLP, MoE and Gated DeltaNet layers)
+in one process.
 
 A checkpoint saved at any TP / PP / VPP layout is read into it through megatron-core's dist
 checkpointing (the resharding is upstream's); its forward is run piece by piece, as
@@ -17,7 +18,6 @@ import os
 import torch
 
 from megatron_mtp.serving import ServingError
-from megatron_mtp.serving.config import hybrid_refusal
 
 # Flags under which the forward differs from what this module builds.
 UNSUPPORTED = ("apply_layernorm_1p", "squared_relu")
@@ -61,9 +61,14 @@ def setup(seed: int = 1234) -> None:
 
 def check_buildable(args) -> None:
     """A checkpoint whose forward differs from what this module builds is refused in one line."""
-    pattern = getattr(args, "hybrid_layer_pattern", None)
-    if pattern:
-        raise ServingError(hybrid_refusal(pattern, "this tool does not run"))
+    from megatron_mtp.arguments import LOCAL_HYBRID_LAYERS
+
+    pattern = getattr(args, "hybrid_layer_pattern", None) or ""
+    others = sorted(set(pattern) - set(LOCAL_HYBRID_LAYERS) - set("|/"))
+    if others:  # Mamba's state is not in the decoding cache, and the other layers need Transformer Engine
+        raise ServingError(f"the checkpoint's HybridModel (--hybrid-layer-pattern {pattern}) has layers "
+                           f"{' '.join(others)}, which this tool does not run: it runs attention '*', MLP '-', "
+                           "MoE 'E' and Gated DeltaNet 'G'")
     for flag in UNSUPPORTED:
         if getattr(args, flag, None):
             raise ServingError(f"the checkpoint's model has --{flag.replace('_', '-')} {getattr(args, flag)}, "
@@ -97,17 +102,41 @@ def transformer_config(args, mtp_num_layers=None):
 
 
 def build(args, mtp_num_layers=None, pg_collection=None):
-    """GPTModel (TP = PP = EP = 1) of a checkpoint's arguments, built by the trainer's builder
-    (megatron_mtp.library.model.build_gpt) with the cached core attention; `setup()` first.
-    `pg_collection`: its process groups (default: megatron-core's parallel state; `own_groups()`
-    for an engine beside a model-parallel trainer)."""
-    from megatron_mtp.library.model import build_gpt, gpt_options
+    """GPTModel or HybridModel (TP = PP = EP = 1) of a checkpoint's arguments, built by the
+    trainer's builders (megatron_mtp.library.model.build_gpt, build_hybrid) with the cached core
+    attention; `setup()` first. `mtp_num_layers`: a GPTModel's depths, if not the checkpoint's (a
+    HybridModel's are its pattern's). `pg_collection`: its process groups (default: megatron-core's
+    parallel state; `own_groups()` for an engine beside a model-parallel trainer)."""
+    from megatron_mtp.library.model import build_gpt, build_hybrid, gpt_options
     from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
 
-    model = build_gpt(transformer_config(args, mtp_num_layers), args.padded_vocab_size, args.max_position_embeddings,
-                      pre_process=True, post_process=True, core_attention=CachedSDPACoreAttention,
-                      pg_collection=pg_collection, **gpt_options(args))
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern:
+        model = build_gpt(transformer_config(args, mtp_num_layers), args.padded_vocab_size,
+                          args.max_position_embeddings, pre_process=True, post_process=True,
+                          core_attention=CachedSDPACoreAttention, pg_collection=pg_collection, **gpt_options(args))
+        return model.eval()
+    if mtp_num_layers is not None and mtp_num_layers != (args.mtp_num_layers or 0):
+        raise ServingError(f"a HybridModel's MTP depths are its pattern's ({pattern}): {mtp_num_layers} cannot be "
+                           "built from it")
+    # one process: the pipeline stages' layers ("|") in one stack
+    model = build_hybrid(transformer_config(args), args.padded_vocab_size, args.max_position_embeddings,
+                         pattern.replace("|", ""), pre_process=True, post_process=True, pg_collection=pg_collection,
+                         **gpt_options(args))
+    cache_attention(model)
     return model.eval()
+
+
+def cache_attention(model) -> None:
+    """A built model's SDPA core attention made the cached one: build_hybrid takes no
+    core_attention (the local hybrid stack's attention is the fork's SDPACoreAttention), and
+    CachedSDPACoreAttention is that class with no state of its own, only another forward."""
+    from megatron.core.fork.sdpa_attention import SDPACoreAttention
+    from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
+
+    for module in model.modules():
+        if type(module) is SDPACoreAttention:
+            module.__class__ = CachedSDPACoreAttention
 
 
 def own_groups():
@@ -189,7 +218,7 @@ def local_names(global_tensors: dict, num_layers: int) -> dict:
 
 
 class Runner:
-    """The main head and the MTP depths of a GPTModel, run separately over a KV cache.
+    """The main head and the MTP depths of a GPTModel or HybridModel, run separately over a KV cache.
 
     Each forward names the position of its first token: the main head and each depth keep the
     keys and values of the positions before it (`kv_cache.KVCache`), so a decoding step runs
@@ -227,14 +256,15 @@ class Runner:
         return self.model.rotary_pos_emb(start + count)[start:] if hasattr(self.model, "rotary_pos_emb") else None
 
     @contextlib.contextmanager
-    def _positions(self, stream, start: int, count: int):
-        """The cache's positions `start` on, and multi-latent attention's rotary positions with them:
-        MLA computes its own rotary embedding from position 0 at every forward (the other attentions
-        take `_rope`'s), so for this forward its rotary module counts from `start` (its `offset`)."""
+    def _positions(self, stream, start: int, count: int, keep: int = 0):
+        """The cache's positions `start` on (`keep`: KVCache.positions'), and multi-latent attention's
+        rotary positions with them: MLA computes its own rotary embedding from position 0 at every
+        forward (the other attentions take `_rope`'s), so for this forward its rotary module counts
+        from `start` (its `offset`)."""
         for rope in self.mla_ropes:
             rope.forward = functools.partial(type(rope).forward, rope, offset=start)
         try:
-            with self.cache.positions(stream, start, count):
+            with self.cache.positions(stream, start, count, keep):
                 yield
         finally:
             for rope in self.mla_ropes:
@@ -258,7 +288,9 @@ class Runner:
         layer = self.model.mtp.layers[0 if self.repeated else k - 1]
         count = hidden.shape[0]
         positions = (torch.arange(start, start + count) + k).unsqueeze(0).expand_as(ahead)  # the rolled inputs'
-        with self._positions(("depth", k), start, count):
+        # depth k's next forward starts at its first position whose input x_{t+k} was a draft, up to
+        # k - 1 before this one's end (speculative.Drafter): a Gated DeltaNet layer of its keeps the state there
+        with self._positions(("depth", k), start, count, keep=k - 1):
             out = layer.forward_single_position(hidden_states=hidden, next_token_ids=ahead, position_ids=positions,
                                                 embedding=self.model.embedding,
                                                 rotary_pos_emb=self._rope(start, count))

@@ -15,7 +15,10 @@ dropped when the next forward names its start; nothing is recomputed).
 
 A forward from position 0 (the prefill, or a whole-sequence recompute) runs upstream's own
 chunked kernel and keeps its final state; a forward from a later position runs the recurrence
-token by token from the state held there, which gives the state after each of its positions.
+token by token from the state held there, which gives the state after each of its positions. A
+stream whose next forward may start before the end of a forward from 0 (an MTP depth's: its
+positions that read drafts run again) names how many positions before: the recurrence runs those
+last positions from the kernel's state there, keeping the state at each.
 """
 
 import torch
@@ -73,10 +76,11 @@ def recurrence(query, key, value, g, beta, state):
     return torch.stack(outputs, 1), states
 
 
-def forward(module, entry: Entry, start: int, hidden_states: torch.Tensor) -> torch.Tensor:
+def forward(module, entry: Entry, start: int, hidden_states: torch.Tensor, keep: int = 0) -> torch.Tensor:
     """GatedDeltaNet's forward (one process: no tensor, context or sequence parallelism, unpacked
     rows) over positions start .. start + s - 1 of hidden_states [s, b, H], from `entry`'s state,
-    which it updates; returns (output, bias) as the module does."""
+    which it updates; returns (output, bias) as the module does. A forward from position 0 also
+    keeps the states at its last `keep` positions (the next forward may start there)."""
     if module.activation not in ("silu", "swish"):
         raise ValueError(f"Gated DeltaNet's convolution activation {module.activation!r} (upstream's is SiLU)")
     seq_len, batch, _ = hidden_states.shape
@@ -92,14 +96,19 @@ def forward(module, entry: Entry, start: int, hidden_states: torch.Tensor) -> to
     query, key, value, gate, beta, alpha = module._prepare_input_for_gated_delta_rule(
         mixed, gate, batch, seq_len, beta, alpha)
     g, beta = module._compute_g_and_beta(module.A_log, module.dt_bias, alpha, beta)
-    if start == 0:  # the whole prefix: upstream's kernel, its final state
-        core, final = module.gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
-                                              output_final_state=True, use_qk_l2norm_in_kernel=False)
-        states = {seq_len: final}
-    else:
-        core, after = recurrence(query, key, value, g, beta, entry.states[start])
-        core = core.to(query.dtype)
-        states = {start + 1 + t: state for t, state in enumerate(after)}
+    head = seq_len - min(keep, seq_len) if start == 0 else 0  # the positions upstream's kernel runs
+    state, cores, states = entry.states[start], [], {}
+    if head:  # from position 0: upstream's kernel, its final state
+        core, state = module.gated_delta_rule(query[:, :head], key[:, :head], value[:, :head], g=g[:, :head],
+                                              beta=beta[:, :head], initial_state=None, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=False)
+        cores.append(core)
+        states[head] = state
+    if head < seq_len:  # token by token: the state after each position
+        core, after = recurrence(*(x[:, head:] for x in (query, key, value, g, beta)), state)
+        cores.append(core.to(query.dtype))
+        states.update({start + head + 1 + t: held for t, held in enumerate(after)})
+    core = torch.cat(cores, 1)
     entry.hold(start, qkv, states, width)
     out, bias = module.out_proj(module._gated_norm_and_a2a(core, gate, None, batch, seq_len))
     return out, bias

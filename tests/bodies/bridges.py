@@ -650,30 +650,6 @@ def stacked_refusals(root: Path) -> dict:
 GDN_IMPORTS = ("qwen3-next-mg", "qwen3.5-mg", "qwen3.5-moe-mg")
 
 
-class _Counting:
-    """A Runner whose main-head forwards are recorded: (start, positions, positions each Gated
-    DeltaNet layer ran, the logits) and, with `recompute`, the same positions' logits of a
-    whole-sequence forward from position 0 on a second Runner."""
-
-    def __init__(self, runner, recompute=None):
-        self.runner, self.recompute, self.tokens, self.calls = runner, recompute, [], []
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def main(self, tokens, start=0):
-        before = self.runner.cache.recurrent_positions.get("main", 0)
-        hidden, logits = self.runner.main(tokens, start=start)
-        self.tokens = self.tokens[:start] + tokens[0].tolist()
-        call = {"start": start, "positions": tokens.shape[1],
-                "layer positions": self.runner.cache.recurrent_positions["main"] - before}
-        if self.recompute is not None:
-            _, whole = self.recompute.main(torch.tensor([self.tokens]))
-            call["against whole"] = _rel(logits[0], whole[0, start:])
-        self.calls.append(call)
-        return hidden, logits
-
-
 def gdn_decoding(root: Path) -> dict:
     """Decoding the Gated DeltaNet imports (Qwen3-Next; Qwen3.5 dense and MoE) over the cache that
     holds each layer's convolution inputs and recurrent state: greedy, Gumbel and speculative
@@ -682,33 +658,15 @@ def gdn_decoding(root: Path) -> dict:
     main logits against a whole-sequence forward; the work per step (positions each Gated DeltaNet
     layer runs) after prompts of 4 and 40 tokens, against the recompute's; eval_speculative.py on
     the Qwen3-Next import."""
-    from megatron_mtp.serving import speculative
-    from tests.bodies.serving import kv_cache
-    from tests.reference import speculative as reference
+    from tests.bodies.serving import kv_cache, recurrent_work
     from tools import eval_speculative
 
     out = kv_cache(str(root), names=GDN_IMPORTS, lengths=(1, 19), new_tokens=16)
-    generator = torch.Generator().manual_seed(12)
     for name in GDN_IMPORTS:
-        runner = _runner(root / name)
         layers = sum(1 for x in json.loads((root / name.replace("-mg", "") / "config.json").read_text())
                      .get("layer_types", []) if x == "linear_attention")
-        sampler = speculative.RejectionSampler(seed=3, sequence=0, temperature=0.8)
-        checked = _Counting(runner, recompute=_runner(root / name))
-        tokens = speculative.speculative(checked, TOKENS[0, :9].tolist(), 16, speculative.Stats(runner.depths),
-                                         choose=sampler)
-        out[name]["rejection"] = {"tokens": len(tokens), "worst": max(c["against whole"] for c in checked.calls),
-                                  "verify steps": len(checked.calls) - 1}
-        work = {}
-        for length in (4, 40):
-            prompt = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
-            cached = _Counting(runner)
-            speculative.speculative(cached, prompt, 12, speculative.Stats(runner.depths))
-            recomputed = _Counting(runner)
-            reference.speculative(recomputed, prompt, 12, runner.depths)
-            work[length] = {"cached": [(c["positions"], c["layer positions"]) for c in cached.calls[1:]],
-                            "recomputed": [c["layer positions"] for c in recomputed.calls[1:]]}
-        out[name]["work"], out[name]["gated delta net layers"] = work, layers
+        out[name].update(recurrent_work(str(root / name), TOKENS[0, :9].tolist()))
+        out[name]["gated delta net layers"] = layers
     status, stderr = _run(eval_speculative.main, [str(root / "qwen3-next-mg"), "--num-prompts", "2",
                                                   "--new-tokens", "8"])
     out["eval_speculative"] = {"status": status, "stderr": stderr[-2000:]}

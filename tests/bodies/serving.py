@@ -10,6 +10,7 @@ lm_head) and DeepSeek-V3's (enorm, hnorm, eh_proj(concat[embedding, hidden]), a 
 layer, shared_head.norm, shared_head.head).
 """
 
+import argparse
 import json
 from pathlib import Path
 
@@ -429,7 +430,6 @@ def eval_refusals(root: str) -> dict:
         "missing prompts": (trained, "--prompts", f"{root}/no-such-prompts.txt"),
         "bad tokenizer": (trained, "--prompts", f"{root}/prompts.txt", "--tokenizer", f"{root}/no-such.json"),
         "tokenizer without prompts": (trained, "--tokenizer", "bytes"),
-        "hybrid": (f"{root}/trained-hybrid",),
         "greedy temperature": (trained, "--temperature", "0.7"),
         "zero temperature": (trained, "--sampler", "rejection", "--temperature", "0"),
     }
@@ -487,6 +487,82 @@ def kv_cache(root: str, names=("trained", "qwen-mg", "trained-moe"), lengths=(1,
         results[name] = {"same": same, "draft calls": calls, "worst": worst, "sampled same": sampled_same,
                          "sampled accepted": sum(sampled_stats.accepted_per_position)}
     return results
+
+
+class Counting:
+    """A Runner whose main-head forwards are recorded: (start, positions, positions each Gated
+    DeltaNet layer ran, the logits) and, with `recompute`, the same positions' logits of a
+    whole-sequence forward from position 0 on a second Runner."""
+
+    def __init__(self, runner, recompute=None):
+        self.runner, self.recompute, self.tokens, self.calls = runner, recompute, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def main(self, tokens, start=0):
+        before = self.runner.cache.recurrent_positions.get("main", 0)
+        hidden, logits = self.runner.main(tokens, start=start)
+        self.tokens = self.tokens[:start] + tokens[0].tolist()
+        call = {"start": start, "positions": tokens.shape[1],
+                "layer positions": self.runner.cache.recurrent_positions["main"] - before}
+        if self.recompute is not None:
+            _, whole = self.recompute.main(torch.tensor([self.tokens]))
+            call["against whole"] = _rel(logits[0], whole[0, start:])
+        self.calls.append(call)
+        return hidden, logits
+
+
+def recurrent_work(path: str, prompt: list) -> dict:
+    """A checkpoint with Gated DeltaNet layers decoded over its cached convolution inputs and
+    recurrent states (kv_cache checks greedy and Gumbel decoding): rejection sampling after
+    `prompt`, each verify step's main logits against a whole-sequence forward ("rejection"); the
+    work per step (positions each Gated DeltaNet layer runs) after prompts of 4 and 40 tokens,
+    against tests/reference/speculative.py's recompute ("work")."""
+    from megatron_mtp.serving import speculative
+    from tests.reference import speculative as reference
+
+    runner = _runner(path)
+    sampler = speculative.RejectionSampler(seed=3, sequence=0, temperature=0.8)
+    checked = Counting(runner, recompute=_runner(path))
+    tokens = speculative.speculative(checked, prompt, 16, speculative.Stats(runner.depths), choose=sampler)
+    out = {"rejection": {"tokens": len(tokens), "worst": max(c["against whole"] for c in checked.calls),
+                         "verify steps": len(checked.calls) - 1}}
+    generator = torch.Generator().manual_seed(12)
+    work = {}
+    for length in (4, 40):
+        prompt = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        cached = Counting(runner)
+        speculative.speculative(cached, prompt, 12, speculative.Stats(runner.depths))
+        recomputed = Counting(runner)
+        reference.speculative(recomputed, prompt, 12, runner.depths)
+        work[length] = {"cached": [(c["positions"], c["layer positions"]) for c in cached.calls[1:]],
+                        "recomputed": [c["layer positions"] for c in recomputed.calls[1:]]}
+    out["work"] = work
+    return out
+
+
+def hybrid(root: str) -> dict:
+    """The HybridModel checkpoint (Gated DeltaNet layers in the decoder and in each MTP depth):
+    kv_cache's and recurrent_work's checks; eval_speculative.py on it, greedy and with rejection
+    sampling; a pattern with Mamba layers refused in one line."""
+    from tools import eval_speculative
+
+    out = kv_cache(root, names=("trained-hybrid",), lengths=(1, 19), new_tokens=16)["trained-hybrid"]
+    out.update(recurrent_work(f"{root}/trained-hybrid", torch.randint(
+        0, VOCAB, (9,), generator=torch.Generator().manual_seed(1)).tolist()))
+    from megatron_mtp.serving import ServingError
+    from megatron_mtp.serving import model as serving_model
+
+    try:  # Mamba layers: their state is not in the cache (and they need Transformer Engine)
+        serving_model.check_buildable(argparse.Namespace(hybrid_layer_pattern="M*M-/*-"))
+    except ServingError as error:
+        out["mamba refusal"] = str(error)
+    for sampler in ("greedy", "rejection"):
+        status, stdout, stderr = _captured(eval_speculative.main, f"{root}/trained-hybrid", "--num-prompts", "2",
+                                           "--new-tokens", "8", "--sampler", sampler)
+        out[f"eval_speculative {sampler}"] = {"status": status, "stdout": stdout, "stderr": stderr[-2000:]}
+    return out
 
 
 def mimo(root: str) -> dict:
@@ -655,7 +731,8 @@ def check(root: str) -> dict:
     for name, part in (("parity", parity), ("names", names), ("round trips", round_trips),
                        ("frozen backbone", frozen_backbone), ("speculative", speculative_cases),
                        ("kv cache", kv_cache), ("evaluate", evaluate), ("eval refusals", eval_refusals),
-                       ("mimo", mimo), ("qwen3", qwen3), ("staging", staging), ("rejection", rejection)):
+                       ("mimo", mimo), ("qwen3", qwen3), ("staging", staging), ("rejection", rejection),
+                       ("hybrid", hybrid)):
         try:
             results[name] = part(root)
         except Exception:
