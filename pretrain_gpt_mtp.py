@@ -85,11 +85,11 @@ def count_parameters(args) -> int | str:
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron.core.fork.runtime.specs import SpecError
-    from megatron_mtp.arguments import LOCAL_HYBRID_LAYERS
+    from megatron_mtp.arguments import layers_needing_te
     from megatron_mtp.library.initialize import initialize_model_parallel
     from megatron_mtp.serving.model import MOE_KERNELS, ONE_PROCESS
 
-    others = sorted(set(args.hybrid_layer_pattern or "") - set(LOCAL_HYBRID_LAYERS) - set("|/"))
+    others = layers_needing_te(args.hybrid_layer_pattern)
     if others:
         return f"not counted without Transformer Engine (HybridModel layers {' '.join(others)})"
     whole = argparse.Namespace(**{**vars(args), **ONE_PROCESS, **dict.fromkeys(MOE_KERNELS, False)})

@@ -171,6 +171,12 @@ def is_weight(item: str) -> bool:
 LOCAL_HYBRID_LAYERS = "*-EG"  # megatron.core.fork.runtime.specs.get_hybrid_stack_spec
 
 
+def layers_needing_te(pattern: str | None) -> list[str]:
+    """The layer symbols of a --hybrid-layer-pattern that the local (torch) hybrid stack does not
+    build, sorted (Mamba's 'M' needs Transformer Engine and mamba-ssm's CUDA kernels)."""
+    return sorted(set(pattern or "") - set(LOCAL_HYBRID_LAYERS) - set("|/"))
+
+
 def _missing(module: str) -> bool:
     import importlib.util
 
@@ -234,7 +240,7 @@ def _check(args) -> None:
                             "(pip install -e '.[gpu]'), or --transformer-impl local")
     pattern = args.hybrid_layer_pattern
     if pattern is not None and args.transformer_impl != "transformer_engine":
-        others = sorted(set(pattern) - set(LOCAL_HYBRID_LAYERS) - set("|/"))
+        others = layers_needing_te(pattern)
         if others:
             raise ArgumentError(f"--hybrid-layer-pattern layers {' '.join(others)} need Transformer Engine (Mamba 'M' "
                                 "also mamba-ssm's CUDA kernels); without it the hybrid layers are attention '*', "

@@ -61,10 +61,10 @@ def setup(seed: int = 1234) -> None:
 
 def check_buildable(args) -> None:
     """A checkpoint whose forward differs from what this module builds is refused in one line."""
-    from megatron_mtp.arguments import LOCAL_HYBRID_LAYERS
+    from megatron_mtp.arguments import layers_needing_te
 
     pattern = getattr(args, "hybrid_layer_pattern", None) or ""
-    others = sorted(set(pattern) - set(LOCAL_HYBRID_LAYERS) - set("|/"))
+    others = layers_needing_te(pattern)
     if others:  # Mamba's state is not in the decoding cache, and the other layers need Transformer Engine
         raise ServingError(f"the checkpoint's HybridModel (--hybrid-layer-pattern {pattern}) has layers "
                            f"{' '.join(others)}, which this tool does not run: it runs attention '*', MLP '-', "
@@ -131,7 +131,7 @@ def cache_attention(model) -> None:
     """A built model's SDPA core attention made the cached one: build_hybrid takes no
     core_attention (the local hybrid stack's attention is the fork's SDPACoreAttention), and
     CachedSDPACoreAttention is that class with no state of its own, only another forward."""
-    from megatron.core.fork.sdpa_attention import SDPACoreAttention
+    from megatron.core.fork.runtime.sdpa_attention import SDPACoreAttention
     from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
 
     for module in model.modules():
