@@ -29,3 +29,33 @@ def test_the_main_command_s_final_validation_is_quoted_alike():
     assert f"final validation (the README's) gives mtp_1 {mtp_1}, mtp_2 {mtp_2}" in serving
     quoted = re.findall(r"final validation mtp_1 / mtp_2 acceptance (\d\.\d+) / (\d\.\d+)", readme)
     assert all(pair == (mtp_1, mtp_2) for pair in quoted), quoted
+
+
+def _code_map() -> str:
+    return (REPO_ROOT / "docs" / "code-map.md").read_text()
+
+
+def test_every_path_the_code_map_names_exists():
+    """docs/code-map.md says where a change goes and which tests guard it; a path that moved or a
+    test file that was renamed makes it false. Every word in backticks that is a repository path
+    (it has a "/" or a file suffix; commands' flags and Python names are not) must exist, a
+    `<placeholder>` or a `*` matching at least one file; every test file the page names must exist."""
+    text = _code_map()
+    words = {word for span in re.findall(r"`([^`]+)`", text) for word in span.split()}
+    paths = {word for word in words
+             if not word.startswith("-") and ("/" in word or re.search(r"\.(py|md|sh|toml)$", word))}
+    missing = [path for path in sorted(paths)
+               if not list(REPO_ROOT.glob(re.sub(r"(<[^>]+>|\*)+", "*", path).rstrip("/")))]
+    assert len(paths) > 100 and not missing, f"docs/code-map.md names paths that do not exist: {missing}"
+    tests = set(re.findall(r"\btest_\w+\.py\b", text))
+    absent = sorted(name for name in tests if not list((REPO_ROOT / "tests").glob(f"**/{name}")))
+    assert tests and not absent, f"docs/code-map.md names test files that do not exist: {absent}"
+
+
+def test_the_code_map_places_every_test_file():
+    """A new test file gets its row in docs/code-map.md (the change it guards), so that the map
+    answers "which test guards it" for every test there is."""
+    named = set(re.findall(r"`(tests/(?:in_build/)?test_\w+\.py)`", _code_map()))
+    files = {path.relative_to(REPO_ROOT).as_posix()
+             for pattern in ("tests/test_*.py", "tests/in_build/test_*.py") for path in REPO_ROOT.glob(pattern)}
+    assert files and not files - named, f"docs/code-map.md places no row for {sorted(files - named)}"
