@@ -36,6 +36,17 @@ the tokens per expert over TP x DP x CP. The 0.19.2 series is compared with the 
 (tests/test_moe_gradients.py); 0.16.1's, whose MTP depths do not run under CP, refuses router
 losses with CP.
 
+On packed rows (THD: ``PackedSeqParams``) a packed row is one batch entry of the router's
+``[seq, batch]`` layout. ``aux_loss`` and the z-loss then hold the row's tokens, every input
+position, which is what the spec asks; ``seq_aux_loss``'s statistics are the whole row's, not each
+packed sequence's, so it is refused on packed rows (``check_packed_forward``, in the step's first
+forward). Padding in packed rows (``cu_seqlens_q_padded`` beyond ``cu_seqlens_q``, as context
+parallelism needs) is routed, counted and balanced like a token; upstream's ``padding_mask``, which
+would leave it out, is refused too: the step's T counts every input position, an MTP depth's rolled
+mask marks a sequence's last token as padding and its padding's last position as a token, and under
+context parallelism upstream attaches each rank's balance loss with that rank's unpadded count
+(the whole micro-batch's is the weight), so neither is exact without changing upstream's router.
+
 ``global_aux_loss`` uses routing statistics accumulated over the step's micro-batches so
 far (each micro-batch sees a different partial count), so it is not the step's loss and
 is refused in exact steps.
@@ -93,6 +104,31 @@ def check_exact_step(config) -> None:
                 "(DeepSeek-V3's sequence-wise loss, exact) or aux_loss (per micro-batch, weighted by "
                 "its tokens)"
             )
+
+
+def check_packed_forward(config, packed_seq_params, padding_mask) -> None:
+    """Refuse, before a model forward in an exact step, what the router losses cannot hold exactly
+    on packed rows (see the module's docstring); nothing without router losses."""
+    if not active(config):
+        return
+    if padding_mask is not None:
+        raise ValueError("a padding_mask with MoE router losses in an exact step is refused: the step's routed "
+                         "tokens T count every input position, the MTP depths roll the mask onto the wrong "
+                         "positions and under context parallelism each rank's balance loss is weighted by its own "
+                         "unpadded count; pass no padding_mask (padding is then routed as tokens)")
+    if packed_seq_params is None:
+        return
+    kinds = dict(zip(load_balancing_types(config), coefficients(config), strict=True))
+    if kinds.get("seq_aux_loss"):
+        raise ValueError("seq_aux_loss on packed rows (PackedSeqParams) is refused: megatron-core's router takes "
+                         "the whole packed row as one sequence, not each packed sequence; use "
+                         "--moe-router-load-balancing-type aux_loss (per micro-batch, exact on packed rows)")
+    padded, unpadded = packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q
+    if padded is not None and not torch.equal(padded.cpu(), unpadded.cpu()):
+        raise ValueError("MoE router losses on packed rows with padding (cu_seqlens_q_padded differs from "
+                         "cu_seqlens_q) are refused: the padding positions would be routed and counted in the "
+                         "routing statistics and T like tokens; pack sequences whose lengths need no padding "
+                         "(multiples of 2 x context_parallel_size under CP) or turn the router losses off")
 
 
 def report_in_evaluation(on: bool) -> None:
