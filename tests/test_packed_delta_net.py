@@ -19,14 +19,14 @@ slow decay (tests/bodies/hybrid.py: slow_decay):
   parallelism), PP = 2 x EP = 2 and CP = 2 x EP = 2; every copy of every full gradient.
 
 - MoE router losses on packed rows (aux_loss and z-loss, spec section 11: T = every position of
-  the step's rows, each row one micro-batch of aux_loss) through the same step, D in {1, 2},
-  isolation off and on: every gradient and each MTP depth's reported router losses against the
-  reference, on rows of sequences of 5, 1, 67 and 3 tokens at one rank and EP = 2, and of 8, 4, 68
-  and 12 tokens (which CP = 2 splits without padding: padded rows are refused) at one rank, CP = 2
-  and CP = 2 x EP = 2 (matrix tier);
-- refused in one line with the weights untouched: seq_aux_loss on packed rows (upstream's
-  statistic is the packed row's, not each sequence's), router losses on packed rows with padding
-  (the padding would be routed and counted in T), and upstream's padding mask with router losses.
+  the step's rows, a packed sequence's padding included, each row one micro-batch of aux_loss)
+  through the same step, D in {1, 2}, isolation off and on: every gradient and each MTP depth's
+  reported router losses against the reference, on rows of sequences of 5, 1, 67 and 3 tokens,
+  unpadded at one rank and EP = 2, padded to multiples of 4 at one rank, CP = 2 and CP = 2 x EP = 2
+  (matrix tier);
+- refused in one line before the model runs, the weights untouched: seq_aux_loss on packed rows
+  (upstream's statistic is the packed row's, not each sequence's) and upstream's padding mask with
+  router losses.
 
 Tolerance: relative 1e-5 of each compared tensor's largest magnitude (float32). Measured: <= 1e-6
 in one process and at CP = 2, <= 2.8e-6 on the MoE layouts. The default tier runs the HybridModel
@@ -120,19 +120,20 @@ ROUTER = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
 ROUTER_SETUPS = {f"{case_name(depths, detach)}_aux_z": dict(MOE, **ROUTER, mtp_num_layers=depths,
                                                              mtp_detach_heads=detach)
                  for depths, detach in CASES}
-UNEVEN = dict(lengths=(5, 1, 67, 3), step=1)  # no padding, one sequence of a single token
-CP_EVEN = dict(lengths=(8, 4, 68, 12), step=4)  # uneven lengths that CP = 2 splits without padding
-ROUTER_LAYOUTS = {"uneven": [dict(name="ep2_dp4", tp=1, pp=1, ep=2)],
-                  "cp_even": [dict(name="cp2_dp2", tp=1, pp=1, ep=1, cp=2),
-                              dict(name="cp2_ep2_dp2", tp=1, pp=1, ep=2, cp=2)]}
+UNPADDED = dict(lengths=(5, 1, 67, 3), step=1)  # one sequence of a single token
+PADDED = dict(lengths=(5, 1, 67, 3), step=4)  # each sequence padded to a multiple of 2 x CP at CP = 2
+ROWS = {"unpadded": UNPADDED, "padded": PADDED}
+ROUTER_LAYOUTS = {"unpadded": [dict(name="ep2_dp4", tp=1, pp=1, ep=2)],
+                  "padded": [dict(name="cp2_dp2", tp=1, pp=1, ep=1, cp=2),
+                             dict(name="cp2_ep2_dp2", tp=1, pp=1, ep=2, cp=2)]}
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("rows", ["uneven", "cp_even"])
+@pytest.mark.parametrize("rows", sorted(ROWS))
 def test_router_losses_on_packed_rows_match_the_reference(current, tmp_path, rows):
     """aux_loss and z-loss on packed rows: gradients and each depth's values (mtp_k load balancing
-    loss, mtp_k z loss) at one rank, EP = 2 and CP = 2 (x EP = 2)."""
-    args = {"ckpt_root": str(tmp_path), "setups": ROUTER_SETUPS, **(UNEVEN if rows == "uneven" else CP_EVEN)}
+    loss, mtp_k z loss) at one rank, EP = 2 (unpadded rows) and CP = 2 (x EP = 2; padded rows)."""
+    args = {"ckpt_root": str(tmp_path), "setups": ROUTER_SETUPS, **ROWS[rows]}
     (one_rank,) = launch("tests.bodies.packed_delta_net:reference", 1, args, timeout=600, build=current)
     ranks = launch("tests.bodies.packed_delta_net:layouts", 4, dict(args, layouts=ROUTER_LAYOUTS[rows]),
                    timeout=600, build=current)
@@ -143,17 +144,16 @@ def test_router_losses_on_packed_rows_match_the_reference(current, tmp_path, row
 
 REFUSALS = {
     "seq_aux_loss": dict(setup=dict(MOE, mtp_num_layers=1, moe_router_load_balancing_type="seq_aux_loss",
-                                    moe_aux_loss_coeff=0.1), **UNEVEN),
-    "padded_rows": dict(setup=ROUTER_SETUPS["D1_attached_aux_z"], lengths=UNEVEN["lengths"], step=4),
-    "padding_mask": dict(setup=ROUTER_SETUPS["D1_attached_aux_z"], **UNEVEN, padding_mask=True),
+                                    moe_aux_loss_coeff=0.1), **UNPADDED),
+    "padding_mask": dict(setup=ROUTER_SETUPS["D1_attached_aux_z"], **UNPADDED, padding_mask=True),
 }
 REFUSED_WORDS = {"seq_aux_loss": ("seq_aux_loss on packed rows", "aux_loss (per micro-batch"),
-                 "padded_rows": ("packed rows with padding",), "padding_mask": ("padding_mask",)}
+                 "padding_mask": ("padding_mask", "T count every input position")}
 
 
 def test_router_losses_refused_on_packed_rows(current):
-    """seq_aux_loss on packed rows, router losses on padded packed rows and with upstream's padding
-    mask: refused in one line before the model runs, the weights untouched."""
+    """seq_aux_loss on packed rows and router losses with upstream's padding mask: refused in one
+    line before the model runs, the weights untouched."""
     (got,) = launch("tests.bodies.packed_delta_net:refusals", 1, {"cases": REFUSALS}, timeout=600, build=current)
     assert sorted(got) == sorted(REFUSALS)
     for name, result in got.items():

@@ -25,8 +25,8 @@ step run as they do. The step owns the rest (spec sections 4-7, 11, 12):
 Refused in one line before anything changes: what StepScope refuses (section 11's kinds, router
 losses with CP, streaming with attached heads), a framework without finalize_model_grads, MoE
 router losses in a step that averages micro-batches; in the first forward: an MTP forward with no
-loss mask, router losses with a padding mask or on packed rows with padding or seq_aux_loss (before
-the model runs: megatron.core.fork.mtp.router_losses.check_packed_forward); in finalize, before
+loss mask, router losses with upstream's padding mask, seq_aux_loss on packed rows (before the model
+runs: megatron.core.fork.mtp.router_losses.check_packed_forward); in finalize, before
 the gradient reduce and the optimizer step: counts that contradict the data, a finalize that would
 divide every gradient by a count (MTP's too), a router scale the framework replaced, a framework
 factor with counts given. A refused or failed step is aborted:
@@ -72,7 +72,7 @@ def _innermost(chunk):
 
 
 def _check_packed_forward(model, args, kwargs):
-    """Before a model forward: the router losses' refusals on packed rows and padding masks."""
+    """Before a model forward: the router losses' refusals (padding masks, seq_aux_loss on packed rows)."""
     bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
     router_losses.check_packed_forward(model.config, bound.get("packed_seq_params"), bound.get("padding_mask"))
 

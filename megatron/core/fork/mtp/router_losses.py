@@ -38,14 +38,16 @@ losses with CP.
 
 On packed rows (THD: ``PackedSeqParams``) a packed row is one batch entry of the router's
 ``[seq, batch]`` layout. ``aux_loss`` and the z-loss then hold the row's tokens, every input
-position, which is what the spec asks; ``seq_aux_loss``'s statistics are the whole row's, not each
-packed sequence's, so it is refused on packed rows (``check_packed_forward``, in the step's first
-forward). Padding in packed rows (``cu_seqlens_q_padded`` beyond ``cu_seqlens_q``, as context
-parallelism needs) is routed, counted and balanced like a token; upstream's ``padding_mask``, which
-would leave it out, is refused too: the step's T counts every input position, an MTP depth's rolled
-mask marks a sequence's last token as padding and its padding's last position as a token, and under
-context parallelism upstream attaches each rank's balance loss with that rank's unpadded count
-(the whole micro-batch's is the weight), so neither is exact without changing upstream's router.
+position, which is what the spec asks; the padding of packed sequences (``cu_seqlens_q_padded``,
+as context parallelism needs) is input positions too: routed, counted in T and balanced like
+tokens, the same at every layout for the same rows. ``seq_aux_loss``'s statistics are the whole
+row's, not each packed sequence's, so it is refused on packed rows (``check_packed_forward``,
+before the step's first model forward). Upstream's ``padding_mask``, which would leave padding out,
+is refused in exact steps: the step's T counts every input position, an MTP depth's rolled mask
+marks a sequence's last token as padding and its padding's last position as a token, and under
+context parallelism upstream weights each rank's balance loss by that rank's unpadded count (the
+whole micro-batch's is the weight), so it cannot be exact without changing upstream's MTP roll
+and router.
 
 ``global_aux_loss`` uses routing statistics accumulated over the step's micro-batches so
 far (each micro-batch sees a different partial count), so it is not the step's loss and
@@ -107,15 +109,16 @@ def check_exact_step(config) -> None:
 
 
 def check_packed_forward(config, packed_seq_params, padding_mask) -> None:
-    """Refuse, before a model forward in an exact step, what the router losses cannot hold exactly
-    on packed rows (see the module's docstring); nothing without router losses."""
+    """Refuse, before a model forward in an exact step, what the router losses cannot hold exactly:
+    a padding mask, seq_aux_loss on packed rows (see the module's docstring)."""
     if not active(config):
         return
     if padding_mask is not None:
         raise ValueError("a padding_mask with MoE router losses in an exact step is refused: the step's routed "
                          "tokens T count every input position, the MTP depths roll the mask onto the wrong "
                          "positions and under context parallelism each rank's balance loss is weighted by its own "
-                         "unpadded count; pass no padding_mask (padding is then routed as tokens)")
+                         "unpadded count; pass no padding_mask (padding is then routed and counted as input "
+                         "positions)")
     if packed_seq_params is None:
         return
     kinds = dict(zip(load_balancing_types(config), coefficients(config), strict=True))
@@ -123,12 +126,6 @@ def check_packed_forward(config, packed_seq_params, padding_mask) -> None:
         raise ValueError("seq_aux_loss on packed rows (PackedSeqParams) is refused: megatron-core's router takes "
                          "the whole packed row as one sequence, not each packed sequence; use "
                          "--moe-router-load-balancing-type aux_loss (per micro-batch, exact on packed rows)")
-    padded, unpadded = packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q
-    if padded is not None and not torch.equal(padded.cpu(), unpadded.cpu()):
-        raise ValueError("MoE router losses on packed rows with padding (cu_seqlens_q_padded differs from "
-                         "cu_seqlens_q) are refused: the padding positions would be routed and counted in the "
-                         "routing statistics and T like tokens; pack sequences whose lengths need no padding "
-                         "(multiples of 2 x context_parallel_size under CP) or turn the router losses off")
 
 
 def report_in_evaluation(on: bool) -> None:
