@@ -25,11 +25,15 @@ step run as they do. The step owns the rest (spec sections 4-7, 11, 12):
 Refused in one line before anything changes: what StepScope refuses (section 11's kinds, router
 losses with CP, streaming with attached heads), a framework without finalize_model_grads, MoE
 router losses in a step that averages micro-batches; in the first forward: an MTP forward with no
-loss mask; in finalize, before the gradient reduce and the optimizer step: counts that contradict
-the data, a finalize that would divide every gradient by a count (MTP's too), a router scale the
-framework replaced, a framework factor with counts given. A refused or failed step is aborted:
+loss mask, router losses with upstream's padding mask, seq_aux_loss on packed rows (before the model
+runs: megatron.core.fork.mtp.router_losses.check_packed_forward); in finalize, before
+the gradient reduce and the optimizer step: counts that contradict the data, a finalize that would
+divide every gradient by a count (MTP's too), a router scale the framework replaced, a framework
+factor with counts given. A refused or failed step is aborted:
 hooks restored, gradients zeroed, no optimizer step.
 """
+
+import inspect
 
 import torch
 from megatron.core import parallel_state
@@ -58,6 +62,19 @@ def _loss_scale(optimizer, config):
             return float(config.grad_scale_func(torch.ones(1, device=compute_device.current_device())).item())
         return 1.0
     return scale
+
+
+def _innermost(chunk):
+    """The model inside a chunk's wrappers (DDP, Float16Module): its forward names its arguments."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _check_packed_forward(model, args, kwargs):
+    """Before a model forward: the router losses' refusals (padding masks, seq_aux_loss on packed rows)."""
+    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    router_losses.check_packed_forward(model.config, bound.get("packed_seq_params"), bound.get("padding_mask"))
 
 
 class ExactMTPStep:
@@ -101,6 +118,7 @@ class ExactMTPStep:
         self._finalized = False
         self._sums = None
         self._microbatches = 0
+        self._forward_checks = []  # the router losses' checks of each model forward (hook handles)
 
     @property
     def normalization(self):
@@ -115,10 +133,16 @@ class ExactMTPStep:
             for chunk in self.chunks:
                 chunk.scale_gradients = self._recording(chunk.scale_gradients)
         self.scope.enter(overrides)
+        if router_losses.active(self.config):
+            self._forward_checks = [_innermost(chunk).register_forward_pre_hook(_check_packed_forward, with_kwargs=True)
+                                    for chunk in self.chunks]
 
     def exit(self) -> None:
         """The config and the chunks as before ``enter``. Idempotent."""
         self.scope.exit()
+        for handle in self._forward_checks:
+            handle.remove()
+        self._forward_checks = []
         if self.framework:
             for chunk in self.chunks:
                 chunk.__dict__.pop("scale_gradients", None)

@@ -36,6 +36,19 @@ the tokens per expert over TP x DP x CP. The 0.19.2 series is compared with the 
 (tests/test_moe_gradients.py); 0.16.1's, whose MTP depths do not run under CP, refuses router
 losses with CP.
 
+On packed rows (THD: ``PackedSeqParams``) a packed row is one batch entry of the router's
+``[seq, batch]`` layout. ``aux_loss`` and the z-loss then hold the row's tokens, every input
+position, which is what the spec asks; the padding of packed sequences (``cu_seqlens_q_padded``,
+as context parallelism needs) is input positions too: routed, counted in T and balanced like
+tokens, the same at every layout for the same rows. ``seq_aux_loss``'s statistics are the whole
+row's, not each packed sequence's, so it is refused on packed rows (``check_packed_forward``,
+before the step's first model forward). Upstream's ``padding_mask``, which would leave padding out,
+is refused in exact steps: the step's T counts every input position, an MTP depth's rolled mask
+marks a sequence's last token as padding and its padding's last position as a token, and under
+context parallelism upstream weights each rank's balance loss by that rank's unpadded count (the
+whole micro-batch's is the weight), so it cannot be exact without changing upstream's MTP roll
+and router.
+
 ``global_aux_loss`` uses routing statistics accumulated over the step's micro-batches so
 far (each micro-batch sees a different partial count), so it is not the step's loss and
 is refused in exact steps.
@@ -93,6 +106,26 @@ def check_exact_step(config) -> None:
                 "(DeepSeek-V3's sequence-wise loss, exact) or aux_loss (per micro-batch, weighted by "
                 "its tokens)"
             )
+
+
+def check_packed_forward(config, packed_seq_params, padding_mask) -> None:
+    """Refuse, before a model forward in an exact step, what the router losses cannot hold exactly:
+    a padding mask, seq_aux_loss on packed rows (see the module's docstring)."""
+    if not active(config):
+        return
+    if padding_mask is not None:
+        raise ValueError("a padding_mask with MoE router losses in an exact step is refused: the step's routed "
+                         "tokens T count every input position, the MTP depths roll the mask onto the wrong "
+                         "positions and under context parallelism each rank's balance loss is weighted by its own "
+                         "unpadded count; pass no padding_mask (padding is then routed and counted as input "
+                         "positions)")
+    if packed_seq_params is None:
+        return
+    kinds = dict(zip(load_balancing_types(config), coefficients(config), strict=True))
+    if kinds.get("seq_aux_loss"):
+        raise ValueError("seq_aux_loss on packed rows (PackedSeqParams) is refused: megatron-core's router takes "
+                         "the whole packed row as one sequence, not each packed sequence; use "
+                         "--moe-router-load-balancing-type aux_loss (per micro-batch, exact on packed rows)")
 
 
 def report_in_evaluation(on: bool) -> None:
