@@ -72,17 +72,20 @@ def build_gpt(config: TransformerConfig, vocab_size: int, max_sequence_length: i
 
 def build_hybrid(config: TransformerConfig, vocab_size: int, max_sequence_length: int, hybrid_layer_pattern: str,
                  use_transformer_engine: bool = False, vp_stage: int | None = None,
-                 pre_process: bool | None = None, post_process: bool | None = None, pg_collection=None, **options):
+                 pre_process: bool | None = None, post_process: bool | None = None, pg_collection=None,
+                 core_attention=None, **options):
     """The HybridModel of one (virtual) pipeline stage: `hybrid_layer_pattern` is upstream's
     "<main>/<mtp>/..." ("|" between pipeline stages); upstream's Transformer Engine stack spec,
-    or the same layers of megatron-core's local modules (any device)."""
+    or the same layers of megatron-core's local modules (any device; `core_attention` replaces
+    their SDPA core attention)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     _set_impl(config, use_transformer_engine)
     if use_transformer_engine:
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
     else:
-        hybrid_stack_spec = get_hybrid_stack_spec(config)
+        local = {"core_attention": core_attention} if core_attention else {}
+        hybrid_stack_spec = get_hybrid_stack_spec(config, **local)
     refuse_dropped(config, hybrid_stack_spec.submodules.attention_layer, multi_latent=False)
     if "G" in hybrid_layer_pattern:
         refuse_gated_delta_net_head_split(config)
@@ -117,14 +120,12 @@ def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length:
         position_embedding_type (str): GPTModel's position_embedding_type ("rope", "yarn", ...).
         hybrid_layer_pattern (str, optional): build a HybridModel with this pattern (Mamba,
             Gated DeltaNet, attention and MLP layers; MTP after the "/").
-        core_attention (type, optional): replaces a GPTModel's SDPA core attention (serving's
-            cached one, for a model that trains and decodes: examples/rl); refused for a HybridModel.
+        core_attention (type, optional): replaces the local modules' SDPA core attention
+            (serving's cached one, for a model that trains and decodes: examples/rl).
 
     Returns:
         list[DistributedDataParallel]: the model chunks, in virtual-stage order.
     """
-    if core_attention is not None and hybrid_layer_pattern is not None:
-        raise ValueError("core_attention replaces a GPTModel's attention; a HybridModel keeps its own")
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -137,7 +138,7 @@ def build_model(config: TransformerConfig, vocab_size: int, max_sequence_length:
             model = build_hybrid(config, vocab_size, max_sequence_length, hybrid_layer_pattern,
                                  use_transformer_engine, vp_stage=stage,
                                  share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                                 position_embedding_type=position_embedding_type)
+                                 position_embedding_type=position_embedding_type, core_attention=core_attention)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:

@@ -122,21 +122,8 @@ def build(args, mtp_num_layers=None, pg_collection=None):
     # one process: the pipeline stages' layers ("|") in one stack
     model = build_hybrid(transformer_config(args), args.padded_vocab_size, args.max_position_embeddings,
                          pattern.replace("|", ""), pre_process=True, post_process=True, pg_collection=pg_collection,
-                         **gpt_options(args))
-    cache_attention(model)
+                         core_attention=CachedSDPACoreAttention, **gpt_options(args))
     return model.eval()
-
-
-def cache_attention(model) -> None:
-    """A built model's SDPA core attention made the cached one: build_hybrid takes no
-    core_attention (the local hybrid stack's attention is the fork's SDPACoreAttention), and
-    CachedSDPACoreAttention is that class with no state of its own, only another forward."""
-    from megatron.core.fork.runtime.sdpa_attention import SDPACoreAttention
-    from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
-
-    for module in model.modules():
-        if type(module) is SDPACoreAttention:
-            module.__class__ = CachedSDPACoreAttention
 
 
 def own_groups():

@@ -300,10 +300,11 @@ def norm_without_te(te_norm):
     return te_norm if HAVE_TE else LocalSpecProvider().layer_norm()
 
 
-def get_hybrid_stack_spec(config) -> ModuleSpec:
+def get_hybrid_stack_spec(config, core_attention=SDPACoreAttention) -> ModuleSpec:
     """A HybridStack spec of local modules (any device): attention ``*``, MLP ``-``, MoE ``E``
-    (with experts), Gated DeltaNet ``G`` and the MTP block; the other layer types need
-    Transformer Engine."""
+    (with experts), Gated DeltaNet ``G`` and the MTP block, attention's core `core_attention`
+    (serving's cached one, for a model that decodes); the other layer types need Transformer
+    Engine."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules, get_gpt_mtp_block_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -317,7 +318,7 @@ def get_hybrid_stack_spec(config) -> ModuleSpec:
                                  use_transformer_engine=False)
     for layer in mtp.layer_specs if mtp is not None else ():  # (None off the MTP stage) layers from the pattern
         layer.submodules = dataclasses.replace(layer.submodules, mtp_model_layer=None)
-    on_this_device(config, gpt, mtp)
+    on_this_device(config, gpt, mtp, core_attention=core_attention)
     layers = dict(attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
                   mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp), mtp_block_spec=mtp)
     if config.linear_num_value_heads:  # (0.19.2's fields) Gated DeltaNet layers, "G"
