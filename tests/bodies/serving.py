@@ -546,14 +546,13 @@ def hybrid(root: str) -> dict:
     """The HybridModel checkpoint (Gated DeltaNet layers in the decoder and in each MTP depth):
     kv_cache's and recurrent_work's checks; eval_speculative.py on it, greedy and with rejection
     sampling; a pattern with Mamba layers refused in one line."""
+    from megatron_mtp.serving import ServingError
+    from megatron_mtp.serving import model as serving_model
     from tools import eval_speculative
 
     out = kv_cache(root, names=("trained-hybrid",), lengths=(1, 19), new_tokens=16)["trained-hybrid"]
     out.update(recurrent_work(f"{root}/trained-hybrid", torch.randint(
         0, VOCAB, (9,), generator=torch.Generator().manual_seed(1)).tolist()))
-    from megatron_mtp.serving import ServingError
-    from megatron_mtp.serving import model as serving_model
-
     try:  # Mamba layers: their state is not in the cache (and they need Transformer Engine)
         serving_model.check_buildable(argparse.Namespace(hybrid_layer_pattern="M*M-/*-"))
     except ServingError as error:

@@ -86,21 +86,21 @@ def calls(patch_text: str, series_modules: dict) -> list[str]:
     return sorted(name[len(PACKAGE) + 1:] for name in found)
 
 
-def _series(version: str) -> list[tuple[Path, str, str]]:
-    """(patch, its part, its text) for each patch of `version`'s series."""
-    return [(patch, series.part_of(patch), patch.read_text()) for patch in series_patches(version)]
+def _series_calls(version: str) -> list[tuple[Path, str, list[str]]]:
+    """(patch, its part, the fork functions it calls) for each patch of `version`'s series."""
+    patches = [(patch, series.part_of(patch), patch.read_text()) for patch in series_patches(version)]
+    aliases = {}
+    for _, _, text in patches:
+        aliases.update(_bindings(_added_code(text))[0])
+    return [(patch, part, calls(text, aliases)) for patch, part, text in patches]
 
 
 def table(version: str) -> str:
     """The Markdown table of `version`'s series: patch, part, the fork functions it calls."""
-    patches = _series(version)
-    aliases = {}
-    for _, _, text in patches:
-        aliases.update(_bindings(_added_code(text))[0])
     rows = [f"| Patch ({version}) | Part | Fork functions its hunks call |", "| --- | --- | --- |"]
-    for patch, part, text in patches:
-        called = ", ".join(f"`{name}`" for name in calls(text, aliases)) or "none"
-        rows.append(f"| {patch.stem[:4]} {patch.stem[5:].replace('-', ' ')} | {part} | {called} |")
+    for patch, part, called in _series_calls(version):
+        cell = ", ".join(f"`{name}`" for name in called) or "none"
+        rows.append(f"| {patch.stem[:4]} {patch.stem[5:].replace('-', ' ')} | {part} | {cell} |")
     return "\n".join(rows) + "\n"
 
 
@@ -112,12 +112,8 @@ def layering_errors(version: str) -> list[str]:
     """Each patch that calls a fork folder of a later part than its own, and each fork module
     that imports from a folder of a later part than its own."""
     errors = []
-    patches = _series(version)
-    aliases = {}
-    for _, _, text in patches:
-        aliases.update(_bindings(_added_code(text))[0])
-    for patch, part, text in patches:
-        for name in calls(text, aliases):
+    for patch, part, called in _series_calls(version):
+        for name in called:
             folder = _folder(name)
             if FOLDER_RANK.get(folder, 99) > FOLDER_RANK[PART_FOLDER[part]]:
                 errors.append(f"{patch.name} (part {part}) calls {name}")
