@@ -510,7 +510,7 @@ def _parse():
         deferred = _capability_deferred(args)
         with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext(), \
                 _without_writers() if args.dry_run or finished(args) else contextlib.nullcontext(), \
-                _checked_before_anything_is_written(partial(_check_validated, deferred=deferred)):
+                _checked_before_anything_is_written(partial(_check_config, deferred=deferred), _check_checkpoints):
             args = parse_and_validate_args(_provider(defaults))
         if embedded and not args.dry_run:
             corpus_prefix(default_cache_dir())
@@ -525,32 +525,43 @@ def _parse():
         return None  # argparse has printed its message
 
 
-def _check_validated(args, deferred: bool) -> None:
-    """The checks that need Megatron-LM's validated arguments: the TransformerConfig's own
-    (upstream's and the MTP options', megatron.core.fork.mtp.options) and the checkpoints'."""
+def _check_config(args, deferred: bool) -> None:
+    """The TransformerConfig's own checks (upstream's and the MTP options',
+    megatron.core.fork.mtp.options), which need Megatron-LM's validated arguments."""
     from megatron.training.arguments import core_transformer_config_from_args
 
     args.moe_grouped_gemm |= deferred
     core_transformer_config_from_args(args)
-    _check_checkpoints(args)
 
 
 @contextlib.contextmanager
-def _checked_before_anything_is_written(check):
+def _checked_before_anything_is_written(check_config, check_built):
     """Megatron-LM's parse_and_validate_args prints the argument list at the end of validate_args,
-    then set_global_variables builds the tokenizer and the TensorBoard and W&B writers (their
-    directories, an events file). `check(args)` runs between the two, and the list is printed
-    after it: a refused run prints its one line first and writes nothing."""
+    then set_global_variables builds the tokenizer (the padded vocabulary) and the TensorBoard and
+    W&B writers (their directories, an events file). `check_config(args)` runs before the list
+    is printed, `check_built(args)` (the checkpoints': the padded vocabulary is a shape) once the
+    tokenizer is built, before the writers; the list comes after both: a refused run prints its
+    one line first and writes nothing."""
     from megatron.training import arguments as upstream
+    from megatron.training import global_vars
 
     print_args, set_global_variables = upstream._print_args, upstream.set_global_variables
     held = []
 
     def checked_first(args, *given, **options):
-        check(args)
+        check_config(args)
+        writers = global_vars._set_tensorboard_writer, global_vars._set_wandb_writer
+        global_vars._set_tensorboard_writer = global_vars._set_wandb_writer = lambda args: None
+        try:
+            result = set_global_variables(args, *given, **options)
+        finally:
+            global_vars._set_tensorboard_writer, global_vars._set_wandb_writer = writers
+        check_built(args)
         for title, printed in held:
             print_args(title, printed)
-        return set_global_variables(args, *given, **options)
+        for set_writer in writers:
+            set_writer(args)
+        return result
 
     upstream._print_args = lambda title, args: held.append((title, args))
     upstream.set_global_variables = checked_first
