@@ -97,7 +97,10 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
     depths = config.mtp_num_layers or 0
     if depths == 0:
         return hidden_states  # mtp_num_layers=0: no MTP, as upstream
-    isolation.refuse_trainable_output_bias(model)
+    try:
+        isolation.refuse_trainable_output_bias(model)
+    except ValueError as refusal:  # found on the MTP stage alone: refused on every rank (step_scope)
+        step_scope.refuse_in_step(str(refusal))
     per_depth_hidden = torch.chunk(hidden_states, 1 + depths, dim=0)
     main_hidden = per_depth_hidden[0]
     supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
