@@ -5,8 +5,9 @@
     python -m tests.harness.argument_cases < cases.json > results.json
 
 Each case is {"argv": [...], "env": {...}}; each result says whether the arguments were
-accepted, what the script printed on stderr, and its output (stdout and stderr) in order. Parsing needs no distributed start-up,
-so one process checks every refusal (a real launch per case would cost seconds each).
+accepted, what the script printed on stderr, and its output (stdout and stderr) in order.
+Parsing needs no distributed start-up, so one process checks every refusal (a real launch
+per case would cost seconds each).
 """
 
 import contextlib

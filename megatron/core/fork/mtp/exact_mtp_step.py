@@ -43,8 +43,13 @@ from megatron.core.utils import get_model_config
 from megatron.core.fork.mtp import router_losses, router_metrics, step_loss
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
-from megatron.core.fork.mtp.step_scope import (MOE_SCALE_HOOK, StepScope, reduced_sums, refuse_in_step,
-                                              refuse_what_any_rank_found)
+from megatron.core.fork.mtp.step_scope import (
+    MOE_SCALE_HOOK,
+    StepScope,
+    reduced_sums,
+    refuse_in_step,
+    refuse_what_any_rank_found,
+)
 from megatron.core.fork.runtime import device as compute_device
 
 
