@@ -24,10 +24,11 @@ step run as they do. The step owns the rest (spec sections 4-7, 11, 12):
 
 Refused in one line before anything changes: what StepScope refuses (section 11's kinds, router
 losses with CP, streaming with attached heads), a framework without finalize_model_grads, MoE
-router losses in a step that averages micro-batches; in the first forward: an MTP forward with no
-loss mask, router losses with upstream's padding mask, seq_aux_loss on packed rows (before the model
-runs: megatron.core.fork.mtp.router_losses.check_packed_forward); in finalize, before
-the gradient reduce and the optimizer step: counts that contradict the data, a finalize that would
+router losses in a step that averages micro-batches; found in a forward, on the ranks whose forward
+sees it, and raised on every rank in finalize, before the gradient reduce (step_scope.refuse_in_step:
+no rank is left waiting): an MTP forward with no loss mask, router losses with upstream's padding
+mask, seq_aux_loss on packed rows (megatron.core.fork.mtp.router_losses.check_packed_forward); in
+finalize, before the gradient reduce and the optimizer step: counts that contradict the data, a finalize that would
 divide every gradient by a count (MTP's too), a router scale the framework replaced, a framework
 factor with counts given. A refused or failed step is aborted:
 hooks restored, gradients zeroed, no optimizer step.
