@@ -170,8 +170,8 @@ class SplitStep:
         if not self.in_progress:
             raise RuntimeError("begin() the step before finish()")
         try:
+            refuse_what_any_rank_found()  # what a rank found in the forwards, on every rank (before exit drops it)
             self._release_step_hooks()
-            refuse_what_any_rank_found()  # what a rank found in the forwards, on every rank
             # The step's one reduce of counts and metric sums.
             main_sums, mtp_sums = self._scope.reduced_sums(self._main_sums)
             main_sum, tokens, sequences = main_sums.tolist()
