@@ -66,6 +66,10 @@ def case(objective, depths, repeated, tied, layout, sparse, temperature=TEMPERAT
         "sums": max_rel(got["sums"], ref_sums),
         "counts_exact": counts_equal(got["sums"], ref_sums),
         "sampled_acceptance": (got["sums"][:, 4] / got["sums"][:, 1]).tolist(),
+        "greedy_draft_acceptance": (got["sums"][:, 6] / got["sums"][:, 1]).tolist(),
+        # the greedy-draft fields alone against the reference's (the table's largest magnitude, a CE
+        # sum, would hide an error in them)
+        "greedy_sums": max_rel(got["sums"][:, 6:], ref_sums[:, 6:]),
     }
 
 
@@ -105,7 +109,7 @@ def without_sampled_metrics() -> dict:
         return {"grads": max(max_rel(got["grads"][n], want[n]) for n in want),
                 "first_fields": max_rel(got["sums"][:, :4], ref_sums[:, :4]),
                 "sampled_unknown": bool(torch.isnan(got["sums"][:, 4:]).all()),
-                "reported": sorted(name for name in metrics if "sampl" in name)}
+                "reported": sorted(name for name in metrics if "sampl" in name or "greedy" in name)}
 
 
 def default_cases() -> dict:
@@ -173,9 +177,10 @@ def refusals() -> dict:
 
 
 def decoder_agrees() -> dict:
-    """The trainer's sampled-acceptance sums against the decoder's teacher-forced sum_v min(p, q)
-    (megatron_mtp.serving.speculative.teacher_forced, its own code over the KV-cache runner) on the
-    same text, every position valid: two computations of the same numbers."""
+    """The trainer's sampled- and greedy-draft-acceptance sums and their chains against the
+    decoder's teacher-forced sum_v min(p, q) and p(argmax q) (megatron_mtp.serving.speculative.
+    teacher_forced, its own code over the KV-cache runner) on the same text, every position valid:
+    two computations of the same numbers."""
     from megatron_mtp.serving import speculative
     from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
     from megatron_mtp.serving.model import Runner
@@ -192,7 +197,10 @@ def decoder_agrees() -> dict:
         with torch.no_grad():
             speculative.teacher_forced(Runner(model, VOCAB), tokens[0].tolist(), stats, temperature=TEMPERATURE)
         return {"trainer": got["sums"][:, 4].tolist(), "trainer_valid": got["sums"][:, 1].tolist(),
-                "decoder": stats.teacher_forced_overlap, "decoder_valid": stats.teacher_forced_total}
+                "decoder": stats.teacher_forced_overlap, "decoder_valid": stats.teacher_forced_total,
+                "trainer_greedy": got["sums"][:, 6].tolist(), "decoder_greedy": stats.teacher_forced_greedy,
+                "trainer_chains": got["sums"][:, [5, 7]].t().tolist(),
+                "decoder_chains": [stats.teacher_forced_overlap_chain, stats.teacher_forced_greedy_chain]}
 
 
 def sample_mask() -> dict:
