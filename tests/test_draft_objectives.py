@@ -43,7 +43,8 @@ def test_every_case_ran(suite, matrix):
 
 
 def test_gradients_and_sums_match_the_reference(suite):
-    for name, errors in suite["cases"].items():
+    assert sorted(suite["greedy_aligned"]) == ["ce", "e2e_tv"]
+    for name, errors in [*suite["cases"].items(), *suite["greedy_aligned"].items()]:
         assert errors["grad_names"], name
         assert errors["mtp_grads_nonzero"] or (name.startswith("e2e_tv") and errors["complete_chains"] == 0), name
         assert errors["grads"] < TOL, (name, errors)
@@ -54,13 +55,15 @@ def test_gradients_and_sums_match_the_reference(suite):
 
 def test_cases_are_not_degenerate(suite):
     # alpha near 0 or 1 would make every objective flat: the cases draw distinct p and q.
-    for name, errors in suite["cases"].items():
+    for name, errors in [*suite["cases"].items(), *suite["greedy_aligned"].items()]:
         assert all(0.05 < a < 0.95 for a in errors["sampled_acceptance"]), (name, errors["sampled_acceptance"])
-        # p(argmax q) neither 0 nor 1, and not alpha (a beta computed as alpha would pass the sums' test
-        # only if the reference did the same)
+        # p(argmax q) > 0 and not alpha. In these cases the depths' argmax is rarely the main head's
+        # (p(argmax q) 0.004 .. 0.03: unrelated random heads); the aligned cases put it mid-range
         greedy = errors["greedy_draft_acceptance"]
-        assert all(0.02 < b < 0.98 for b in greedy), (name, greedy)
+        assert all(b > 0 for b in greedy), (name, greedy)
         assert all(abs(a - b) > 0.01 for a, b in zip(errors["sampled_acceptance"], greedy, strict=True)), name
+    for name, errors in suite["greedy_aligned"].items():
+        assert all(0.2 < b < 0.8 for b in errors["greedy_draft_acceptance"]), (name, errors)
 
 
 def test_the_backbone_is_bit_identical_to_a_run_without_mtp(suite):
