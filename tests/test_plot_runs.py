@@ -34,7 +34,8 @@ elapsed time per iteration (ms): 100.0 | learning rate: 5.000000E-04 | global ba
 lm loss: 3.000000E+00 | mtp_1 loss: 3.500000E+00 | mtp_1 acceptance: 0.3000 | mtp_1 chain acceptance: \
 0.3000 | mtp_2 loss: 3.600000E+00 | mtp_2 acceptance: 0.2000 | mtp_2 chain acceptance: 0.1000 | \
 mtp_2 sampled acceptance: 0.1500 | mtp_2 greedy-draft acceptance: 0.1200 | {EXPECTED_LENGTH_NAME}: 1.4000 | \
-{SAMPLING_LENGTH_NAME}: 1.3500 | {GREEDY_LENGTH_NAME}: 1.2500 | mtp grad norm: 0.250 | grad norm: 1.000 | number of skipped iterations:   0 |
+{SAMPLING_LENGTH_NAME}: 1.3500 | {GREEDY_LENGTH_NAME}: 1.2500 | mtp grad norm: 0.250 | grad norm: 1.000 | \
+number of skipped iterations:   0 |
 [default1]: validation loss at iteration 4 | lm loss value: 3.100000E+00 | lm loss PPL: 2.219795E+01 | \
 mtp_1 loss: 3.700000E+00 | mtp_1 acceptance: 0.2500 |
 [default1]: validation loss at iteration 4 on validation set | lm loss value: 3.050000E+00 | lm loss PPL: \

@@ -15,7 +15,8 @@ depth); acceptance, chain acceptance, sampled acceptance and greedy-draft accept
 accepted length (incl. bonus token), teacher-forced, sampling and greedy drafts;
 grad norm (and, with --mtp-detach-heads, the MTP group's); learning rate; and for the RL
 example's log (examples/rl/grpo.py) reward and solved fraction, the rollouts' acceptance per
-depth and their mean acceptance length, and its engine decodes' in both draft modes. A panel that no run has is left out.
+depth and their mean acceptance length, and its engine decodes' in both draft modes. A panel that no run has
+is left out.
 The format follows the output's extension (.png, .svg, .pdf).
 --table prints a Markdown table of each run's last logged values (the last evaluation's lm
 loss among them) and its median time per iteration. Runs are drawn from the widest line (the

@@ -384,8 +384,8 @@ def engine_decodes(runner, prompts, task, args, step: int, first_index: int, sta
     for mode, method in enumerate(speculative.DRAFT_SAMPLE_METHODS):
         first_key = offset + mode * (args.steps + 1) * args.prompts_per_step
         for p, prompt in enumerate(prompts):
-            sampler = speculative.RejectionSampler(args.seed, first_key + step * args.prompts_per_step + first_index + p,
-                                                   draft_sample_method=method)
+            key = first_key + step * args.prompts_per_step + first_index + p
+            sampler = speculative.RejectionSampler(args.seed, key, draft_sample_method=method)
             speculative.speculative(runner, prompt, task.answer_length, stats[method], choose=sampler, stop=EOS)
 
 

@@ -111,7 +111,8 @@ class Stats:
             # spec section 12.1's `mtp_k greedy-draft acceptance`: what vLLM's default greedy drafts are
             # accepted with (p(argmax q) at the temperature; at temperature 0, argmax q = argmax p)
             "teacher-forced greedy-draft acceptance per depth": [
-                a / t if t else None for a, t in zip(self.teacher_forced_greedy, self.teacher_forced_total, strict=True)],
+                a / t if t else None
+                for a, t in zip(self.teacher_forced_greedy, self.teacher_forced_total, strict=True)],
             # 1 + sum_j mean_t prod_{i<=j}: the chained drafts' expected tokens per verify step, the bonus counted
             "teacher-forced expected accepted length (sampling)":
                 1 + sum(a / t for a, t in zip(self.teacher_forced_overlap_chain, self.teacher_forced_total,
@@ -171,6 +172,11 @@ def match(choose, logits: torch.Tensor, drafts: list[int], draft_logits: list, f
 DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")  # vLLM's speculative_config draft_sample_method values
 
 
+def check_draft_sample_method(name: str) -> None:
+    if name not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"draft_sample_method {name!r} is not one of {', '.join(DRAFT_SAMPLE_METHODS)}")
+
+
 class RejectionSampler:
     """Samples from softmax(logits / temperature) (plain decoding, the prefill's token) and
     verifies drafts by rejection sampling (`verify`), its randomness one stream keyed by (seed,
@@ -180,8 +186,7 @@ class RejectionSampler:
     def __init__(self, seed: int, sequence: int, temperature: float = 1.0, draft_sample_method: str = "probabilistic"):
         if temperature <= 0:
             raise ValueError(f"temperature {temperature} must be > 0 (greedy_choice is temperature 0)")
-        if draft_sample_method not in DRAFT_SAMPLE_METHODS:
-            raise ValueError(f"draft_sample_method {draft_sample_method!r} is not one of {', '.join(DRAFT_SAMPLE_METHODS)}")
+        check_draft_sample_method(draft_sample_method)
         self.temperature, self.draft_sample_method = temperature, draft_sample_method
         self.generator = torch.Generator().manual_seed(hash((seed, sequence)) % 2**63)
 
@@ -339,7 +344,8 @@ def sampled_overlap(main: torch.Tensor, logits: torch.Tensor, k: int, temperatur
     return torch.minimum(p, q).sum(-1)
 
 
-def greedy_draft_acceptance(main: torch.Tensor, logits: torch.Tensor, k: int, temperature: float | None) -> torch.Tensor:
+def greedy_draft_acceptance(main: torch.Tensor, logits: torch.Tensor, k: int,
+                            temperature: float | None) -> torch.Tensor:
     """p(argmax q) at each position t whose target x_{t+k+1} the text holds (spec section 12.1): what
     a greedy draft (depth k's argmax at t, the lowest id on ties) is accepted with, p the main
     head's softmax at t + k at `temperature`; None (greedy decoding): 1 where the draft is the
@@ -387,13 +393,13 @@ def drafted_acceptance(runner, text: list[int], trace: list, stats: Stats, tempe
     A verify step drafting at t that reached depth k (its drafts 1 .. k - 1 accepted, so the text
     holds them) accepts depth k's draft with probability alpha = sum_v min(p, q) (greedy drafts:
     p(argmax q)), p and q the main head's and depth k's distributions there: exactly the
-    teacher-forced ones at t on the text (the decoder's logits are the whole-sequence recompute's). Summed over such steps, accepted - alpha
-    has mean 0 and variance sum alpha (1 - alpha) (a martingale: each step's alpha is fixed by what
-    came before it), so the live count and the teacher-forced sum agree within a few standard
-    errors whatever prefixes the decode visited. A step counts at depth k only where the text holds
-    x_{t+k+1}, which depends on t alone (the text's length is fixed before decoding)."""
-    if draft_sample_method not in DRAFT_SAMPLE_METHODS:
-        raise ValueError(f"draft_sample_method {draft_sample_method!r} is not one of {', '.join(DRAFT_SAMPLE_METHODS)}")
+    teacher-forced ones at t on the text (the decoder's logits are the whole-sequence recompute's).
+    Summed over such steps, accepted - alpha has mean 0 and variance sum alpha (1 - alpha) (a
+    martingale: each step's alpha is fixed by what came before it), so the live count and the
+    teacher-forced sum agree within a few standard errors whatever prefixes the decode visited. A
+    step counts at depth k only where the text holds x_{t+k+1}, which depends on t alone (the
+    text's length is fixed before decoding)."""
+    check_draft_sample_method(draft_sample_method)
     rate = greedy_draft_acceptance if draft_sample_method == "greedy" else sampled_overlap
     main, per_depth = runner.teacher_forced(torch.tensor([text]), depths=stats.depths)
     overlaps = [rate(main, logits, k, temperature) for k, logits in enumerate(per_depth, start=1)]
