@@ -96,6 +96,7 @@ def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, tempera
     if objective == "kl":  # p log(p / q), in log p's buffer
         parts.append(log_p.sub_(log_q).mul_(p).sum(dim=1))
     del log_q, log_p
+    # beta = p(argmax q): read on the rank whose shard holds the argmax, 0 on the others
     local = draft_argmax - vocab_start
     on_rank = (local >= 0) & (local < p.size(1))
     parts.insert(0, p.gather(1, torch.where(on_rank, local, 0).unsqueeze(1)).squeeze(1) * on_rank)
