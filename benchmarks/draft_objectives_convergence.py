@@ -2,7 +2,7 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """What each draft objective gains on a fixed policy: the sampled and greedy-draft acceptances its heads reach.
 
-    .venv/bin/python -m benchmarks.draft_objectives_convergence [--steps 150] [--optimizer adam|sgd]
+    .venv/bin/python -m benchmarks.draft_objectives_convergence [--steps 150] [--optimizer adam|sgd] [--objectives ...]
 
 A small GPT (4 layers, hidden 64, vocabulary 48, one MTP depth, isolated) with a frozen backbone
 whose output weight is spread (a policy far from uniform) generates sequences by sampling at
@@ -24,6 +24,7 @@ warnings.filterwarnings("ignore")
 from benchmarks.common import setup_process
 
 VOCAB, SEQ, BATCH = 48, 12, 16
+OBJECTIVES = ("ce", "kl", "tv", "e2e_tv")
 
 
 def train_heads(objective: str, optimizer_name: str, steps: int) -> tuple[list[float], list[float]]:
@@ -74,15 +75,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--objectives", nargs="+", choices=OBJECTIVES, default=list(OBJECTIVES),
+                        help="which objectives to train (each from the same start; default: all)")
     args = parser.parse_args()
     setup_process()
-    runs = {objective: train_heads(objective, args.optimizer, args.steps) for objective in ("ce", "kl", "tv", "e2e_tv")}
-    for index, metric in enumerate(("mtp_1 sampled acceptance", "mtp_1 greedy-draft acceptance")):
-        print(f"{metric} every 15 steps ({args.optimizer}, {args.steps} steps), then the last 10's mean:")
-        for objective, series in runs.items():
-            values = series[index]
-            print(f"  {objective:7s} " + " ".join(f"{a:.3f}" for a in values[::15])
-                  + f" | last 10: {sum(values[-10:]) / 10:.3f}")
+    print(f"mtp_1 sampled acceptance (alpha) and greedy-draft acceptance (beta) every 15 steps ({args.optimizer}, "
+          f"{args.steps} steps), then the last 10's mean:")
+    for objective in args.objectives:
+        for name, values in zip(("alpha", "beta"), train_heads(objective, args.optimizer, args.steps), strict=True):
+            print(f"  {objective:7s} {name:5s} " + " ".join(f"{a:.3f}" for a in values[::15])
+                  + f" | last 10: {sum(values[-10:]) / 10:.3f}", flush=True)
 
 
 if __name__ == "__main__":
