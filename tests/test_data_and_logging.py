@@ -176,7 +176,8 @@ def test_training_on_a_blend_reports_every_metric_to_console_tensorboard_and_wan
     for iteration in (2, 4):  # evaluation reports the MTP metrics too
         validation = run.validations[iteration]
         assert {"lm loss", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance", "mtp_2 sampled acceptance",
-                "mtp_2 greedy-draft acceptance", "expected accepted length (greedy drafts)"} <= set(validation), validation
+                "mtp_2 greedy-draft acceptance", "expected accepted length (greedy drafts)"} <= set(validation), \
+            validation
 
     tags = scalars(tmp_path / "tb")
     for tag in ("lm loss", "grad-norm", "mtp grad norm", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance",
