@@ -32,6 +32,7 @@ SEQ_LENGTH = re.compile(r"^(?:\[default\d+\]:)?\s+seq_length \.+ (\d+)\s*$", re.
 # not imported: reading a run needs neither torch nor megatron).
 EXPECTED_LENGTH_NAME = "expected accepted length (incl. bonus token)"
 SAMPLING_LENGTH_NAME = "expected accepted length (sampling)"  # ...statistics.EXPECTED_LENGTH_SAMPLING
+GREEDY_LENGTH_NAME = "expected accepted length (greedy drafts)"  # ...statistics.EXPECTED_LENGTH_GREEDY
 # TensorBoard tags that upstream spells otherwise than its console line.
 TENSORBOARD_NAMES = {"grad-norm": "grad norm", "learning-rate": "learning rate"}
 

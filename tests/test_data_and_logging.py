@@ -164,7 +164,8 @@ def test_training_on_a_blend_reports_every_metric_to_console_tensorboard_and_wan
     line = run.iterations[4]
     for field in ("lm loss", "mtp_1 loss", "mtp_2 loss", "mtp_1 acceptance", "mtp_2 chain acceptance",
                   "expected accepted length (incl. bonus token)", "grad norm", "mtp grad norm", "learning rate",
-                  "tokens/s"):
+                  "tokens/s", "mtp_2 sampled acceptance", "mtp_2 greedy-draft acceptance",
+                  "expected accepted length (sampling)", "expected accepted length (greedy drafts)"):
         assert field in line, (field, sorted(line))
     assert "ETA: " in run.output
     assert 0 < line["expected accepted length (incl. bonus token)"] - 1 <= 2
@@ -174,12 +175,16 @@ def test_training_on_a_blend_reports_every_metric_to_console_tensorboard_and_wan
                           (0.90, 0.05, 0.05), train_samples=4 * 8)
     for iteration in (2, 4):  # evaluation reports the MTP metrics too
         validation = run.validations[iteration]
-        assert {"lm loss", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance"} <= set(validation), validation
+        assert {"lm loss", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance", "mtp_2 sampled acceptance",
+                "mtp_2 greedy-draft acceptance", "expected accepted length (greedy drafts)"} <= set(validation), \
+            validation
 
     tags = scalars(tmp_path / "tb")
     for tag in ("lm loss", "grad-norm", "mtp grad norm", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance",
                 "expected accepted length (incl. bonus token)", "mtp_1 acceptance (cumulative)",
-                "mtp_1 loss validation", "mtp_2 acceptance validation", "tokens per second"):
+                "mtp_1 loss validation", "mtp_2 acceptance validation", "tokens per second",
+                "mtp_1 greedy-draft acceptance", "mtp_1 greedy-draft acceptance (cumulative)",
+                "expected accepted length (greedy drafts)", "mtp_2 greedy-draft acceptance validation"):
         assert tag in tags, (tag, sorted(tags))
     assert sorted(tags["mtp_1 loss"]) == [1, 2, 3, 4]
 

@@ -1,7 +1,8 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The draft objectives of spec section 12 (--mtp-loss-type kl | tv | e2e_tv, and ce's sampled
-acceptance at --mtp-draft-temperature) in the model, against the plain-PyTorch reference.
+acceptance at --mtp-draft-temperature) in the model, against the plain-PyTorch reference; the
+greedy-draft acceptance of section 12.1 beside the sampled one, for every objective.
 
 One launch of one process. Default tier: each objective at D = 3 distinct (padded rows,
 sparse loss) and at D = 2 repeated (tied, packed rows, dense loss), plus ce on packed rows;
@@ -42,18 +43,27 @@ def test_every_case_ran(suite, matrix):
 
 
 def test_gradients_and_sums_match_the_reference(suite):
-    for name, errors in suite["cases"].items():
+    assert sorted(suite["greedy_aligned"]) == ["ce", "e2e_tv"]
+    for name, errors in [*suite["cases"].items(), *suite["greedy_aligned"].items()]:
         assert errors["grad_names"], name
         assert errors["mtp_grads_nonzero"] or (name.startswith("e2e_tv") and errors["complete_chains"] == 0), name
         assert errors["grads"] < TOL, (name, errors)
         assert errors["sums"] < TOL, (name, errors)
+        assert errors["greedy_sums"] < TOL, (name, errors)
         assert errors["counts_exact"], (name, errors)
 
 
 def test_cases_are_not_degenerate(suite):
     # alpha near 0 or 1 would make every objective flat: the cases draw distinct p and q.
-    for name, errors in suite["cases"].items():
+    for name, errors in [*suite["cases"].items(), *suite["greedy_aligned"].items()]:
         assert all(0.05 < a < 0.95 for a in errors["sampled_acceptance"]), (name, errors["sampled_acceptance"])
+        # p(argmax q) > 0 and not alpha. In these cases the depths' argmax is rarely the main head's
+        # (p(argmax q) 0.004 .. 0.03: unrelated random heads); the aligned cases put it mid-range
+        greedy = errors["greedy_draft_acceptance"]
+        assert all(b > 0 for b in greedy), (name, greedy)
+        assert all(abs(a - b) > 0.01 for a, b in zip(errors["sampled_acceptance"], greedy, strict=True)), name
+    for name, errors in suite["greedy_aligned"].items():
+        assert all(0.2 < b < 0.8 for b in errors["greedy_draft_acceptance"]), (name, errors)
 
 
 def test_the_backbone_is_bit_identical_to_a_run_without_mtp(suite):
@@ -69,6 +79,12 @@ def test_the_decoder_measures_the_trainer_s_sampled_acceptance(suite):
     assert decoder["trainer_valid"] == decoder["decoder_valid"] == [11.0, 10.0, 9.0]  # SEQ - k positions
     for trainer, measured in zip(decoder["trainer"], decoder["decoder"], strict=True):
         assert abs(trainer - measured) <= TOL * abs(measured), decoder
+    # the greedy-draft acceptance p(argmax q) and both chains (products over depths 1..k at each anchor)
+    pairs = [*zip(decoder["trainer_greedy"], decoder["decoder_greedy"], strict=True),
+             *zip(decoder["trainer_chains"][0], decoder["decoder_chains"][0], strict=True),
+             *zip(decoder["trainer_chains"][1], decoder["decoder_chains"][1], strict=True)]
+    for trainer, measured in pairs:
+        assert measured > 0 and abs(trainer - measured) <= TOL * abs(measured), decoder
 
 
 def test_the_mtp_only_sample_mask_reaches_the_mtp_depths_only(suite):

@@ -114,7 +114,8 @@ def test_metrics_do_not_depend_on_the_cut(single):
             assert other["mtp sums"][0][1:4] == first["mtp sums"][0][1:4]  # counts exact
             for key in ("lm loss", "grad norm", "mtp_1 loss", "mtp_2 acceptance", "mtp_2 chain acceptance",
                         "expected accepted length (incl. bonus token)", "mtp_2 sampled acceptance",
-                        "expected accepted length (sampling)"):
+                        "expected accepted length (sampling)", "mtp_2 greedy-draft acceptance",
+                        "expected accepted length (greedy drafts)"):
                 assert abs(other[key] - first[key]) <= TOL * max(abs(first[key]), 1e-12), (mode, key)
 
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from megatron_mtp.runs import EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, RunError, read
+from megatron_mtp.runs import EXPECTED_LENGTH_NAME, GREEDY_LENGTH_NAME, SAMPLING_LENGTH_NAME, RunError, read
 from tests.harness.launcher import REPO_ROOT
 
 SEQ = 64
@@ -33,8 +33,9 @@ lm loss: 4.000000E+00 | mtp_1 loss: 4.500000E+00 | mtp_1 acceptance: 0.1000 | mt
 elapsed time per iteration (ms): 100.0 | learning rate: 5.000000E-04 | global batch size:     8 | \
 lm loss: 3.000000E+00 | mtp_1 loss: 3.500000E+00 | mtp_1 acceptance: 0.3000 | mtp_1 chain acceptance: \
 0.3000 | mtp_2 loss: 3.600000E+00 | mtp_2 acceptance: 0.2000 | mtp_2 chain acceptance: 0.1000 | \
-mtp_2 sampled acceptance: 0.1500 | {EXPECTED_LENGTH_NAME}: 1.4000 | {SAMPLING_LENGTH_NAME}: 1.3500 | \
-mtp grad norm: 0.250 | grad norm: 1.000 | number of skipped iterations:   0 |
+mtp_2 sampled acceptance: 0.1500 | mtp_2 greedy-draft acceptance: 0.1200 | {EXPECTED_LENGTH_NAME}: 1.4000 | \
+{SAMPLING_LENGTH_NAME}: 1.3500 | {GREEDY_LENGTH_NAME}: 1.2500 | mtp grad norm: 0.250 | grad norm: 1.000 | \
+number of skipped iterations:   0 |
 [default1]: validation loss at iteration 4 | lm loss value: 3.100000E+00 | lm loss PPL: 2.219795E+01 | \
 mtp_1 loss: 3.700000E+00 | mtp_1 acceptance: 0.2500 |
 [default1]: validation loss at iteration 4 on validation set | lm loss value: 3.050000E+00 | lm loss PPL: \
@@ -83,6 +84,7 @@ def test_a_console_log_reads_back_under_its_own_names(console):
     assert run.series["mtp_2 chain acceptance"] == {1: 0.02, 4: 0.1}
     assert run.series[EXPECTED_LENGTH_NAME] == {1: 1.12, 4: 1.4}
     assert run.series["mtp_2 sampled acceptance"] == {4: 0.15} and run.series[SAMPLING_LENGTH_NAME] == {4: 1.35}
+    assert run.series["mtp_2 greedy-draft acceptance"] == {4: 0.12} and run.series[GREEDY_LENGTH_NAME] == {4: 1.25}
     assert run.series["mtp grad norm"] == {1: 0.5, 4: 0.25}
     assert run.series["learning rate"] == {1: 1e-3, 4: 5e-4}
     # the end-of-run evaluation at iteration 4 wins, as its TensorBoard values (written last) do
@@ -112,9 +114,9 @@ def test_the_tool_overlays_both_kinds_of_run_and_tables_their_last_values(consol
             and "drawing 2 runs" in result.stderr)  # progress on stderr
     table = result.stdout.strip().splitlines()
     assert table[0].startswith("| run | iteration | lm loss | lm loss validation | mtp_1 loss | mtp_2 loss |")
-    assert table[2] == "| no MTP | 4 | 3.2500 | 3.5000 | - | - | - | - | - | - | - | 2.0000 | 500.0 |"
-    assert table[3] == ("| attached | 4 | 3.0000 | 3.0500 | 3.5000 | 3.6000 | 0.3000 | 0.2000 | 0.1500 | 1.4000 "
-                        "| 1.3500 | 1.0000 | 500.0 |")
+    assert table[2] == "| no MTP | 4 | 3.2500 | 3.5000 | - | - | - | - | - | - | - | - | - | 2.0000 | 500.0 |"
+    assert table[3] == ("| attached | 4 | 3.0000 | 3.0500 | 3.5000 | 3.6000 | 0.3000 | 0.2000 | 0.1500 | 0.1200 "
+                        "| 1.4000 | 1.3500 | 1.2500 | 1.0000 | 500.0 |")
     text = svg.read_text()
     assert text.startswith("<?xml") and "attached mtp_2" in text and "no MTP" in text
     assert "attached validation" in text and "no MTP validation" in text  # the lm loss panel's validation lines
@@ -161,6 +163,8 @@ def test_bad_runs_are_refused_in_one_line(case, console, tensorboard, tmp_path):
 
 
 def test_the_reader_names_the_trainer_s_metric_as_the_trainer_does():
+    from megatron.core.fork.mtp.statistics import EXPECTED_LENGTH_GREEDY, EXPECTED_LENGTH_SAMPLING
     from megatron.core.fork.training_loop.metrics import EXPECTED_LENGTH
 
     assert EXPECTED_LENGTH_NAME == EXPECTED_LENGTH
+    assert SAMPLING_LENGTH_NAME == EXPECTED_LENGTH_SAMPLING and GREEDY_LENGTH_NAME == EXPECTED_LENGTH_GREEDY

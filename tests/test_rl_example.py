@@ -90,8 +90,10 @@ def test_rl_with_speculative_rollouts_leaves_the_policy_s_trajectory_to_the_poli
     assert sum(series["mtp_1 rollout acceptance"].values()) > 0  # drafts were accepted
     assert {"mtp_2 rollout acceptance", "rollout mean acceptance length (incl. bonus)", "mtp_2 acceptance",
             "mtp_2 sampled acceptance", "mtp_2 engine acceptance", "engine mean acceptance length (incl. bonus)",
-            "mtp_2 loss", "mtp grad norm"} <= set(series)
+            "mtp_2 greedy-draft acceptance", "mtp_2 engine acceptance (greedy drafts)",
+            "engine mean acceptance length (incl. bonus) (greedy drafts)", "mtp_2 loss", "mtp grad norm"} <= set(series)
     assert sum(series["mtp_1 engine acceptance"].values()) > 0  # rejection sampling accepted drafts too
+    assert sum(series["mtp_1 engine acceptance (greedy drafts)"].values()) > 0  # and greedy drafts
     assert "mtp_1 rollout acceptance" not in runs["none"].series
     assert runs["none"].tokens[STEPS] == STEPS * 4 * 4 * 8  # consumed responses x (prompt + answer - 1)
 

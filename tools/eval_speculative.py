@@ -6,13 +6,18 @@
     tools/eval_speculative.py runs/default                      # prompts from the run's own data
     tools/eval_speculative.py RUN_DIR --prompts prompts.txt --tokenizer bytes --new-tokens 64
     tools/eval_speculative.py RUN_DIR --sampler rejection --temperature 1.0 --seed 1
+    tools/eval_speculative.py RUN_DIR --sampler rejection --draft-sample-method greedy   # vLLM's default
 
 Decoding where depth k drafts token t+k+1 from the accepted prefix (the chain the depths were
 trained on) and the main head verifies every draft (megatron_mtp.serving.speculative), with
 --sampler: greedy (the default), gumbel (per-position Gumbel noise at --temperature, keyed by
---seed and the prompt's index) or rejection (the engines' rejection sampling at --temperature:
+--seed and the prompt's index) or rejection (the engines' rejection sampling at --temperature,
+as vLLM's rejection sampler does, in either of its --draft-sample-method modes: probabilistic,
 drafts drawn from the depths' softmax, accepted with min(1, p/q), a rejection resampled from
-norm(max(0, p - q)), as vLLM's rejection sampler does). Greedy and Gumbel output is checked
+norm(max(0, p - q)) (vLLM's opt-in draft_sample_method="probabilistic"); greedy, drafts the depths'
+argmax, accepted with p(draft), a rejection resampled from p without the draft (vLLM's default
+"greedy"); default probabilistic, this tool's rejection sampler before the greedy mode existed).
+Greedy and Gumbel output is checked
 against plain decoding with the same sampler token for token (lossless; a difference is an
 error, exit status 1); rejection sampling is lossless in distribution only, which tests/ check,
 so its output is not compared ("lossless": null). Reported, with the definitions named:
@@ -20,7 +25,8 @@ so its output is not compared ("lossless": null). Reported, with the definitions
 - acceptance per depth: vLLM's per-position rate (drafts accepted at position k / verify steps);
 - conditional acceptance per depth: drafts accepted at depth k / verify steps in which every
   draft before depth k was accepted (under rejection sampling, what the trainer's teacher-forced
-  `mtp_k sampled acceptance`, the mean of sum_v min(p, q), estimates);
+  `mtp_k sampled acceptance`, the mean of sum_v min(p, q), estimates; with greedy drafts its
+  `mtp_k greedy-draft acceptance`, the mean of p(argmax q));
 - draft acceptance rate: accepted / drafted tokens (vLLM);
 - mean acceptance length with the bonus token: tokens emitted per verify step, 1 + accepted /
   verify steps (vLLM's mean acceptance length; SGLang's accept length, sum(accepted + 1) / verify
@@ -28,10 +34,16 @@ so its output is not compared ("lossless": null). Reported, with the definitions
 - target forward passes per generated token (the prefill included);
 - beside them, the trainer's teacher-forced acceptance (spec section 7: depth k's argmax against
   the text's own token) on the same texts: the prompt and the data's continuation (or, with
-  --prompts, the prompt and the plain decoding's continuation); when sampling, also its sampled
-  acceptance at --temperature (spec section 12: the mean of sum_v min(p, q));
-- with --sampler rejection, the expected conditional acceptance per depth: that sampled
-  acceptance at the positions the decode drafted at (on its own output), each depth over the
+  --prompts, the prompt and the plain decoding's continuation); its greedy-draft acceptance (spec
+  section 12.1: the mean of p(argmax q) at --temperature, what vLLM's default greedy drafts are
+  accepted with; with --sampler greedy, whether argmax q is the main head's argmax); when
+  sampling, also its sampled acceptance at --temperature (spec section 12: the mean of
+  sum_v min(p, q), what probabilistic drafts are accepted with); and for both, the expected
+  accepted length of the chained drafts, 1 + sum_j mean_t prod_{i<=j} (incl. bonus): both modes'
+  predictions, whichever mode decodes;
+- with --sampler rejection, the expected conditional acceptance per depth: that sampled (with
+  greedy drafts: greedy-draft) acceptance at the positions the decode drafted at (on its own
+  output), each depth over the
   verify steps that reached it, and the conditional acceptance's distance from it in standard
   errors (`conditional acceptance z per depth`; |z| beyond about 4 says the live verifier does not
   accept what the heads were measured to draft).
@@ -92,6 +104,10 @@ def parse(argv):
     parser.add_argument("--sampler", choices=("greedy", "gumbel", "rejection"), default="greedy",
                         help="how tokens are chosen and drafts verified (default: greedy)")
     parser.add_argument("--temperature", type=float, help="softmax temperature of gumbel and rejection (default 1)")
+    parser.add_argument("--draft-sample-method", choices=("probabilistic", "greedy"),
+                        help="rejection's drafts, as vLLM's speculative_config draft_sample_method: sampled from "
+                             "the depth's softmax (probabilistic, the default here) or its argmax (greedy, vLLM's "
+                             "default)")
     parser.add_argument("--seed", type=int, default=1, help="the samplers' random streams (with the prompt's index)")
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args(argv)
@@ -113,6 +129,9 @@ def main(argv=None) -> int:
                 raise ServingError(f"--{name.replace('_', '-')} must be >= 1")
         if args.sampler == "greedy" and args.temperature is not None:
             raise ServingError("--temperature applies to --sampler gumbel or rejection; greedy takes the argmax")
+        if args.draft_sample_method is not None and args.sampler != "rejection":
+            raise ServingError("--draft-sample-method applies to --sampler rejection")
+        draft_sample_method = args.draft_sample_method or "probabilistic"
         temperature = 1.0 if args.temperature is None else args.temperature
         if args.sampler != "greedy" and not temperature > 0:
             raise ServingError(f"--temperature {args.temperature} must be > 0")
@@ -161,16 +180,17 @@ def main(argv=None) -> int:
     sampled = args.sampler != "greedy"
     print(f"{PROG}: {directory}, {len(pairs)} prompts from {source}, {args.new_tokens} new tokens, "
           f"{use} of {depths} MTP depths drafting, {args.sampler}"
-          + (f" at temperature {temperature}" if sampled else ""), file=sys.stderr, flush=True)
+          + (f" at temperature {temperature}" if sampled else "")
+          + (f", {draft_sample_method} drafts" if args.sampler == "rejection" else ""), file=sys.stderr, flush=True)
     samplers = {"greedy": lambda key: speculative.greedy_choice,
                 "gumbel": lambda key: speculative.GumbelSampler(args.seed, key, temperature),
-                "rejection": lambda key: speculative.RejectionSampler(args.seed, key, temperature)}
+                "rejection": lambda key: speculative.RejectionSampler(args.seed, key, temperature, draft_sample_method)}
     for i, (prompt, reference) in enumerate(pairs):
         trace = []
         output = speculative.speculative(runner, prompt, args.new_tokens, stats, depths=use,
                                          choose=samplers[args.sampler](i), trace=trace)
         if args.sampler == "rejection":
-            speculative.drafted_acceptance(runner, prompt + output, trace, stats, temperature)
+            speculative.drafted_acceptance(runner, prompt + output, trace, stats, temperature, draft_sample_method)
         # a rejection sampler's plain decoding draws from a stream of its own (the outputs agree in
         # distribution only); Gumbel's uses the same key, whose noise gives the same tokens
         plain = speculative.greedy(runner, prompt, args.new_tokens,
@@ -188,6 +208,7 @@ def main(argv=None) -> int:
     summary.update({"lossless": None if args.sampler == "rejection" else not mismatches, "prompts": len(pairs),
                     "new tokens per prompt": args.new_tokens, "depths": use, "checkpoint": str(directory),
                     "sampler": args.sampler, "temperature": temperature if sampled else None,
+                    "draft sample method": draft_sample_method if args.sampler == "rejection" else None,
                     "teacher-forced text": "prompt + plain decoding's output" if args.prompts
                     else "prompt + the data's continuation"})
     for key, value in summary.items():

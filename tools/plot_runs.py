@@ -11,11 +11,12 @@ torchrun printed), optionally named as NAME=PATH (default: the file's or directo
 the last "=" separates them).
 Runs are overlaid, one colour each, against iterations or tokens (--x; tokens = consumed
 samples x sequence length), in panels: lm loss (and the validation's); each depth's MTP loss (line style by
-depth); acceptance, chain acceptance and sampled acceptance per depth; expected accepted length (incl. bonus
-token), teacher-forced and sampling;
+depth); acceptance, chain acceptance, sampled acceptance and greedy-draft acceptance per depth; expected
+accepted length (incl. bonus token), teacher-forced, sampling and greedy drafts;
 grad norm (and, with --mtp-detach-heads, the MTP group's); learning rate; and for the RL
 example's log (examples/rl/grpo.py) reward and solved fraction, the rollouts' acceptance per
-depth and their mean acceptance length. A panel that no run has is left out.
+depth and their mean acceptance length, and its engine decodes' in both draft modes. A panel that no run has
+is left out.
 The format follows the output's extension (.png, .svg, .pdf).
 --table prints a Markdown table of each run's last logged values (the last evaluation's lm
 loss among them) and its median time per iteration. Runs are drawn from the widest line (the
@@ -31,12 +32,13 @@ import statistics
 import sys
 
 from megatron_mtp import cli
-from megatron_mtp.runs import EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, RunError, read
+from megatron_mtp.runs import EXPECTED_LENGTH_NAME, GREEDY_LENGTH_NAME, SAMPLING_LENGTH_NAME, RunError, read
 
 PROG = "plot_runs.py"
 fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)
 ROLLOUT_LENGTH = "rollout mean acceptance length (incl. bonus)"  # examples/rl/grpo.py's decoding
 ENGINE_LENGTH = "engine mean acceptance length (incl. bonus)"  # its rejection-sampling decodes
+ENGINE_GREEDY_LENGTH = "engine mean acceptance length (incl. bonus) (greedy drafts)"  # ... with greedy drafts
 ITERATION_TIME = "elapsed time per iteration (ms)"
 LINE_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1)))  # a panel's second, third... series (depths)
 
@@ -72,12 +74,16 @@ def panels(depths: int) -> list[tuple[str, list[tuple[str, str]]]]:
         ("acceptance", depth_lines("acceptance")),
         ("chain acceptance", depth_lines("chain acceptance")),
         ("sampled acceptance", depth_lines("sampled acceptance")),
+        ("greedy-draft acceptance", depth_lines("greedy-draft acceptance")),
         ("rollout acceptance (RL)", depth_lines("rollout acceptance")),
         ("engine acceptance: rejection sampling (RL)", depth_lines("engine acceptance")),
+        ("engine acceptance: greedy drafts (RL)", depth_lines("engine acceptance (greedy drafts)")),
         ("accepted length (incl. bonus token)", [(EXPECTED_LENGTH_NAME, "teacher-forced"),
                                                  (SAMPLING_LENGTH_NAME, "sampling"),
+                                                 (GREEDY_LENGTH_NAME, "greedy drafts"),
                                                  (ROLLOUT_LENGTH, "rollouts"),
-                                                 (ENGINE_LENGTH, "engine")]),
+                                                 (ENGINE_LENGTH, "engine"),
+                                                 (ENGINE_GREEDY_LENGTH, "engine, greedy drafts")]),
         ("grad norm", [("grad norm", ""), ("mtp grad norm", "mtp")]),
         ("learning rate", [("learning rate", "")]),
     ]
@@ -146,8 +152,10 @@ def table(runs) -> str:
     depths = max(run.depths() for run in runs)
     candidates = ["reward", "solved", "lm loss", "lm loss validation", *per_depth("loss", depths),
                   *per_depth("acceptance", depths), *per_depth("sampled acceptance", depths),
-                  *per_depth("rollout acceptance", depths), *per_depth("engine acceptance", depths),
-                  EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, ROLLOUT_LENGTH, ENGINE_LENGTH, "grad norm"]
+                  *per_depth("greedy-draft acceptance", depths), *per_depth("rollout acceptance", depths),
+                  *per_depth("engine acceptance", depths), *per_depth("engine acceptance (greedy drafts)", depths),
+                  EXPECTED_LENGTH_NAME, SAMPLING_LENGTH_NAME, GREEDY_LENGTH_NAME, ROLLOUT_LENGTH, ENGINE_LENGTH,
+                  ENGINE_GREEDY_LENGTH, "grad norm"]
     series = [name for name in candidates if any(name in run.series for run in runs)]
     columns = ["run", "iteration", *series, "ms per iteration"]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]

@@ -58,12 +58,15 @@ policy's own distribution at the rollouts' temperature 1 (kl, tv, e2e_tv); with
 
 Each RL step prints one line in the trainer's console format (rank 0; tools/plot_runs.py reads
 it): reward, rollout acceptance per depth (vLLM's per-position rate of the Gumbel-coupled
-rollouts) and mean acceptance length (incl. bonus); the engine's view: the same per-position
-rate and mean length of one rejection-sampling decode of each prompt (drafts from q, accepted
-with min(1, p / q), as vLLM verifies sampled drafts; its tokens are discarded, so the rollouts
-stay the same); the heads' teacher-forced acceptance on the rollouts (mtp_k acceptance, top-1)
-and sampled acceptance (mtp_k sampled acceptance: the mean of sum_v min(p, q)); the
-policy-gradient loss, grad norms. --out DIR keeps that log (console.log) and summary.json.
+rollouts) and mean acceptance length (incl. bonus); the engine's view, in both of vLLM's draft
+modes: the same per-position rate and mean length of one rejection-sampling decode of each prompt
+with drafts from q, accepted with min(1, p / q) (vLLM's opt-in draft_sample_method
+"probabilistic": mtp_k engine acceptance), and of one with greedy drafts argmax q, accepted with
+p(argmax q) (vLLM's default "greedy": mtp_k engine acceptance (greedy drafts)); their tokens are
+discarded, so the rollouts stay the same; the heads' teacher-forced acceptance on the rollouts
+(mtp_k acceptance, top-1), sampled acceptance (mtp_k sampled acceptance: the mean of
+sum_v min(p, q)) and greedy-draft acceptance (mtp_k greedy-draft acceptance: the mean of
+p(argmax q)); the policy-gradient loss, grad norms. --out DIR keeps that log (console.log) and summary.json.
 Progress goes to stderr.
 """
 
@@ -87,6 +90,8 @@ else:  # run as a script (torchrun examples/rl/grpo.py): its directory is first 
     from task import EOS, Reversal
 
 PROG = "grpo.py"
+# The engine's metric names by vLLM draft_sample_method: the probabilistic mode's keep their first names
+ENGINE_NAMES = {"probabilistic": "", "greedy": " (greedy drafts)"}
 
 
 def parse(argv=None):
@@ -366,17 +371,22 @@ def rollouts(runner, prompts, task, args, step: int, first_index: int, stats):
     return responses
 
 
-def engine_decodes(runner, prompts, task, args, step: int, first_index: int, stats) -> None:
-    """What a serving engine would see of the heads: one rejection-sampling decode of each prompt
-    (drafts from q, accepted with min(1, p / q), vLLM's counting), at the rollouts' temperature 1.
-    Its tokens are discarded, so the rollouts and the policy's trajectory stay the same whatever the
-    heads are; its randomness is a stream of its own (keys after every rollout's)."""
+def engine_decodes(runner, prompts, task, args, step: int, first_index: int, stats: dict) -> None:
+    """What a serving engine would see of the heads: one rejection-sampling decode of each prompt in
+    each of vLLM's draft modes (``stats``: a speculative.Stats per speculative.DRAFT_SAMPLE_METHODS
+    name; probabilistic: drafts from q, accepted with min(1, p / q); greedy: drafts argmax q,
+    accepted with p(argmax q)), vLLM's counting, at the rollouts' temperature 1. Their tokens are
+    discarded, so the rollouts and the policy's trajectory stay the same whatever the heads are;
+    their randomness is a stream of their own (keys after every rollout's, one range per mode)."""
     from megatron_mtp.serving import speculative
 
     offset = (args.steps + 1) * args.prompts_per_step * args.group_size  # beyond every rollout's key
-    for p, prompt in enumerate(prompts):
-        sampler = speculative.RejectionSampler(args.seed, offset + step * args.prompts_per_step + first_index + p)
-        speculative.speculative(runner, prompt, task.answer_length, stats, choose=sampler, stop=EOS)
+    for mode, method in enumerate(speculative.DRAFT_SAMPLE_METHODS):
+        first_key = offset + mode * (args.steps + 1) * args.prompts_per_step
+        for p, prompt in enumerate(prompts):
+            key = first_key + step * args.prompts_per_step + first_index + p
+            sampler = speculative.RejectionSampler(args.seed, key, draft_sample_method=method)
+            speculative.speculative(runner, prompt, task.answer_length, stats[method], choose=sampler, stop=EOS)
 
 
 def advantages_of(rewards: list[float], group: int) -> list[float]:
@@ -477,9 +487,11 @@ def main(argv=None) -> int:
         rollout_start = time.perf_counter()
         responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
         rollout_seconds = time.perf_counter() - rollout_start
-        engine = speculative.Stats(depths=depths)
+        engines_by_mode = {method: speculative.Stats(depths=depths) for method in speculative.DRAFT_SAMPLE_METHODS}
         if depths:
-            engine_decodes(runner, prompts, task, args, step, mine.start, engine)
+            engine_decodes(runner, prompts, task, args, step, mine.start, engines_by_mode)
+        engine_counts = [count for method in speculative.DRAFT_SAMPLE_METHODS
+                         for count in (engines_by_mode[method].drafts, *engines_by_mode[method].accepted_per_position)]
         expanded = [p for p in prompts for _ in range(args.group_size)]
         if len(expanded) != len(responses):
             raise RuntimeError(f"{len(responses)} responses for {len(expanded)} prompt samples")
@@ -495,8 +507,7 @@ def main(argv=None) -> int:
                     if name in frozen:
                         param.copy_(frozen[name])
         totals = all_sum([sum(rewards), len(rewards), sum(r == 1.0 for r in rewards), stats.drafts,
-                          *stats.accepted_per_position, engine.drafts, *engine.accepted_per_position,
-                          rollout_seconds])
+                          *stats.accepted_per_position, *engine_counts, rollout_seconds])
         reward, solved, drafts = totals[0] / totals[1], totals[2] / totals[1], totals[3]
         rewards_per_step.append(reward)
         values = {"consumed samples": step * args.prompts_per_step * args.group_size, "reward": reward,
@@ -505,15 +516,20 @@ def main(argv=None) -> int:
             values[f"mtp_{k} rollout acceptance"] = totals[3 + k] / max(drafts, 1)
         if depths:
             values["rollout mean acceptance length (incl. bonus)"] = 1 + sum(totals[4:4 + depths]) / max(drafts, 1)
-            engine_drafts, engine_accepted = totals[4 + depths], totals[5 + depths:5 + 2 * depths]
-            for k in range(1, depths + 1):
-                values[f"mtp_{k} engine acceptance"] = engine_accepted[k - 1] / max(engine_drafts, 1)
-            values["engine mean acceptance length (incl. bonus)"] = 1 + sum(engine_accepted) / max(engine_drafts, 1)
+            for mode, method in enumerate(speculative.DRAFT_SAMPLE_METHODS):
+                first = 4 + depths + mode * (1 + depths)
+                engine_drafts, engine_accepted = totals[first], totals[first + 1:first + 1 + depths]
+                named = ENGINE_NAMES[method]
+                for k in range(1, depths + 1):
+                    values[f"mtp_{k} engine acceptance{named}"] = engine_accepted[k - 1] / max(engine_drafts, 1)
+                values[f"engine mean acceptance length (incl. bonus){named}"] = \
+                    1 + sum(engine_accepted) / max(engine_drafts, 1)
         values["policy-gradient loss"] = metrics["lm loss"]  # the step's main loss
         for k in range(1, depths + 1):
             values[f"mtp_{k} loss"] = metrics[f"mtp_{k} loss"]
             values[f"mtp_{k} acceptance"] = metrics[f"mtp_{k} acceptance"]
             values[f"mtp_{k} sampled acceptance"] = metrics[f"mtp_{k} sampled acceptance"]
+            values[f"mtp_{k} greedy-draft acceptance"] = metrics[f"mtp_{k} greedy-draft acceptance"]
             if f"mtp_{k} load balancing loss" in metrics:  # the depth's aux_loss (the qwen3_5 policy's experts)
                 values[f"mtp_{k} load balancing loss"] = metrics[f"mtp_{k} load balancing loss"]
         values["grad norm"] = metrics["grad norm"]

@@ -39,6 +39,10 @@ and at the first rejection emits a token drawn from norm(max(0, p - q)) (the rec
 stops; with every draft accepted it emits a token drawn from p after them (the bonus token). The
 output has plain sampling's distribution (lossless in distribution, not token for token: the two
 draw their randomness differently), and a draft is accepted with probability sum_v min(p, q).
+That is vLLM's opt-in draft_sample_method="probabilistic"; its default, "greedy" (spec section
+12.1), drafts d = argmax q and takes q as one-hot: the same rule then accepts d with probability
+p(d), recovers from norm(max(0, p - onehot(d))) (p without d), and the output has plain sampling's
+distribution as well.
 """
 
 import functools
@@ -57,6 +61,10 @@ class Stats:
     teacher_forced_correct: list = field(default_factory=list)
     teacher_forced_total: list = field(default_factory=list)
     teacher_forced_overlap: list = field(default_factory=list)  # sums of sum_v min(p, q)
+    teacher_forced_greedy: list = field(default_factory=list)  # sums of p(argmax q) (1[argmax q = argmax p] at T 0)
+    # sums of prod_{i<=k} over the depths at each anchor of the two above (chained drafts)
+    teacher_forced_overlap_chain: list = field(default_factory=list)
+    teacher_forced_greedy_chain: list = field(default_factory=list)
     sampled: bool = False  # teacher_forced measured sum_v min(p, q) (a temperature given)
     # drafted_acceptance's sums over the verify steps that reached depth k: those steps, their
     # drafts accepted at k, and sum_v min(p, q) and its Bernoulli variance alpha (1 - alpha) there
@@ -69,7 +77,9 @@ class Stats:
         self.accepted_per_position = self.accepted_per_position or [0] * self.depths
         self.teacher_forced_correct = self.teacher_forced_correct or [0] * self.depths
         self.teacher_forced_total = self.teacher_forced_total or [0] * self.depths
-        self.teacher_forced_overlap = self.teacher_forced_overlap or [0.0] * self.depths
+        for name in ("teacher_forced_overlap", "teacher_forced_greedy", "teacher_forced_overlap_chain",
+                     "teacher_forced_greedy_chain"):
+            setattr(self, name, getattr(self, name) or [0.0] * self.depths)
         for name in ("drafted_reached", "drafted_accepted", "drafted_overlap", "drafted_variance"):
             setattr(self, name, getattr(self, name) or [0] * self.depths)
 
@@ -98,9 +108,22 @@ class Stats:
             "teacher-forced sampled acceptance per depth": [
                 a / t if t and self.sampled else None
                 for a, t in zip(self.teacher_forced_overlap, self.teacher_forced_total, strict=True)],
-            # drafted_acceptance: the mean of sum_v min(p, q) at the positions the verify steps drafted
-            # at, each depth over the steps that reached it (what its conditional acceptance estimates
-            # there), and how many standard errors the accepted count lies from it
+            # spec section 12.1's `mtp_k greedy-draft acceptance`: what vLLM's default greedy drafts are
+            # accepted with (p(argmax q) at the temperature; at temperature 0, argmax q = argmax p)
+            "teacher-forced greedy-draft acceptance per depth": [
+                a / t if t else None
+                for a, t in zip(self.teacher_forced_greedy, self.teacher_forced_total, strict=True)],
+            # 1 + sum_j mean_t prod_{i<=j}: the chained drafts' expected tokens per verify step, the bonus counted
+            "teacher-forced expected accepted length (sampling)":
+                1 + sum(a / t for a, t in zip(self.teacher_forced_overlap_chain, self.teacher_forced_total,
+                                              strict=True) if t) if self.sampled else None,
+            "teacher-forced expected accepted length (greedy drafts)":
+                1 + sum(a / t for a, t in zip(self.teacher_forced_greedy_chain, self.teacher_forced_total,
+                                              strict=True) if t),
+            # drafted_acceptance: the mean of sum_v min(p, q) (greedy drafts: of p(argmax q)) at the
+            # positions the verify steps drafted at, each depth over the steps that reached it (what its
+            # conditional acceptance estimates there), and how many standard errors the accepted count
+            # lies from it
             "expected conditional acceptance per depth": [
                 o / n if n else None for o, n in zip(self.drafted_overlap, self.drafted_reached, strict=True)],
             "conditional acceptance z per depth": [
@@ -146,15 +169,25 @@ def match(choose, logits: torch.Tensor, drafts: list[int], draft_logits: list, f
     return drafts[:accepted] + [chosen[accepted]]
 
 
-class RejectionSampler:
-    """Samples from softmax(logits / temperature) (plain decoding, the prefill's token and the
-    drafts) and verifies drafts by rejection sampling (`verify`), its randomness one stream keyed
-    by (seed, sequence)."""
+DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")  # vLLM's speculative_config draft_sample_method values
 
-    def __init__(self, seed: int, sequence: int, temperature: float = 1.0):
+
+def check_draft_sample_method(name: str) -> None:
+    if name not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"draft_sample_method {name!r} is not one of {', '.join(DRAFT_SAMPLE_METHODS)}")
+
+
+class RejectionSampler:
+    """Samples from softmax(logits / temperature) (plain decoding, the prefill's token) and
+    verifies drafts by rejection sampling (`verify`), its randomness one stream keyed by (seed,
+    sequence). Drafts (`draft`) are sampled from the depth's softmax (``probabilistic``) or are its
+    argmax, the lowest token id on ties (``greedy``: vLLM's default), verified as one-hot."""
+
+    def __init__(self, seed: int, sequence: int, temperature: float = 1.0, draft_sample_method: str = "probabilistic"):
         if temperature <= 0:
             raise ValueError(f"temperature {temperature} must be > 0 (greedy_choice is temperature 0)")
-        self.temperature = temperature
+        check_draft_sample_method(draft_sample_method)
+        self.temperature, self.draft_sample_method = temperature, draft_sample_method
         self.generator = torch.Generator().manual_seed(hash((seed, sequence)) % 2**63)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
@@ -167,21 +200,36 @@ class RejectionSampler:
     def __call__(self, logits: torch.Tensor, first_position: int) -> list[int]:
         return [self.sample(row) for row in self.probabilities(logits)]
 
+    def draft(self, logits: torch.Tensor, first_position: int) -> list[int]:
+        """The drafts of depth logits rows [n, V]."""
+        if self.draft_sample_method == "greedy":
+            return greedy_choice(logits, first_position)
+        return self(logits, first_position)
+
+    def draft_distribution(self, row: torch.Tensor, draft: int) -> torch.Tensor:
+        """q, the distribution the verifier takes `draft` to be drawn from: the depth's softmax, or
+        one-hot at the greedy draft."""
+        if self.draft_sample_method == "greedy":
+            return torch.zeros(row.numel(), dtype=torch.float64).index_fill_(0, torch.tensor(draft), 1.0)
+        return self.probabilities(row)
+
     def verify(self, logits: torch.Tensor, drafts: list[int], draft_logits: list, first_position: int) -> list[int]:
         """The tokens a verify step emits: logits [n + 1, V] are the main head's at the positions of
-        the n drafts and after them, draft_logits the n rows each draft was drawn from."""
+        the n drafts and after them, draft_logits the n rows each draft was drawn from (or is the
+        argmax of). Greedy drafts: q one-hot, so d is accepted with probability p(d) and a rejection
+        draws from p without d."""
         if not len(logits) == len(drafts) + 1 == len(draft_logits) + 1:
             raise ValueError(f"{len(logits)} target rows for {len(drafts)} drafts and {len(draft_logits)} draft rows")
         target = self.probabilities(logits)
         emitted = []
         for p, draft, row in zip(target[:-1], drafts, draft_logits, strict=True):
-            q = self.probabilities(row)
+            q = self.draft_distribution(row, draft)
             uniform = torch.rand((), generator=self.generator, dtype=torch.float64)
             if q[draft] > 0 and p[draft] / q[draft] >= uniform:  # accepted with probability min(1, p / q)
                 emitted.append(draft)
                 continue
             residual = (p - q).clamp(min=0)
-            # a rejection needs p(d) < q(d), so p - q has mass elsewhere unless round-off took it all
+            # a rejection needs p(d) < q(d) <= 1, so p - q has mass elsewhere unless round-off took it all
             return emitted + [self.sample(residual if residual.sum() > 0 else p)]
         return emitted + [self.sample(target[-1])]  # every draft accepted: the bonus token
 
@@ -248,9 +296,10 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
     (t, drafts accepted), t the position whose depths drafted (`drafted_acceptance` reads it)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens {new_tokens} must be >= 1")
-    verify = choose.verify if isinstance(choose, RejectionSampler) else functools.partial(match, choose)
+    rejection = isinstance(choose, RejectionSampler)
+    verify = choose.verify if rejection else functools.partial(match, choose)
     depths = runner.depths if depths is None else depths
-    drafter = Drafter(runner, depths, choose)
+    drafter = Drafter(runner, depths, choose.draft if rejection else choose)
     # prefill: the first token is the main head's, then the first drafts
     hidden, logits = runner.main(torch.tensor([prompt]))
     stats.forwards += 1
@@ -295,36 +344,65 @@ def sampled_overlap(main: torch.Tensor, logits: torch.Tensor, k: int, temperatur
     return torch.minimum(p, q).sum(-1)
 
 
+def greedy_draft_acceptance(main: torch.Tensor, logits: torch.Tensor, k: int,
+                            temperature: float | None) -> torch.Tensor:
+    """p(argmax q) at each position t whose target x_{t+k+1} the text holds (spec section 12.1): what
+    a greedy draft (depth k's argmax at t, the lowest id on ties) is accepted with, p the main
+    head's softmax at t + k at `temperature`; None (greedy decoding): 1 where the draft is the
+    main head's argmax there, else 0. main and logits as for `sampled_overlap`."""
+    count = main.shape[1] - k - 1
+    target = main[0, k: k + count].double()
+    drafts = logits[0, :count].argmax(-1)
+    if temperature is None:
+        return (drafts == target.argmax(-1)).double()
+    return torch.softmax(target / temperature, -1).gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+
+
 def teacher_forced(runner, text: list[int], stats: Stats, temperature: float | None = None) -> None:
-    """The trainer's acceptance on a text: argmax of depth k at t against the text's x_{t+k+1}; with a
-    temperature also its sampled acceptance (spec section 12): sum_v min(p, q), p the main head's
-    softmax at t + k and q depth k's at t, both at that temperature."""
+    """The trainer's acceptance on a text: argmax of depth k at t against the text's x_{t+k+1}; its
+    greedy-draft acceptance (spec section 12.1: p(argmax q), at temperature 0 whether argmax q is
+    the main head's argmax); with a temperature also its sampled acceptance (spec section 12):
+    sum_v min(p, q), p the main head's softmax at t + k and q depth k's at t, both at that
+    temperature. Each also as chains: at anchor t, the product over depths 1..k."""
     tokens = torch.tensor([text])
     main, per_depth = runner.teacher_forced(tokens, depths=stats.depths)  # the depths drafting, not every depth
     stats.sampled |= temperature is not None
+    greedy_chain = sampled_chain = None
     for k, logits in enumerate(per_depth, start=1):
         targets = tokens[0, k + 1:]
         predicted = logits[0, : targets.shape[0]].argmax(-1)
         stats.teacher_forced_correct[k - 1] += int((predicted == targets).sum())
         stats.teacher_forced_total[k - 1] += int(targets.shape[0])
+        greedy = greedy_draft_acceptance(main, logits, k, temperature)
+        greedy_chain = greedy if greedy_chain is None else greedy_chain[: greedy.shape[0]] * greedy
+        stats.teacher_forced_greedy[k - 1] += float(greedy.sum())
+        stats.teacher_forced_greedy_chain[k - 1] += float(greedy_chain.sum())
         if temperature is not None:
-            stats.teacher_forced_overlap[k - 1] += float(sampled_overlap(main, logits, k, temperature).sum())
+            sampled = sampled_overlap(main, logits, k, temperature)
+            sampled_chain = sampled if sampled_chain is None else sampled_chain[: sampled.shape[0]] * sampled
+            stats.teacher_forced_overlap[k - 1] += float(sampled.sum())
+            stats.teacher_forced_overlap_chain[k - 1] += float(sampled_chain.sum())
 
 
-def drafted_acceptance(runner, text: list[int], trace: list, stats: Stats, temperature: float) -> None:
+def drafted_acceptance(runner, text: list[int], trace: list, stats: Stats, temperature: float,
+                       draft_sample_method: str = "probabilistic") -> None:
     """What a rejection-sampling decode's conditional acceptance should be, from the teacher-forced
-    sampled acceptance of the text it decoded (prompt + output) at the positions it drafted at.
+    sampled acceptance (greedy drafts: greedy-draft acceptance) of the text it decoded (prompt +
+    output) at the positions it drafted at.
 
     A verify step drafting at t that reached depth k (its drafts 1 .. k - 1 accepted, so the text
-    holds them) accepts depth k's draft with probability alpha = sum_v min(p, q), p and q the main
-    head's and depth k's distributions there: exactly the teacher-forced ones at t on the text (the
-    decoder's logits are the whole-sequence recompute's). Summed over such steps, accepted - alpha
-    has mean 0 and variance sum alpha (1 - alpha) (a martingale: each step's alpha is fixed by what
-    came before it), so the live count and the teacher-forced sum agree within a few standard
-    errors whatever prefixes the decode visited. A step counts at depth k only where the text holds
-    x_{t+k+1}, which depends on t alone (the text's length is fixed before decoding)."""
+    holds them) accepts depth k's draft with probability alpha = sum_v min(p, q) (greedy drafts:
+    p(argmax q)), p and q the main head's and depth k's distributions there: exactly the
+    teacher-forced ones at t on the text (the decoder's logits are the whole-sequence recompute's).
+    Summed over such steps, accepted - alpha has mean 0 and variance sum alpha (1 - alpha) (a
+    martingale: each step's alpha is fixed by what came before it), so the live count and the
+    teacher-forced sum agree within a few standard errors whatever prefixes the decode visited. A
+    step counts at depth k only where the text holds x_{t+k+1}, which depends on t alone (the
+    text's length is fixed before decoding)."""
+    check_draft_sample_method(draft_sample_method)
+    rate = greedy_draft_acceptance if draft_sample_method == "greedy" else sampled_overlap
     main, per_depth = runner.teacher_forced(torch.tensor([text]), depths=stats.depths)
-    overlaps = [sampled_overlap(main, logits, k, temperature) for k, logits in enumerate(per_depth, start=1)]
+    overlaps = [rate(main, logits, k, temperature) for k, logits in enumerate(per_depth, start=1)]
     for t, accepted in trace:
         for k in range(1, min(accepted + 1, stats.depths) + 1):  # the depths this step reached
             if k > len(overlaps) or t >= overlaps[k - 1].shape[0]:

@@ -40,13 +40,31 @@ def sharpen(model) -> None:
                 param.mul_(6.0)
 
 
-def case(objective, depths, repeated, tied, layout, sparse, temperature=TEMPERATURE, seed=0) -> dict:
+def align(model) -> None:
+    """Make each depth read mostly its input token's embedding (eh_proj's embedding half the
+    identity, its hidden half damped), as the main head at t + k reads mostly x_{t+k}'s: the
+    depths' argmax then often is the main head's, so the greedy-draft acceptance p(argmax q) is
+    neither near 0 (unrelated heads: p is sharp elsewhere) nor near 1 (measured 0.53 .. 0.58 at
+    D = 3, with alpha 0.87 .. 0.91)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("eh_proj.weight"):
+                hidden = param.size(0)
+                param[:, hidden:].mul_(0.1)
+                param[:, :hidden].add_(torch.eye(hidden))
+            if name in ("output_layer.weight", "embedding.word_embeddings.weight"):
+                param.mul_(4.0)  # p sharp enough that p(argmax q) is not bounded low by max_v p
+
+
+def case(objective, depths, repeated, tied, layout, sparse, temperature=TEMPERATURE, seed=0, aligned=False) -> dict:
     """One step of the model with `objective` and of the reference: gradients, the MTP sums."""
     config = make_config(depths, repeated, detach=True, mtp_sparse_loss=sparse, sparse_loss_chunk_size=SPARSE_CHUNK,
                          mtp_loss_type=objective, mtp_draft_temperature=temperature)
     torch.manual_seed(2000 + 10 * depths + seed)
     model = build_gpt(config, VOCAB, SEQ, share_embeddings_and_output_weights=tied)
     sharpen(model)
+    if aligned:
+        align(model)
     input_ids, labels, mask, segments = (padded_batch if layout == "padded" else packed_batch)(seed)
     got = run_megatron(model, input_ids, labels, mask, segments)
     ref = reference_for(model, depths, tied, repeated, True)
@@ -66,6 +84,10 @@ def case(objective, depths, repeated, tied, layout, sparse, temperature=TEMPERAT
         "sums": max_rel(got["sums"], ref_sums),
         "counts_exact": counts_equal(got["sums"], ref_sums),
         "sampled_acceptance": (got["sums"][:, 4] / got["sums"][:, 1]).tolist(),
+        "greedy_draft_acceptance": (got["sums"][:, 6] / got["sums"][:, 1]).tolist(),
+        # the greedy-draft fields alone against the reference's (the table's largest magnitude, a CE
+        # sum, would hide an error in them)
+        "greedy_sums": max_rel(got["sums"][:, 6:], ref_sums[:, 6:]),
     }
 
 
@@ -105,7 +127,7 @@ def without_sampled_metrics() -> dict:
         return {"grads": max(max_rel(got["grads"][n], want[n]) for n in want),
                 "first_fields": max_rel(got["sums"][:, :4], ref_sums[:, :4]),
                 "sampled_unknown": bool(torch.isnan(got["sums"][:, 4:]).all()),
-                "reported": sorted(name for name in metrics if "sampl" in name)}
+                "reported": sorted(name for name in metrics if "sampl" in name or "greedy" in name)}
 
 
 def default_cases() -> dict:
@@ -173,9 +195,10 @@ def refusals() -> dict:
 
 
 def decoder_agrees() -> dict:
-    """The trainer's sampled-acceptance sums against the decoder's teacher-forced sum_v min(p, q)
-    (megatron_mtp.serving.speculative.teacher_forced, its own code over the KV-cache runner) on the
-    same text, every position valid: two computations of the same numbers."""
+    """The trainer's sampled- and greedy-draft-acceptance sums and their chains against the
+    decoder's teacher-forced sum_v min(p, q) and p(argmax q) (megatron_mtp.serving.speculative.
+    teacher_forced, its own code over the KV-cache runner) on the same text, every position valid:
+    two computations of the same numbers."""
     from megatron_mtp.serving import speculative
     from megatron_mtp.serving.kv_cache import CachedSDPACoreAttention
     from megatron_mtp.serving.model import Runner
@@ -192,7 +215,10 @@ def decoder_agrees() -> dict:
         with torch.no_grad():
             speculative.teacher_forced(Runner(model, VOCAB), tokens[0].tolist(), stats, temperature=TEMPERATURE)
         return {"trainer": got["sums"][:, 4].tolist(), "trainer_valid": got["sums"][:, 1].tolist(),
-                "decoder": stats.teacher_forced_overlap, "decoder_valid": stats.teacher_forced_total}
+                "decoder": stats.teacher_forced_overlap, "decoder_valid": stats.teacher_forced_total,
+                "trainer_greedy": got["sums"][:, 6].tolist(), "decoder_greedy": stats.teacher_forced_greedy,
+                "trainer_chains": got["sums"][:, [5, 7]].t().tolist(),
+                "decoder_chains": [stats.teacher_forced_overlap_chain, stats.teacher_forced_greedy_chain]}
 
 
 def sample_mask() -> dict:
@@ -229,7 +255,16 @@ def sample_mask() -> dict:
                 for name, got in grads.items()}
 
 
+def greedy_aligned() -> dict:
+    """Depths aligned with the main head (``align``): the greedy-draft acceptance mid-range, for
+    ce (at a temperature) and e2e_tv, D = 3, padded rows, the sparse loss."""
+    with model_parallel():
+        return {objective: case(objective, 3, False, False, "padded", True, aligned=True)
+                for objective in ("ce", "e2e_tv")}
+
+
 def suite(tier: str) -> dict:
-    return {"cases": matrix() if tier == "matrix" else default_cases(), "backbone": backbone_untouched(),
+    return {"cases": matrix() if tier == "matrix" else default_cases(), "greedy_aligned": greedy_aligned(),
+            "backbone": backbone_untouched(),
             "refusals": refusals(), "decoder": decoder_agrees(), "sample_mask": sample_mask(),
             "without_sampled_metrics": without_sampled_metrics()}

@@ -14,7 +14,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.fork.mtp.statistics import COUNT_FIELDS, STEP_STATISTICS
 from megatron_mtp.library.model import build_gpt
 from tests.harness.layout import model_parallel
-from tests.reference.gpt_mtp import Architecture, ReferenceGPT, acceptances, draft_terms, mtp_inner_layer_name
+from tests.reference.gpt_mtp import (
+    Architecture,
+    ReferenceGPT,
+    acceptances,
+    draft_terms,
+    greedy_draft_acceptances,
+    mtp_inner_layer_name,
+)
 
 VOCAB, HIDDEN, HEADS, GROUPS, LAYERS, SEQ, LAMBDA = 48, 32, 4, 2, 2, 12, 0.3
 SPARSE_CHUNK = 7  # rows per chunk of the sparse MTP loss: several chunks, the last one partial
@@ -127,17 +134,21 @@ def reference_for(model, depths, tied, repeated, detach, arch=Architecture()):
 
 def reference_sums(logits, per_depth, segments=None, objective="ce", temperature=1.0):
     """The reference's per-depth sums in the fork's field order (statistics.FIELDS): the
-    objective's term, valid, correct, chain-correct, sampled acceptance and its chain."""
+    objective's term, valid, correct, chain-correct, sampled acceptance and its chain, greedy-draft
+    acceptance and its chain."""
     with torch.no_grad():
         alphas = acceptances(logits, per_depth, segments, temperature)
+        betas = greedy_draft_acceptances(logits, per_depth, segments, temperature)
         terms = draft_terms(objective, logits, per_depth, segments, temperature)
-        rows, chain, sampled_chain = [], None, None
-        for (_, mask_k, labels_k, lg), alpha, term in zip(per_depth, alphas, terms, strict=True):
+        rows, chain, sampled_chain, greedy_chain = [], None, None, None
+        for (_, mask_k, labels_k, lg), alpha, beta, term in zip(per_depth, alphas, betas, terms, strict=True):
             correct = lg.argmax(dim=-1) == labels_k
             chain = correct if chain is None else chain & correct
             sampled_chain = alpha if sampled_chain is None else sampled_chain * alpha
+            greedy_chain = beta if greedy_chain is None else greedy_chain * beta
             rows.append([(term * mask_k).sum(), mask_k.sum(), (correct * mask_k).sum(),
-                         (chain * mask_k).sum(), (alpha * mask_k).sum(), (sampled_chain * mask_k).sum()])
+                         (chain * mask_k).sum(), (alpha * mask_k).sum(), (sampled_chain * mask_k).sum(),
+                         (beta * mask_k).sum(), (greedy_chain * mask_k).sum()])
     return torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float64)
 
 

@@ -407,6 +407,10 @@ def evaluate(root: str) -> dict:
                                     # more prompts: its acceptance is compared within standard errors
                                     ("rejection", "trained", ("--sampler", "rejection", "--temperature", "0.7",
                                                               "--num-prompts", "16")),
+                                    # vLLM's default draft mode: the depths' argmax, accepted with p(d)
+                                    ("rejection greedy drafts", "trained",
+                                     ("--sampler", "rejection", "--temperature", "0.7", "--num-prompts", "16",
+                                      "--draft-sample-method", "greedy")),
                                     ("gumbel", "trained", ("--sampler", "gumbel", "--temperature", "0.7"))):
         out = f"{root}/eval-{name.replace(' ', '-')}.json"
         status, _, stderr = _captured(eval_speculative.main, f"{root}/{checkpoint}", "--num-prompts", "4",
@@ -432,6 +436,7 @@ def eval_refusals(root: str) -> dict:
         "tokenizer without prompts": (trained, "--tokenizer", "bytes"),
         "greedy temperature": (trained, "--temperature", "0.7"),
         "zero temperature": (trained, "--sampler", "rejection", "--temperature", "0"),
+        "draft mode without rejection": (trained, "--draft-sample-method", "greedy"),
     }
     results = {}
     for name, argv in cases.items():

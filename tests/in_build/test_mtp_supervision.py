@@ -56,13 +56,16 @@ def test_sample_mask_drops_whole_samples():
 
 
 def test_metrics_from_sums_are_ratios_of_sums_with_the_bonus_token():
-    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0], [4.0, 2.0, 1.0, 1.0, 1.5, 0.5]], dtype=torch.float64)
+    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0, 1.0, 1.0], [4.0, 2.0, 1.0, 1.0, 1.5, 0.5, 0.5, 0.25]],
+                        dtype=torch.float64)
     metrics = metrics_from_sums(sums)
     assert metrics["mtp_1 loss"] == 1.5 and metrics["mtp_2 loss"] == 2.0
     assert metrics["mtp_1 acceptance"] == 0.75 and metrics["mtp_2 chain acceptance"] == 0.5
     assert metrics["expected accepted length (incl. bonus token)"] == 1 + 0.75 + 0.5
     assert metrics["mtp_1 sampled acceptance"] == 0.5 and metrics["mtp_2 sampled acceptance"] == 0.75
     assert metrics["expected accepted length (sampling)"] == 1 + 0.5 + 0.25
+    assert metrics["mtp_1 greedy-draft acceptance"] == 0.25 and metrics["mtp_2 greedy-draft acceptance"] == 0.25
+    assert metrics["expected accepted length (greedy drafts)"] == 1 + 0.25 + 0.125
 
 
 def test_sums_saved_before_the_sampled_fields_resume_with_them_unknown():
@@ -71,6 +74,10 @@ def test_sums_saved_before_the_sampled_fields_resume_with_them_unknown():
     assert metrics["mtp_1 acceptance"] == 0.75
     # unknown, so left out (not reported as 0)
     assert "mtp_1 sampled acceptance" not in metrics and "expected accepted length (sampling)" not in metrics
+    # sums saved before the greedy-draft fields: those alone unknown
+    metrics = metrics_from_sums(widened(torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0]], dtype=torch.float64)))
+    assert metrics["mtp_1 sampled acceptance"] == 0.5
+    assert "mtp_1 greedy-draft acceptance" not in metrics and "expected accepted length (greedy drafts)" not in metrics
 
 
 def test_a_depth_without_valid_positions_reports_zero_not_nan():

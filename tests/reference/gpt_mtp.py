@@ -19,7 +19,8 @@ Draft objectives (spec section 12), on the whole [b, s, V] softmaxes: p^k_t from
 logits at t + k of the same segment (detached), q^k_t from depth k's, both at temperature
 tau; alpha = sum_v min(p, q) (torch.minimum); kl = KL(p || q); tv = 1 - alpha; e2e_tv =
 D * sum over anchors valid at every depth of 1 - mean_j prod_{i<=j} alpha^i (so that the
-common lambda / D gives the spec's lambda * sum_t e_t).
+common lambda / D gives the spec's lambda * sum_t e_t). Greedy drafts (section 12.1): beta =
+p at the lowest token id where depth k's logits are largest (torch.where over the maximum).
 
 Attention variants (`Attention`): multi-head / grouped-query attention, optionally with a
 norm of each head's query and key before RoPE (q/k layernorm, Qwen3); and multi-latent
@@ -497,6 +498,18 @@ def acceptances(logits, per_depth, segments, temperature):
     ps = main_distributions(logits, len(per_depth), segments, temperature)
     return [torch.minimum(p, torch.softmax(lg / temperature, dim=-1)).sum(dim=-1)
             for p, (_, _, _, lg) in zip(ps, per_depth, strict=True)]
+
+
+def greedy_draft_acceptances(logits, per_depth, segments, temperature):
+    """beta^k_t = p^k_t(d), d the lowest token id where depth k's logits are largest, for
+    k = 1..D, each [b, s] (spec section 12.1)."""
+    ps = main_distributions(logits, len(per_depth), segments, temperature)
+    acceptances = []
+    for p, (_, _, _, lg) in zip(ps, per_depth, strict=True):
+        ids = torch.arange(lg.shape[-1]).expand_as(lg)
+        draft = torch.where(lg == lg.max(dim=-1, keepdim=True).values, ids, lg.shape[-1]).min(dim=-1).values
+        acceptances.append(p.gather(-1, draft.unsqueeze(-1)).squeeze(-1))
+    return acceptances
 
 
 def draft_terms(objective, logits, per_depth, segments, temperature):

@@ -1,13 +1,14 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """Draft objectives for sampled rollouts (spec section 12): ``kl``, ``tv`` and ``e2e_tv``
-beside ``ce``, and the sampled acceptance every objective reports.
+beside ``ce``, and the sampled and greedy-draft acceptances every objective reports.
 
 For depth k at position t (``mtp_loss_type``, ``mtp_draft_temperature`` tau):
 
     p^k_t = softmax(z^0_{t+k} / tau)   the main head at t + k, a target (always detached)
     q^k_t = softmax(z^k_t / tau)       depth k's draft distribution
-    alpha^k_t = sum_v min(p, q)        what a rejection sampler accepts
+    alpha^k_t = sum_v min(p, q)        what a rejection sampler accepts (drafts sampled from q)
+    beta^k_t = p(argmax_v q)           what it accepts of greedy drafts (spec section 12.1)
 
 z^0_{t+k} is computed from h^0 rolled left by k inside its sequence
 (megatron.core.fork.mtp.supervision.rolled_main_hidden: upstream's ``roll_tensor``, which
@@ -17,7 +18,9 @@ chunks of the sparse cross-entropy (megatron.core.fork.mtp.sparse_cross_entropy)
 [tokens, vocab] tensor outlives its chunk. Under tensor parallelism each rank holds a
 vocabulary shard; the maxima, exponential sums and the sums over the vocabulary of
 min(p, q), of q where q < p, and of p log(p / q) are all-reduced, so every value is the
-full vocabulary's.
+full vocabulary's. beta reads p at the draft's argmax over the full vocabulary (the
+chunk's argmax, vocab_parallel_max: lowest id on ties) on the rank whose shard holds it, summed
+in the same all-reduce.
 
 Per row the chunk gives the objective's value (``kl``: KL(p || q); ``tv`` and ``e2e_tv``:
 alpha) and its gradient with respect to the row (the output weight takes none: every
@@ -76,10 +79,12 @@ def _log_softmaxes(z_q: torch.Tensor, z_p: torch.Tensor, tp_group):
 
 
 def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float, objective: str,
-                tp_group, want_grad: bool):
+                tp_group, want_grad: bool, draft_argmax: torch.Tensor, vocab_start: int):
     """For a chunk of rows' logits over this rank's vocabulary shard (float, scaled as the
-    model scales them): (value [n] or None for ``ce``, alpha [n], d value / d draft_logits
-    [n, shard] or None). ``value`` is KL(p || q) for ``kl`` and alpha for ``tv``/``e2e_tv``.
+    model scales them): (value [n] or None for ``ce``, alpha [n], beta [n], d value /
+    d draft_logits [n, shard] or None). ``value`` is KL(p || q) for ``kl`` and alpha for
+    ``tv``/``e2e_tv``; beta is p at ``draft_argmax`` (the rows' full-vocabulary argmax of the
+    draft logits, which is argmax q; this shard starts at ``vocab_start``).
     Few passes over the chunk: on the CPU these elementwise passes, not the projection, are
     most of the cost at a large vocabulary."""
     inverse = 1.0 / temperature
@@ -91,23 +96,27 @@ def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, tempera
     if objective == "kl":  # p log(p / q), in log p's buffer
         parts.append(log_p.sub_(log_q).mul_(p).sum(dim=1))
     del log_q, log_p
+    # beta = p(argmax q): read on the rank whose shard holds the argmax, 0 on the others
+    local = draft_argmax - vocab_start
+    on_rank = (local >= 0) & (local < p.size(1))
+    parts.insert(0, p.gather(1, torch.where(on_rank, local, 0).unsqueeze(1)).squeeze(1) * on_rank)
     overlap = torch.minimum(q, p)
     parts.insert(0, overlap.sum(dim=1))
     tv_grad = objective in ("tv", "e2e_tv") and want_grad
     if tv_grad:  # sum_v 1[q < p] q: the overlap where it is q (only there does alpha depend on the draft)
-        parts.insert(1, overlap.mul_(q < p).sum(dim=1))
+        parts.insert(2, overlap.mul_(q < p).sum(dim=1))
     totals = _all_reduce(torch.stack(parts), tp_group)
-    alpha = totals[0]
+    alpha, beta = totals[0], totals[1]
     if objective == "ce":
-        return None, alpha, None
+        return None, alpha, beta, None
     value = totals[-1] if objective == "kl" else alpha
     if not want_grad:
-        return value, alpha, None
+        return value, alpha, beta, None
     if objective == "kl":  # d KL / d z_q = q - p
         grad = q.sub_(p)
     else:  # d alpha / d z_q = q * (1[q < p] - A) = 1[q < p] q - A q, A = sum_v 1[q < p] q
-        grad = q.mul_(-totals[1].unsqueeze(1)).add_(overlap)
-    return value, alpha, grad.mul_(inverse)
+        grad = q.mul_(-totals[2].unsqueeze(1)).add_(overlap)
+    return value, alpha, beta, grad.mul_(inverse)
 
 
 def depth_terms(objective: str, values: list[torch.Tensor]) -> list[torch.Tensor]:

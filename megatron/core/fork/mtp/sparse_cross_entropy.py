@@ -51,15 +51,16 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     factor * sum_i row_weights[i] * CE_i.
 
     rows [n, h]; weight [vocab shard, h]; labels [n] (full-vocabulary ids); row_weights [n].
-    Returns (per-row CE [n] in at least fp32, per-row argmax [n], per-row alpha [n]; the last
-    two without gradient).
+    Returns (per-row CE [n] in at least fp32, per-row argmax [n], per-row alpha [n], per-row
+    beta [n]; the last three without gradient).
 
     With ``draft`` (MTP rows; megatron.core.fork.mtp.draft_objectives) each chunk also
-    projects the main head's rows at t + k and gives the sampled acceptance alpha; for a
+    projects the main head's rows at t + k and gives the sampled acceptance alpha and the
+    greedy-draft acceptance beta (p at the argmax the chunk already takes); for a
     draft objective other than ``ce`` the first output is that objective's per-row value
     (KL, or alpha) with its own gradient, exact for any incoming per-row gradient (the
     weight, detached under the isolation these objectives need, takes none). Without it the
-    alpha output is empty.
+    alpha and beta outputs are empty.
     """
 
     @staticmethod
@@ -83,6 +84,7 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         ce = rows.new_empty(n, dtype=precision)
         predicted = torch.empty(n, dtype=torch.long, device=rows.device)
         alpha = rows.new_empty(n if draft is not None else 0, dtype=precision)
+        beta = torch.empty_like(alpha)
         for start in range(0, n, chunk_size):
             chunk = slice(start, min(start + chunk_size, n))
             x = rows[chunk]
@@ -94,8 +96,9 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
                 target_logits = torch.matmul(draft.rows[chunk], weight.t()).to(precision)
                 if logit_scale != 1.0:
                     target_logits.mul_(logit_scale)
-                value, alpha[chunk], grad_logits = chunk_terms(logits, target_logits, draft.temperature, objective,
-                                                               tp_group, want_rows)
+                value, alpha[chunk], beta[chunk], grad_logits = chunk_terms(
+                    logits, target_logits, draft.temperature, objective, tp_group, want_rows, predicted[chunk],
+                    vocab_start)
                 del target_logits
                 if objective != "ce":  # the row's value and gradient are the draft objective's
                     ce[chunk] = value
@@ -131,11 +134,11 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_rows, grad_weight, row_weights)
         ctx.rows_dtype, ctx.weight = rows.dtype, weight
         ctx.fuse_weight_grad_into_main_grad = fuse_weight_grad_into_main_grad
-        ctx.mark_non_differentiable(predicted, alpha)
-        return ce, predicted, alpha
+        ctx.mark_non_differentiable(predicted, alpha, beta)
+        return ce, predicted, alpha, beta
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_predicted, _grad_alpha):
+    def backward(ctx, grad_ce, _grad_predicted, _grad_alpha, _grad_beta):
         grad_rows, grad_weight, row_weights = ctx.saved_tensors
         d_rows = None if grad_rows is None else (grad_rows * grad_ce.unsqueeze(1)).to(ctx.rows_dtype)
         d_weight = None
@@ -217,7 +220,7 @@ def sparse_lm_loss(model, hidden_states, labels, loss_mask, weight) -> torch.Ten
     flat_mask = loss_mask.t().reshape(-1)
     where = (flat_mask != 0).nonzero().squeeze(1)
     rows = vocab_parallel_rows(full.reshape(seq * batch, -1).index_select(0, where), config, tp_group)
-    ce, _, _ = chunked_cross_entropy(model, rows, weight, labels.t().reshape(-1).index_select(0, where),
+    ce, _, _, _ = chunked_cross_entropy(model, rows, weight, labels.t().reshape(-1).index_select(0, where),
                                      flat_mask.index_select(0, where))
     per_token = ce.new_zeros(seq * batch).index_put((where,), ce)
     return per_token.view(seq, batch).t().contiguous()

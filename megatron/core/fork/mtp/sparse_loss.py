@@ -50,7 +50,7 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
     """sum_k S_k over all depths (the caller weights it by lambda / D and the normalization)
     for the config's objective (megatron.core.fork.mtp.draft_objectives), computed at the
     rows ``rows_of`` picks (by default the needed ones); records every depth's statistics,
-    the sampled acceptance included, from the same chunks' logits.
+    the sampled and greedy-draft acceptances included, from the same chunks' logits.
 
     main_hidden: h^0 [s, b, h], hidden_by_depth: h^1..h^D, each a sequence shard under
     sequence parallelism; targets: (k, labels_k [b, s], mask_k [b, s]) for k = 1..D; weight:
@@ -78,20 +78,20 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
     draft_rows = vocab_parallel_rows(torch.cat(rows), config, tp_group)
     draft = DraftTargets(torch.cat(target_rows).to(draft_rows.dtype), config.mtp_draft_temperature,
                          objective) if sampled else None
-    value, predicted, alpha = chunked_cross_entropy(model, draft_rows, weight, torch.cat(labels),
-                                                    torch.cat(row_weights), draft)
+    value, predicted, alpha, beta = chunked_cross_entropy(model, draft_rows, weight, torch.cat(labels),
+                                                          torch.cat(row_weights), draft)
     values = list(value.split([where.numel() for where in positions]))
     chain = torch.stack([flat(mask) != 0 for mask in masks]).all(dim=0)
-    record_statistics(objective, targets, positions, values, predicted, alpha if sampled else None, labels,
-                      row_weights)
+    record_statistics(objective, targets, positions, values, predicted, (alpha, beta) if sampled else None,
+                      labels, row_weights)
     return objective_sum(objective, values, row_weights, positions, chain)
 
 
 @torch.no_grad()
-def record_statistics(objective, targets, positions, values, predicted, alpha, labels, row_weights) -> None:
+def record_statistics(objective, targets, positions, values, predicted, acceptances, labels, row_weights) -> None:
     """Every depth's sums (megatron.core.fork.mtp.statistics) from the rows' values, argmax
-    predictions and alpha (None: not measured); chains are products over depths 1..k at each
-    position."""
+    predictions and (alpha, beta) (None: not measured); chains are products over depths 1..k
+    at each position, as an engine's chained drafts are accepted."""
     depths, every_position = len(targets), targets[0][2].numel()
     lengths = [where.numel() for where in positions]
 
@@ -101,11 +101,11 @@ def record_statistics(objective, targets, positions, values, predicted, alpha, l
 
     correct = aligned([p == l for p, l in zip(predicted.split(lengths), labels, strict=True)])
     chain_correct = torch.cumprod(correct.long(), dim=0)
-    if alpha is not None:
-        sampled = aligned(list(alpha.float().split(lengths)))
+    if acceptances is not None:
+        sampled, greedy = (aligned(list(rates.float().split(lengths))) for rates in acceptances)
     else:  # not measured (mtp_sampled_acceptance off): unknown, which the metrics leave out
-        sampled = torch.full(correct.shape, float("nan"), device=correct.device)
-    sampled_chain = torch.cumprod(sampled, dim=0)
+        sampled = greedy = torch.full(correct.shape, float("nan"), device=correct.device)
+    sampled_chain, greedy_chain = torch.cumprod(sampled, dim=0), torch.cumprod(greedy, dim=0)
     if objective == "e2e_tv":  # the depth's prefix term, at its rows
         terms = [1.0 - prefix.index_select(0, where) for prefix, where in zip(sampled_chain, positions)]
     else:
@@ -114,4 +114,5 @@ def record_statistics(objective, targets, positions, values, predicted, alpha, l
         mask = flat(mask_k)
         STEP_STATISTICS.add(k, depths, (term.float() * weights_k).sum(), mask_k.sum(), (correct[k - 1] * mask).sum(),
                             (chain_correct[k - 1] * mask).sum(), (sampled[k - 1] * mask).sum(),
-                            (sampled_chain[k - 1] * mask).sum())
+                            (sampled_chain[k - 1] * mask).sum(), (greedy[k - 1] * mask).sum(),
+                            (greedy_chain[k - 1] * mask).sum())

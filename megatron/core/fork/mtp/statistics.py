@@ -8,7 +8,9 @@ draft_objectives), the valid count M_k, the top-1 correct count, the chain-corre
 (predictions at depths 1..k all correct at that position: a k-token draft fully accepted),
 and, for sampled drafts, the sum of alpha^k_t = sum_v min(p, q) (what a rejection sampler
 accepts at depth k given depths < k accepted) and of the chain product
-prod_{i<=k} alpha^i_t (a k-token sampled draft fully accepted). Sums add across
+prod_{i<=k} alpha^i_t (a k-token sampled draft fully accepted), and the same two for greedy
+drafts (spec section 12.1): beta^k_t = p(argmax q), what a rejection sampler accepts of a
+draft d = argmax q taken as one-hot, and prod_{i<=k} beta^i_t. Sums add across
 micro-batches, chunks and data-parallel ranks; ratios are taken only at the end. A
 prediction at depth j < k counts as correct when it equals its target token, whether or
 not that target is itself supervised (the target token exists whenever depth k's does).
@@ -19,8 +21,9 @@ import torch.distributed as dist
 
 from megatron.core.fork.runtime import device as compute_device
 
-CE_SUM, VALID, CORRECT, CHAIN_CORRECT, SAMPLED_ACCEPTED, SAMPLED_CHAIN_ACCEPTED = range(6)
-FIELDS = 6
+(CE_SUM, VALID, CORRECT, CHAIN_CORRECT, SAMPLED_ACCEPTED, SAMPLED_CHAIN_ACCEPTED, GREEDY_ACCEPTED,
+ GREEDY_CHAIN_ACCEPTED) = range(8)
+FIELDS = 8
 COUNT_FIELDS = (VALID, CORRECT, CHAIN_CORRECT)  # integers: they reduce exactly
 
 
@@ -52,11 +55,12 @@ class MTPStatistics:
         self.sums = None
 
     def add(self, depth: int, depths: int, ce_sum, valid, correct, chain_correct, sampled_accepted,
-            sampled_chain_accepted) -> None:
+            sampled_chain_accepted, greedy_accepted, greedy_chain_accepted) -> None:
         if self.sums is None or self.sums.size(0) != depths:
             self.sums = torch.zeros(depths, FIELDS, dtype=torch.float64, device=compute_device.current_device())
         row = torch.stack([value.detach().double() for value in (
-            ce_sum, valid, correct, chain_correct, sampled_accepted, sampled_chain_accepted)])
+            ce_sum, valid, correct, chain_correct, sampled_accepted, sampled_chain_accepted, greedy_accepted,
+            greedy_chain_accepted)])
         self.sums[depth - 1] += row
 
     def local_sums(self) -> torch.Tensor | None:
@@ -70,15 +74,16 @@ STEP_STATISTICS = MTPStatistics()
 
 EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"
 EXPECTED_LENGTH_SAMPLING = "expected accepted length (sampling)"
+EXPECTED_LENGTH_GREEDY = "expected accepted length (greedy drafts)"
 
 
 def metrics_from_sums(sums: torch.Tensor) -> dict:
-    """Named metrics from [D, FIELDS] sums. Both expected accepted lengths count the
+    """Named metrics from [D, FIELDS] sums. Every expected accepted length counts the
     verifier's bonus token."""
     metrics = {}
-    chain_total = sampled_chain_total = 0.0
+    chain_total = sampled_chain_total = greedy_chain_total = 0.0
     for k in range(sums.size(0)):
-        ce_sum, valid, correct, chain, sampled, sampled_chain = sums[k].tolist()
+        ce_sum, valid, correct, chain, sampled, sampled_chain, greedy, greedy_chain = sums[k].tolist()
 
         def ratio(x, valid=valid):
             return x / valid if valid > 0 else 0.0
@@ -88,19 +93,25 @@ def metrics_from_sums(sums: torch.Tensor) -> dict:
         metrics[f"mtp_{k + 1} chain acceptance"] = ratio(chain)
         if sampled == sampled:  # NaN: not measured (mtp_sampled_acceptance off), left out
             metrics[f"mtp_{k + 1} sampled acceptance"] = ratio(sampled)
+        if greedy == greedy:
+            metrics[f"mtp_{k + 1} greedy-draft acceptance"] = ratio(greedy)
         metrics[f"mtp_{k + 1} tokens"] = valid
         chain_total += ratio(chain)
         sampled_chain_total += ratio(sampled_chain)
+        greedy_chain_total += ratio(greedy_chain)
     metrics[EXPECTED_LENGTH] = 1.0 + chain_total
     if sampled_chain_total == sampled_chain_total:
         metrics[EXPECTED_LENGTH_SAMPLING] = 1.0 + sampled_chain_total
+    if greedy_chain_total == greedy_chain_total:
+        metrics[EXPECTED_LENGTH_GREEDY] = 1.0 + greedy_chain_total
     return metrics
 
 
 def widened(sums: torch.Tensor | None) -> torch.Tensor | None:
-    """Sums saved before the sampled fields existed ([D, 4]) with those fields unknown (NaN): a
-    run resumed from such a checkpoint leaves out the sampled metrics of sums that include the
-    older steps (their past is unknown), and reports every other metric as before."""
+    """Sums saved before the sampled fields existed ([D, 4]), or before the greedy-draft fields
+    ([D, 6]), with the missing fields unknown (NaN): a run resumed from such a checkpoint leaves
+    out those metrics of sums that include the older steps (their past is unknown), and reports
+    every other metric as before."""
     if sums is None or sums.size(1) == FIELDS:
         return sums
     unknown = sums.new_full((sums.size(0), FIELDS - sums.size(1)), float("nan"))

@@ -3,11 +3,13 @@
 """Per-depth MTP metrics of megatron.training's loop: console, TensorBoard and W&B (spec 7).
 
 Each step hands its exactly reduced per-depth sums (objective, valid, correct, chain-correct,
-sampled acceptance and its chain; megatron.core.fork.mtp.statistics) to ``record_step``. The
+sampled and greedy-draft acceptances and their chains; megatron.core.fork.mtp.statistics) to
+``record_step``. The
 console line and the TensorBoard/W&B scalars of a log interval are ratios of the interval's
 sums (token-weighted over all its steps, not a mean of per-step ratios): ``mtp_k loss``,
-``mtp_k acceptance``, ``mtp_k chain acceptance``, ``mtp_k sampled acceptance``, ``expected
-accepted length (incl. bonus token)`` and its ``(sampling)`` form, plus ``mtp grad norm``,
+``mtp_k acceptance``, ``mtp_k chain acceptance``, ``mtp_k sampled acceptance``, ``mtp_k
+greedy-draft acceptance``, ``expected accepted length (incl. bonus token)`` and its
+``(sampling)`` and ``(greedy drafts)`` forms, plus ``mtp grad norm``,
 tokens/s and the ETA. The sums since the start of training (the cumulative
 acceptance) and those of the open interval are part of the checkpoint (``state_dict``), so
 they continue across a resume.
@@ -17,7 +19,13 @@ import time
 
 import torch
 
-from megatron.core.fork.mtp.statistics import EXPECTED_LENGTH, EXPECTED_LENGTH_SAMPLING, metrics_from_sums, widened
+from megatron.core.fork.mtp.statistics import (
+    EXPECTED_LENGTH,
+    EXPECTED_LENGTH_GREEDY,
+    EXPECTED_LENGTH_SAMPLING,
+    metrics_from_sums,
+    widened,
+)
 
 ROUTER_LOSS_SUFFIXES = ("load balancing loss", "z loss")
 
@@ -56,7 +64,7 @@ class _Tracker:
         if self.interval is not None:
             values.update(metrics_from_sums(self.interval))
             for name, value in metrics_from_sums(self.cumulative).items():
-                if "acceptance" in name or name in (EXPECTED_LENGTH, EXPECTED_LENGTH_SAMPLING):
+                if "acceptance" in name or name in (EXPECTED_LENGTH, EXPECTED_LENGTH_SAMPLING, EXPECTED_LENGTH_GREEDY):
                     values[f"{name} (cumulative)"] = value
         values.update({name: total / self.router_steps for name, total in self.router.items()})
         if self.mtp_grad_norms:
@@ -83,10 +91,14 @@ def _console(values: dict, depths: int) -> str:
                  f" {values[f'mtp_{k} chain acceptance']:.4f} |")
         if f"mtp_{k} sampled acceptance" in values:
             text += f" mtp_{k} sampled acceptance: {values[f'mtp_{k} sampled acceptance']:.4f} |"
+        if f"mtp_{k} greedy-draft acceptance" in values:
+            text += f" mtp_{k} greedy-draft acceptance: {values[f'mtp_{k} greedy-draft acceptance']:.4f} |"
     if depths:
         text += f" {EXPECTED_LENGTH}: {values[EXPECTED_LENGTH]:.4f} |"
         if EXPECTED_LENGTH_SAMPLING in values:
             text += f" {EXPECTED_LENGTH_SAMPLING}: {values[EXPECTED_LENGTH_SAMPLING]:.4f} |"
+        if EXPECTED_LENGTH_GREEDY in values:
+            text += f" {EXPECTED_LENGTH_GREEDY}: {values[EXPECTED_LENGTH_GREEDY]:.4f} |"
     for k in range(1, depths + 1):  # each depth's router losses (MoE), as step values
         text += "".join(f" {name}: {value:.6E} |" for name, value in values.items()
                         if name.startswith(f"mtp_{k} ") and name.endswith(ROUTER_LOSS_SUFFIXES))
