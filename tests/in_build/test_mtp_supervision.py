@@ -56,7 +56,7 @@ def test_sample_mask_drops_whole_samples():
 
 
 def test_metrics_from_sums_are_ratios_of_sums_with_the_bonus_token():
-    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0], [4.0, 2.0, 1.0, 1.0, 1.5, 0.5]], dtype=torch.float64)
+    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0, 4.0], [4.0, 2.0, 1.0, 1.0, 1.5, 0.5, 2.0]], dtype=torch.float64)
     metrics = metrics_from_sums(sums)
     assert metrics["mtp_1 loss"] == 1.5 and metrics["mtp_2 loss"] == 2.0
     assert metrics["mtp_1 acceptance"] == 0.75 and metrics["mtp_2 chain acceptance"] == 0.5
@@ -71,6 +71,28 @@ def test_sums_saved_before_the_sampled_fields_resume_with_them_unknown():
     assert metrics["mtp_1 acceptance"] == 0.75
     # unknown, so left out (not reported as 0)
     assert "mtp_1 sampled acceptance" not in metrics and "expected accepted length (sampling)" not in metrics
+
+
+def test_sums_saved_without_the_measured_count_resume_measured_at_every_valid_position_or_none():
+    measured = torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 1.0]], dtype=torch.float64)
+    assert widened(measured).tolist() == [[6.0, 4.0, 3.0, 3.0, 2.0, 1.0, 4.0]]
+    unknown = torch.tensor([[6.0, 4.0, 3.0, 3.0, float("nan"), float("nan")]], dtype=torch.float64)
+    assert widened(unknown).tolist() == [[6.0, 4.0, 3.0, 3.0, 0.0, 0.0, 0.0]]
+    # a later step measured at 2 positions: the ratio is over those only
+    later = widened(unknown) + torch.tensor([[1.0, 2.0, 1.0, 1.0, 1.5, 1.0, 2.0]], dtype=torch.float64)
+    assert metrics_from_sums(later)["mtp_1 sampled acceptance"] == 0.75
+
+
+def test_sampled_metrics_are_ratios_over_the_measured_positions():
+    # depth 1 measured at 2 of its 4 valid positions; depth 2 has none valid (0, as its other metrics)
+    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 1.5, 1.5, 2.0], [0.0] * 7], dtype=torch.float64)
+    metrics = metrics_from_sums(sums)
+    assert metrics["mtp_1 sampled acceptance"] == 0.75 and metrics["mtp_2 sampled acceptance"] == 0.0
+    assert metrics["expected accepted length (sampling)"] == 1.75
+    # depth 2 valid but measured nowhere: unknown, and so is the chained length
+    sums[1, 1] = 3.0
+    metrics = metrics_from_sums(sums)
+    assert "mtp_2 sampled acceptance" not in metrics and "expected accepted length (sampling)" not in metrics
 
 
 def test_a_depth_without_valid_positions_reports_zero_not_nan():

@@ -8,7 +8,9 @@ draft_objectives), the valid count M_k, the top-1 correct count, the chain-corre
 (predictions at depths 1..k all correct at that position: a k-token draft fully accepted),
 and, for sampled drafts, the sum of alpha^k_t = sum_v min(p, q) (what a rejection sampler
 accepts at depth k given depths < k accepted) and of the chain product
-prod_{i<=k} alpha^i_t (a k-token sampled draft fully accepted). Sums add across
+prod_{i<=k} alpha^i_t (a k-token sampled draft fully accepted), with the count of valid positions
+where they were measured (the metric projections, the main head at t + k, run only in steps that
+report them: ``metric_projections``). Sums add across
 micro-batches, chunks and data-parallel ranks; ratios are taken only at the end. A
 prediction at depth j < k counts as correct when it equals its target token, whether or
 not that target is itself supervised (the target token exists whenever depth k's does).
@@ -19,9 +21,9 @@ import torch.distributed as dist
 
 from megatron.core.fork.runtime import device as compute_device
 
-CE_SUM, VALID, CORRECT, CHAIN_CORRECT, SAMPLED_ACCEPTED, SAMPLED_CHAIN_ACCEPTED = range(6)
-FIELDS = 6
-COUNT_FIELDS = (VALID, CORRECT, CHAIN_CORRECT)  # integers: they reduce exactly
+CE_SUM, VALID, CORRECT, CHAIN_CORRECT, SAMPLED_ACCEPTED, SAMPLED_CHAIN_ACCEPTED, MEASURED = range(7)
+FIELDS = 7
+COUNT_FIELDS = (VALID, CORRECT, CHAIN_CORRECT, MEASURED)  # integers: they reduce exactly
 
 
 def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,20 +45,23 @@ def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, to
 
 
 class MTPStatistics:
-    """Per-depth sums for one training step; reset it when a step begins."""
+    """Per-depth sums for one training step; reset it when a step begins. ``reporting``: whether
+    the step measures the metrics that need a projection of their own (a step driver turns it off
+    for a step whose metrics nobody reads, and back on after it)."""
 
     def __init__(self):
         self.sums = None
+        self.reporting = True
 
     def reset(self) -> None:
         self.sums = None
 
     def add(self, depth: int, depths: int, ce_sum, valid, correct, chain_correct, sampled_accepted,
-            sampled_chain_accepted) -> None:
+            sampled_chain_accepted, measured) -> None:
         if self.sums is None or self.sums.size(0) != depths:
             self.sums = torch.zeros(depths, FIELDS, dtype=torch.float64, device=compute_device.current_device())
         row = torch.stack([value.detach().double() for value in (
-            ce_sum, valid, correct, chain_correct, sampled_accepted, sampled_chain_accepted)])
+            ce_sum, valid, correct, chain_correct, sampled_accepted, sampled_chain_accepted, measured)])
         self.sums[depth - 1] += row
 
     def local_sums(self) -> torch.Tensor | None:
@@ -68,17 +73,27 @@ class MTPStatistics:
 STEP_STATISTICS = MTPStatistics()
 
 
+def metric_projections(config) -> bool:
+    """Whether this forward projects rows onto the vocabulary only for metrics (the main head at
+    t + k of the sampled acceptance under ``ce``): the config asks for those metrics and the step
+    reports them (every evaluation and every step outside a driver does)."""
+    return bool(config.mtp_sampled_acceptance) and STEP_STATISTICS.reporting
+
+
 EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"
 EXPECTED_LENGTH_SAMPLING = "expected accepted length (sampling)"
 
 
 def metrics_from_sums(sums: torch.Tensor) -> dict:
     """Named metrics from [D, FIELDS] sums. Both expected accepted lengths count the
-    verifier's bonus token."""
+    verifier's bonus token. The sampled ones are ratios over the positions where they were
+    measured; a depth with valid positions none of which was measured leaves them out (unknown),
+    and so does a table measured nowhere (mtp_sampled_acceptance off, or no step reported them)."""
     metrics = {}
     chain_total = sampled_chain_total = 0.0
+    any_measured = bool((sums[:, MEASURED] > 0).any())
     for k in range(sums.size(0)):
-        ce_sum, valid, correct, chain, sampled, sampled_chain = sums[k].tolist()
+        ce_sum, valid, correct, chain, sampled, sampled_chain, measured = sums[k].tolist()
 
         def ratio(x, valid=valid):
             return x / valid if valid > 0 else 0.0
@@ -86,11 +101,13 @@ def metrics_from_sums(sums: torch.Tensor) -> dict:
         metrics[f"mtp_{k + 1} loss"] = ratio(ce_sum)
         metrics[f"mtp_{k + 1} acceptance"] = ratio(correct)
         metrics[f"mtp_{k + 1} chain acceptance"] = ratio(chain)
-        if sampled == sampled:  # NaN: not measured (mtp_sampled_acceptance off), left out
-            metrics[f"mtp_{k + 1} sampled acceptance"] = ratio(sampled)
+        if measured > 0 or (any_measured and valid == 0):
+            metrics[f"mtp_{k + 1} sampled acceptance"] = ratio(sampled, measured)
+            sampled_chain_total += ratio(sampled_chain, measured)
+        else:  # unknown
+            sampled_chain_total = float("nan")
         metrics[f"mtp_{k + 1} tokens"] = valid
         chain_total += ratio(chain)
-        sampled_chain_total += ratio(sampled_chain)
     metrics[EXPECTED_LENGTH] = 1.0 + chain_total
     if sampled_chain_total == sampled_chain_total:
         metrics[EXPECTED_LENGTH_SAMPLING] = 1.0 + sampled_chain_total
@@ -98,10 +115,14 @@ def metrics_from_sums(sums: torch.Tensor) -> dict:
 
 
 def widened(sums: torch.Tensor | None) -> torch.Tensor | None:
-    """Sums saved before the sampled fields existed ([D, 4]) with those fields unknown (NaN): a
-    run resumed from such a checkpoint leaves out the sampled metrics of sums that include the
-    older steps (their past is unknown), and reports every other metric as before."""
+    """Sums saved by an older version in today's fields: without the sampled fields ([D, 4]) they
+    were measured at no position; with them but without their count ([D, 6]) at every valid
+    position, unless unknown (NaN: not measured in some step), then at none. A resumed run's
+    sampled metrics then cover the steps that measured them, and every other metric is as before."""
     if sums is None or sums.size(1) == FIELDS:
         return sums
-    unknown = sums.new_full((sums.size(0), FIELDS - sums.size(1)), float("nan"))
-    return torch.cat([sums, unknown], dim=1)
+    if sums.size(1) == 4:
+        return torch.cat([sums, sums.new_zeros(sums.size(0), FIELDS - 4)], dim=1)
+    known = ~sums[:, SAMPLED_ACCEPTED:].isnan().any(dim=1, keepdim=True)
+    sampled = torch.where(known, sums[:, SAMPLED_ACCEPTED:], 0.0)
+    return torch.cat([sums[:, :SAMPLED_ACCEPTED], sampled, torch.where(known, sums[:, VALID:VALID + 1], 0.0)], dim=1)
