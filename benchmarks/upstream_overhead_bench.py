@@ -23,7 +23,7 @@ of each side with its ratio, in wall-clock time and in the processes' CPU time (
 to other load on the machine; the step's own work with --threads 1). Peak memory: the peak of
 live tensor memory during a step (the logged one: the larger), from torch.profiler's record of
 every CPU allocation and free (deterministic), one process per side, D and vocabulary size, and
-the ratio. The default run (no option) takes about 6 minutes on this 2-core machine alone.
+the ratio. Its run time: benchmarks/README.md.
 
 --moe: the same with the MoE layers of benchmarks.common.MOE (the backbone's last three
 layers and the MTP layer; seq_aux_loss and z-loss), D = 0 and 1, peak memory at the
