@@ -21,7 +21,7 @@ take turns, one step at a time, so all see the same machine load, and prints med
 ratio of each fork side to upstream for D = 0, 1 and 3, and the MTP overhead step(D) - step(0)
 of each side with its ratio, in wall-clock time and in the processes' CPU time (less sensitive
 to other load on the machine; the step's own work with --threads 1). Peak memory: the peak of
-live tensor memory during a step (the logged one: the larger), from torch.profiler's record of
+live tensor memory during a step of each side, from torch.profiler's record of
 every CPU allocation and free (deterministic), one process per side, D and vocabulary size, and
 the ratio. Its run time: benchmarks/README.md.
 
@@ -72,10 +72,7 @@ def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads
         torch.set_num_threads(threads)
     draft = {"mtp_loss_type": objective, "detach": True} if objective != "ce" and depths else {}
     model, tokens = build(depths, vocab=vocab, **VARIANTS[variant], **draft)
-    if not metrics:  # what a step driver sets for a step whose metrics no line prints
-        from megatron.core.fork.mtp.statistics import STEP_STATISTICS
-
-        STEP_STATISTICS.reporting = False
+    without_metrics(metrics)
     step(model, tokens, valid_fraction)  # warm-up
     print("ready", file=answers)
     for line in sys.stdin:
@@ -86,9 +83,20 @@ def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads
         print(time.perf_counter() - start, time.process_time() - cpu_start, file=answers)
 
 
-def peak_memory(depths: int, vocab: int, variant: str) -> None:
+def without_metrics(metrics: bool) -> None:
+    """Unless `metrics`, what a step driver sets for a step whose metrics no line prints (a no-op
+    in upstream's tree, which has no such metrics)."""
+    if not metrics:
+        from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+
+        STEP_STATISTICS.reporting = False
+
+
+def peak_memory(depths: int, vocab: int, variant: str, metrics: bool) -> None:
     setup_process()
-    print(peak_step_memory_mib(*build(depths, vocab=vocab, **VARIANTS[variant])))
+    model, tokens = build(depths, vocab=vocab, **VARIANTS[variant])
+    without_metrics(metrics)
+    print(peak_step_memory_mib(model, tokens))
 
 
 def side_env(tree: Path) -> dict:
@@ -127,17 +135,19 @@ def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: 
 
 def compare_peak_memory(trees: dict, depths: int, vocab: int, variant: str = "dense") -> dict:
     peaks = {}
-    for side, tree in trees.items():
+    sides = {side: (trees["fork"], metrics) for side, metrics in FORK_SIDES.items()}
+    sides["upstream"] = (trees["upstream"], True)
+    for side, (tree, metrics) in sides.items():
         # torch.profiler's memory timeline sometimes asserts on its own records ("duplicate
         # outputs", tensor ids reused): measure again, the number itself is deterministic.
         for _ in range(3):
-            run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab), variant],
-                                 env=side_env(tree), capture_output=True, text=True)
+            run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab), variant,
+                                  str(int(metrics))], env=side_env(tree), capture_output=True, text=True)
             if run.returncode == 0 or "duplicate outputs" not in run.stderr:
                 break
         if run.returncode:
             sys.exit(f"{side}, D={depths}, vocab {vocab}: peak-memory process failed:\n{run.stderr[-3000:]}")
-        peaks["fork, logged" if side == "fork" else side] = float(run.stdout.split()[-1])  # metrics on
+        peaks[side] = float(run.stdout.split()[-1])
     return peaks
 
 
@@ -154,13 +164,14 @@ def main() -> None:
     parser.add_argument("--mtp-loss-type", default="ce", choices=("ce", "kl", "tv", "e2e_tv"),
                         help="the fork sides' draft objective (isolation on); upstream trains ce")
     parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
-    parser.add_argument("--peak-memory", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--peak-memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         return worker(int(args.worker[0]), float(args.worker[1]), int(args.worker[2]), args.worker[3],
                       int(args.worker[4]), bool(int(args.worker[5])), args.worker[6])
     if args.peak_memory is not None:
-        return peak_memory(int(args.peak_memory[0]), int(args.peak_memory[1]), args.peak_memory[2])
+        return peak_memory(int(args.peak_memory[0]), int(args.peak_memory[1]), args.peak_memory[2],
+                           bool(int(args.peak_memory[3])))
     if args.moe and args.architecture:
         parser.error("--moe and --architecture: give one")
     variant = args.architecture or ("moe" if args.moe else "dense")
