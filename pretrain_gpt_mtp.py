@@ -318,13 +318,14 @@ def _pretrain(args) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from megatron.core.fork.fixes import checkpoint_files
+    from megatron.core.fork.mtp.step_scope import StepRefused
     from megatron.core.fork.runtime.specs import SpecError
     from megatron_mtp import arguments
 
     try:
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider, get_embedding_ranks=get_embedding_ranks)
-    except checkpoint_files.CheckpointError as error:  # raised alike on every rank: one line, not a traceback each
+    except (checkpoint_files.CheckpointError, StepRefused) as error:  # raised alike on every rank: one line
         arguments.fail(error)
         return 1
     except SpecError as error:  # a flag the selected layer specs do not build, refused before the model is

@@ -23,10 +23,12 @@ import re
 import signal
 import sys
 import threading
+from functools import partial
 
 from megatron_mtp import moe_arguments
-from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
+from megatron_mtp.data.embedded import corpus_path, corpus_prefix, default_cache_dir
 from megatron_mtp.data.indexed import DatasetError, check_dataset, read_metadata
+from megatron_mtp.data.tokenizers import ByteTokenizer
 
 DATA_FLAGS = ("--data-path", "--mock-data", "--train-data-path", "--valid-data-path", "--test-data-path",
               "--data-args-path", "--per-split-data-args-path")
@@ -88,7 +90,8 @@ def _defaults(on_cpu: bool, embedded: bool) -> dict:
                     create_attention_mask_in_dataloader=False)
     defaults.update(CPU_DEFAULTS if on_cpu else _gpu_defaults())
     if embedded:
-        defaults.update(EMBEDDED_DEFAULTS, data_path=[str(corpus_prefix(default_cache_dir()))])
+        # the corpus is written once the arguments are accepted (_parse): a refused run writes nothing
+        defaults.update(EMBEDDED_DEFAULTS, data_path=[str(corpus_path(default_cache_dir()))])
     return defaults
 
 
@@ -112,10 +115,14 @@ def uses_torch_norms(args) -> bool:
     return args.transformer_impl == "local" and (args.normalization != "LayerNorm" or _missing("fast_layer_norm"))
 
 
-def _vocabulary_from_data(args, defaults: dict) -> None:
-    """Tokenizer defaults from the datasets' metadata; a contradiction is an error."""
+def _vocabulary_from_data(args, defaults: dict, embedded: bool) -> None:
+    """Tokenizer defaults from the datasets' metadata (the embedded corpus's: bytes, written or
+    not yet); a contradiction is an error."""
     prefixes = [p for p in (args.data_path or []) if not is_weight(p)]
     found = {}
+    if embedded:
+        info = ByteTokenizer.info
+        found, prefixes = {prefixes[0]: (info.vocab_size, info.eod_id, info.name)}, prefixes[1:]
     for prefix in prefixes:
         check_dataset(prefix)
         metadata = read_metadata(prefix)
@@ -465,7 +472,7 @@ def _parse():
         fail(error)
         return None
     import torch
-    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args, parse_args
+    from megatron.training.arguments import parse_and_validate_args, parse_args
 
     from megatron.core.fork.fixes import checkpoint_files
 
@@ -484,7 +491,7 @@ def _parse():
         with quiet:
             defaults = _defaults(on_cpu, embedded)
             args = parse_args(_provider(defaults))
-            _vocabulary_from_data(args, defaults)
+            _vocabulary_from_data(args, defaults, embedded)
             _schedule_plan(args)
             if embedded and not _given("--lr-warmup-iters") and args.train_iters:
                 # a shortened embedded run (--train-iters N) warms up for a tenth of it
@@ -502,11 +509,11 @@ def _parse():
         _check(args)
         deferred = _capability_deferred(args)
         with quiet, _without_argument("--moe-grouped-gemm") if deferred else contextlib.nullcontext(), \
-                _without_writers() if args.dry_run or finished(args) else contextlib.nullcontext():
+                _without_writers() if args.dry_run or finished(args) else contextlib.nullcontext(), \
+                _checked_before_anything_is_written(partial(_check_config, deferred=deferred), _check_checkpoints):
             args = parse_and_validate_args(_provider(defaults))
-        args.moe_grouped_gemm |= deferred
-        core_transformer_config_from_args(args)  # the config's own checks (the MTP options'), before anything is built
-        _check_checkpoints(args)
+        if embedded and not args.dry_run:
+            corpus_prefix(default_cache_dir())
         return args
     except (ArgumentError, DatasetError, checkpoint_files.CheckpointError, AssertionError, ValueError,
             TypeError) as error:
@@ -516,6 +523,52 @@ def _parse():
         if not exit.code:
             raise  # --help
         return None  # argparse has printed its message
+
+
+def _check_config(args, deferred: bool) -> None:
+    """The TransformerConfig's own checks (upstream's and the MTP options',
+    megatron.core.fork.mtp.options), which need Megatron-LM's validated arguments."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args.moe_grouped_gemm |= deferred
+    core_transformer_config_from_args(args)
+
+
+@contextlib.contextmanager
+def _checked_before_anything_is_written(check_config, check_built):
+    """Megatron-LM's parse_and_validate_args prints the argument list at the end of validate_args,
+    then set_global_variables builds the tokenizer (the padded vocabulary) and the TensorBoard and
+    W&B writers (their directories, an events file). `check_config(args)` runs before the list
+    is printed, `check_built(args)` (the checkpoints': the padded vocabulary is a shape) once the
+    tokenizer is built, before the writers; the list comes after both: a refused run prints its
+    one line first and writes nothing."""
+    from megatron.training import arguments as upstream
+    from megatron.training import global_vars
+
+    print_args, set_global_variables = upstream._print_args, upstream.set_global_variables
+    held = []
+
+    def checked_first(args, *given, **options):
+        check_config(args)
+        writers = global_vars._set_tensorboard_writer, global_vars._set_wandb_writer
+        global_vars._set_tensorboard_writer = global_vars._set_wandb_writer = lambda args: None
+        try:
+            result = set_global_variables(args, *given, **options)
+        finally:
+            global_vars._set_tensorboard_writer, global_vars._set_wandb_writer = writers
+        check_built(args)
+        for title, printed in held:
+            print_args(title, printed)
+        for set_writer in writers:
+            set_writer(args)
+        return result
+
+    upstream._print_args = lambda title, args: held.append((title, args))
+    upstream.set_global_variables = checked_first
+    try:
+        yield
+    finally:
+        upstream._print_args, upstream.set_global_variables = print_args, set_global_variables
 
 
 def _capability_deferred(args) -> bool:

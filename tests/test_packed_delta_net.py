@@ -24,7 +24,7 @@ slow decay (tests/bodies/hybrid.py: slow_decay):
   reported router losses against the reference, on rows of sequences of 5, 1, 67 and 3 tokens,
   unpadded at one rank and EP = 2, padded to multiples of 4 at one rank, CP = 2 and CP = 2 x EP = 2
   (matrix tier);
-- refused in one line before the model runs, the weights untouched: seq_aux_loss on packed rows
+- refused in one line before the gradient reduce, the weights untouched: seq_aux_loss on packed rows
   (upstream's statistic is the packed row's, not each sequence's) and upstream's padding mask with
   router losses.
 
@@ -153,7 +153,7 @@ REFUSED_WORDS = {"seq_aux_loss": ("seq_aux_loss on packed rows", "aux_loss (per 
 
 def test_router_losses_refused_on_packed_rows(current):
     """seq_aux_loss on packed rows and router losses with upstream's padding mask: refused in one
-    line before the model runs, the weights untouched."""
+    line before the gradient reduce (found in the forward, raised on every rank), the weights untouched."""
     (got,) = launch("tests.bodies.packed_delta_net:refusals", 1, {"cases": REFUSALS}, timeout=600, build=current)
     assert sorted(got) == sorted(REFUSALS)
     for name, result in got.items():

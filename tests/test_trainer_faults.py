@@ -177,6 +177,79 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_built(dataset, chec
     assert not wrong, "\n".join(f"want {expected!r}, got {outcome}" for expected, outcome in wrong)
 
 
+# Every refusal that depends on the flags alone (docs/mtp-options.md, docs/training.md, docs/moe.md,
+# docs/context-parallel.md, docs/architectures.md), tried on the embedded default as a new user would:
+# (flags, world size, what the one-line error says). 0.16.1's own (the draft objectives, MTP with CP)
+# run on that build (tests/in_build/test_mtp_layout_refusal.py's build) and are not in this checkout's.
+FLAG_ONLY_REFUSALS = [
+    # the MTP options (megatron.core.fork.mtp.options), refused when the config is built
+    (("--mtp-loss-type", "tv"), 1, "mtp_loss_type='tv' trains the heads toward the main head's own distribution"),
+    (("--mtp-loss-type", "kl"), 1, "mtp_loss_type='kl' trains the heads toward the main head's own distribution"),
+    (("--mtp-loss-type", "e2e_tv"), 1, "mtp_loss_type='e2e_tv' trains the heads toward"),
+    (("--mtp-loss-type", "mse", "--mtp-detach-heads"), 1, "mtp_loss_type (--mtp-loss-type) must be one of"),
+    (("--mtp-draft-temperature", "0"), 1, "mtp_draft_temperature (--mtp-draft-temperature) must be > 0, got 0"),
+    (("--mtp-draft-temperature", "-1"), 1, "mtp_draft_temperature (--mtp-draft-temperature) must be > 0, got -1"),
+    (("--mtp-loss-scaling-factor", "-0.1"), 1, "mtp_loss_scaling_factor must be a number >= 0, got -0.1"),
+    (("--mtp-num-layers", "0", "--mtp-detach-heads"), 1, "mtp_detach_heads (--mtp-detach-heads) isolates MTP heads"),
+    (("--mtp-num-layers", "0", "--mtp-use-repeated-layer"), 1, "mtp_use_repeated_layer (--mtp-use-repeated-layer)"),
+    (("--sparse-loss-chunk-size", "0"), 1, "sparse_loss_chunk_size (--sparse-loss-chunk-size) must be >= 1 rows"),
+    # this script's checks (megatron_mtp.arguments, megatron_mtp.moe_arguments)
+    (("--freeze-backbone",), 1, "--freeze-backbone trains the MTP heads only"),
+    (("--sparse-lm-loss", "--main-loss-level", "sequence"), 1, "--sparse-lm-loss needs the token-level main loss"),
+    (("--reset-attention-mask",), 1, "--reset-attention-mask is not supported"),
+    (("--lr-warmup-iters", "400"), 1, "--lr-warmup-iters 400 must be below the decay length"),
+    (("--context-parallel-size", "3"), 3, "--seq-length 128 does not split into 2 x --context-parallel-size = 6"),
+    (("--hybrid-layer-pattern", "M*M*/*"), 1, "--hybrid-layer-pattern layers M need Transformer Engine"),
+    (("--hybrid-layer-pattern", "*E*E/*"), 1, "--hybrid-layer-pattern has MoE layers 'E': give --num-experts"),
+    (("--hybrid-layer-pattern", "*G*G/*"), 1, "Gated DeltaNet layers"),
+    (("--num-experts", "2", "--moe-router-topk", "4"), 1, "--moe-router-topk 4 exceeds --num-experts 2"),
+    (("--num-experts", "3", "--expert-model-parallel-size", "2"), 2, "--num-experts 3 is not divisible by"),
+    (("--num-experts", "4", "--moe-permute-fusion"), 1, "--moe-permute-fusion needs a CUDA kernel"),
+    (("--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"),
+     1, "the global balance loss (global_aux_loss) accumulates routing statistics"),
+    # Megatron-LM's own (validate_args, TransformerConfig)
+    (("--fp16", "--bf16"), 1, "assert not args.bf16"),
+    (("--num-attention-heads", "3"), 1, "--hidden-size must be a multiple of --num-attention-heads"),
+    (("--pipeline-model-parallel-size", "2", "--position-embedding-type", "learned_absolute"), 2,
+     "(MTP) is not supported with learned_absolute position embedding type"),
+]
+
+
+def test_a_flag_only_refusal_prints_its_line_first_and_writes_nothing(tmp_path):
+    """Issue 50: on a fresh --save and dataset cache, each refusal leaves no run directory, no
+    TensorBoard events, no log file and no embedded corpus behind, and its line comes before
+    Megatron-LM's argument list (printed only for accepted arguments), within the first lines."""
+    given = [{"argv": ["--train-iters", "4", "--save", str(tmp_path / f"run{i}"), *flags],
+              "env": {"WORLD_SIZE": str(world), "RANK": "0", "MEGATRON_MTP_CACHE": str(tmp_path / f"cache{i}")}}
+             for i, (flags, world, _) in enumerate(FLAG_ONLY_REFUSALS)]
+    accepted = {"argv": ["--train-iters", "4", "--save", str(tmp_path / "accepted")],
+                "env": {"WORLD_SIZE": "1", "RANK": "0", "MEGATRON_MTP_CACHE": str(tmp_path / "accepted-cache")}}
+    outcomes = argument_cases.check([*given, accepted], timeout=600)
+    control = outcomes[-1]  # what an accepted run writes while its arguments are handled: the checks see it
+    assert control["accepted"] and (tmp_path / "accepted" / "tensorboard").is_dir(), control
+    assert any(path.suffix == ".bin" for path in (tmp_path / "accepted-cache").iterdir()), control
+    assert any("------------------------ arguments ------------------------" in line for line in control["output"])
+    wrong = []
+    for i, ((flags, _, expected), outcome) in enumerate(zip(FLAG_ONLY_REFUSALS, outcomes[:-1], strict=True)):
+        left = [str(path) for path in (tmp_path / f"run{i}", tmp_path / f"cache{i}") if path.exists()]
+        first = [n for n, line in enumerate(outcome["output"]) if line.startswith("pretrain_gpt_mtp.py: error: ")]
+        if outcome["accepted"] or len(outcome["errors"]) != 1 or expected not in outcome["errors"][0] or left \
+                or first[0] > 5:
+            wrong.append((flags, expected, left, outcome["output"][:8]))
+    assert not wrong, "\n".join(map(str, wrong))
+
+
+def test_the_issue_s_command_prints_one_line_and_leaves_no_run_directory(tmp_path):
+    """The command of issue 50, launched as a user launches it (torchrun, the embedded default)."""
+    run = train(1, "--train-iters", "2", "--mtp-loss-type", "tv", "--save", str(tmp_path / "att"), "--eval-iters", "0",
+                cwd=tmp_path, script=str(REPO_ROOT / "pretrain_gpt_mtp.py"), check=False, timeout=120,
+                env={"MEGATRON_MTP_CACHE": str(tmp_path / "cache")})
+    assert run.returncode != 0 and len(run.errors()) == 1, run.tail()
+    assert "add --mtp-detach-heads" in run.errors()[0]
+    assert "arguments ---" not in run.output, run.tail()  # Megatron-LM's argument list: not printed
+    assert sorted(path.name for path in tmp_path.iterdir()) == [], sorted(tmp_path.rglob("*"))
+
+
 def test_under_torchrun_a_refusal_is_one_line_from_one_rank(dataset):
     run = train(2, *RUN, "--data-path", str(dataset), "--train-iters", "4", "--hidden-size", "48",
                 "--num-attention-heads", "3",

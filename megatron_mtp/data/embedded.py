@@ -20,19 +20,23 @@ def documents() -> list[str]:
     return [topics[name] for name in sorted(topics)]
 
 
+def corpus_path(cache_dir) -> Path:
+    """The corpus's prefix in `cache_dir` (keyed by its content), written or not."""
+    digest = hashlib.sha256("\0".join(documents()).encode()).hexdigest()[:12]
+    return Path(cache_dir) / f"{NAME}-{digest}_text_document"
+
+
 def corpus_prefix(cache_dir) -> Path:
-    """Write the corpus once into `cache_dir` (keyed by its content) and return its prefix.
+    """Write the corpus once into `cache_dir` and return its prefix (corpus_path).
 
     Every rank may call this at once: each writes under its own temporary names and renames
     the complete files into place, so readers see a whole dataset or none.
     """
-    texts = documents()
-    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
-    prefix = Path(cache_dir) / f"{NAME}-{digest}_text_document"
+    prefix = corpus_path(cache_dir)
     if read_metadata(prefix) is None:
         tokenizer = ByteTokenizer()
         writer = IndexedWriter(prefix, tokenizer.info)
-        for text in texts:
+        for text in documents():
             writer.add(tokenizer.encode(text))
         writer.finish()
     return prefix

@@ -5,8 +5,9 @@
     python -m tests.harness.argument_cases < cases.json > results.json
 
 Each case is {"argv": [...], "env": {...}}; each result says whether the arguments were
-accepted and what the script printed on stderr. Parsing needs no distributed start-up,
-so one process checks every refusal (a real launch per case would cost seconds each).
+accepted, what the script printed on stderr, and its output (stdout and stderr) in order.
+Parsing needs no distributed start-up, so one process checks every refusal (a real launch
+per case would cost seconds each).
 """
 
 import contextlib
@@ -22,9 +23,9 @@ def run(case: dict) -> dict:
     saved_env = dict(os.environ)
     os.environ.update(case.get("env", {}))
     sys.argv = ["pretrain_gpt_mtp.py", *case["argv"]]
-    stderr = io.StringIO()
+    stderr, output = io.StringIO(), io.StringIO()  # output: stdout and stderr in the order written
     try:
-        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(_Both(stderr, output)), contextlib.redirect_stdout(output):
             accepted = arguments.parse() is not None
     finally:
         os.environ.clear()
@@ -32,8 +33,19 @@ def run(case: dict) -> dict:
         from megatron.training.global_vars import unset_global_variables
 
         unset_global_variables()  # a case refused after Megatron-LM's validation set them
-    lines = [line for line in stderr.getvalue().splitlines() if line.strip() and "warn" not in line.lower()]
-    return {"accepted": accepted, "stderr": lines}
+    def lines(text: io.StringIO) -> list[str]:
+        return [line for line in text.getvalue().splitlines() if line.strip() and "warn" not in line.lower()]
+    return {"accepted": accepted, "stderr": lines(stderr), "output": lines(output)}
+
+
+class _Both(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
 
 
 if __name__ == "__main__":

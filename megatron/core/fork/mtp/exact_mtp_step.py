@@ -28,10 +28,11 @@ step run as they do. The step owns the rest (spec sections 4-7, 11, 12):
 
 Refused in one line before anything changes: what StepScope refuses (section 11's kinds, router
 losses with CP, streaming with attached heads), a framework without finalize_model_grads, MoE
-router losses in a step that averages micro-batches; in the first forward: an MTP forward with no
-loss mask, router losses with upstream's padding mask, seq_aux_loss on packed rows (before the model
-runs: megatron.core.fork.mtp.router_losses.check_packed_forward); in finalize, before
-the gradient reduce and the optimizer step: counts that contradict the data, a finalize that would
+router losses in a step that averages micro-batches; found in a forward, on the ranks whose forward
+sees it, and raised on every rank in finalize, before the gradient reduce (step_scope.refuse_in_step:
+no rank is left waiting): an MTP forward with no loss mask, router losses with upstream's padding
+mask, seq_aux_loss on packed rows (megatron.core.fork.mtp.router_losses.check_packed_forward); in
+finalize, before the gradient reduce and the optimizer step: counts that contradict the data, a finalize that would
 divide every gradient by a count (MTP's too), a router scale the framework replaced, a framework
 factor with counts given. A refused or failed step is aborted:
 hooks restored, gradients zeroed, no optimizer step.
@@ -47,7 +48,13 @@ from megatron.core.utils import get_model_config
 from megatron.core.fork.mtp import router_losses, router_metrics, step_loss
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
-from megatron.core.fork.mtp.step_scope import MOE_SCALE_HOOK, StepScope, reduced_sums
+from megatron.core.fork.mtp.step_scope import (
+    MOE_SCALE_HOOK,
+    StepScope,
+    reduced_sums,
+    refuse_in_step,
+    refuse_what_any_rank_found,
+)
 from megatron.core.fork.runtime import device as compute_device
 
 
@@ -76,9 +83,13 @@ def _innermost(chunk):
 
 
 def _check_packed_forward(model, args, kwargs):
-    """Before a model forward: the router losses' refusals (padding masks, seq_aux_loss on packed rows)."""
+    """Before a model forward: the router losses' refusals (padding masks, seq_aux_loss on packed rows),
+    raised on every rank before the gradient reduce (step_scope.refuse_in_step)."""
     bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
-    router_losses.check_packed_forward(model.config, bound.get("packed_seq_params"), bound.get("padding_mask"))
+    try:
+        router_losses.check_packed_forward(model.config, bound.get("packed_seq_params"), bound.get("padding_mask"))
+    except ValueError as refusal:
+        refuse_in_step(str(refusal))
 
 
 class ExactMTPStep:
@@ -197,6 +208,7 @@ class ExactMTPStep:
 
     def _finalize_through(self, finalize):
         def finalize_exactly(model, num_tokens=None, **kwargs):
+            refuse_what_any_rank_found()
             self._check_before_reduce(num_tokens)
             finalize(model, num_tokens, **kwargs)
             for chunk in self.chunks:

@@ -19,7 +19,7 @@ projection at every row.
 import torch
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-from megatron.core.fork.mtp import isolation, last_depth, step_loss
+from megatron.core.fork.mtp import isolation, last_depth, step_loss, step_scope
 from megatron.core.fork.mtp.draft_objectives import objective_of
 from megatron.core.fork.mtp.sparse_loss import every_row, rows_needed, sparse_depth_losses
 from megatron.core.fork.mtp.supervision import depth_targets, labels_and_mask
@@ -82,11 +82,12 @@ def _attach(output, weighted_loss):
 
 def refuse_missing_mask(loss_mask) -> None:
     """Inside an exact step an MTP forward without a loss mask is refused: upstream would train
-    every position (padding and prompts included) and count them all in N_tok."""
+    every position (padding and prompts included) and count them all in N_tok. Only the stage
+    with the MTP depths sees it: the step raises it on every rank (step_scope.refuse_in_step)."""
     if loss_mask is None and step_loss.active() is not None:
-        raise ValueError("an MTP forward inside an exact step needs a loss_mask (without one every position, "
-                         "padding and prompt included, would be trained and counted): pass loss_mask=... to the "
-                         "model's forward")
+        step_scope.refuse_in_step(
+            "an MTP forward inside an exact step needs a loss_mask (without one every position, padding and "
+            "prompt included, would be trained and counted): pass loss_mask=... to the model's forward")
 
 
 def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared_output_weight,
@@ -96,7 +97,10 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
     depths = config.mtp_num_layers or 0
     if depths == 0:
         return hidden_states  # mtp_num_layers=0: no MTP, as upstream
-    isolation.refuse_trainable_output_bias(model)
+    try:
+        isolation.refuse_trainable_output_bias(model)
+    except ValueError as refusal:  # found on the MTP stage alone: refused on every rank (step_scope)
+        step_scope.refuse_in_step(str(refusal))
     per_depth_hidden = torch.chunk(hidden_states, 1 + depths, dim=0)
     main_hidden = per_depth_hidden[0]
     supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)

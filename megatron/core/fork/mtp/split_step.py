@@ -31,6 +31,7 @@ from megatron.core.fork.mtp import router_metrics, step_loss
 from megatron.core.fork.mtp.exact_mtp_step import ExactMTPStep
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
+from megatron.core.fork.mtp.step_scope import refuse_what_any_rank_found
 from megatron.core.fork.runtime import device as compute_device
 
 MAIN_GRAD_NORM_GROUP = "main"
@@ -173,6 +174,7 @@ class SplitStep:
         if not self.in_progress:
             raise RuntimeError("begin() the step before finish()")
         try:
+            refuse_what_any_rank_found()  # what a rank found in the forwards, on every rank (before exit drops it)
             self._release_step_hooks()
             # The step's one reduce of counts and metric sums.
             main_sums, mtp_sums = self._scope.reduced_sums(self._main_sums)

@@ -15,7 +15,13 @@ each of them enters through its public front, megatron.core.fork.mtp.exact_mtp_s
   with the metric projections off in a step built with ``metrics=False`` (statistics.metric_projections);
 - ``exit()`` restores the hooks and deactivates the normalization (and turns the metric projections on);
 - ``reduced_sums(config, extra)`` reduces the step's MTP sums, and any sums the driver keeps,
-  over the last pipeline stage's data-parallel ranks in one collective.
+  over the last pipeline stage's data-parallel ranks in one collective;
+- ``refuse_in_step(message)``: a refusal found inside the step's forward on one rank (an MTP forward
+  without a loss mask, the router losses' checks of a packed or padded forward) is held there while
+  the forward goes on, and ``refuse_what_any_rank_found()``, which each driver calls before its
+  gradient reduce, raises it on every rank (one collective of one number per step; the message is
+  fetched from the rank that found it only then). Raised at once it would leave the other ranks
+  waiting in a pipeline receive or a collective until the process group's timeout.
 """
 
 import torch
@@ -27,6 +33,35 @@ from megatron.core.fork.mtp.statistics import FIELDS, STEP_STATISTICS
 from megatron.core.fork.runtime import device as compute_device
 
 MOE_SCALE_HOOK = "moe_grad_scale_func"
+
+
+class StepRefused(ValueError):
+    """A refusal found inside a step, raised alike on every rank before the gradient reduce."""
+
+
+_OPEN: "StepScope | None" = None  # the step whose forward runs now
+_held: list[str] = []  # the refusals this rank found in it
+
+
+def refuse_in_step(message: str) -> None:
+    """Refuse the step in `message`: held until every rank raises it (see the module) while a step
+    is open, raised at once otherwise."""
+    if _OPEN is None:
+        raise StepRefused(message)
+    _held.append(message)
+
+
+def refuse_what_any_rank_found() -> None:
+    """Raise on every rank the first refusal any rank found in the step (collectives: every rank of
+    the step calls it, before its gradient reduce)."""
+    found = torch.tensor([float(bool(_held))], device=compute_device.current_device())
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if not found.item():
+        return
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, _held[0] if _held else None)
+    _held.clear()
+    raise StepRefused(next(message for message in messages if message))
 
 
 def last_stage_sum(local: torch.Tensor) -> torch.Tensor:
@@ -97,7 +132,10 @@ class StepScope:
         if self.moe_scale is not None:
             overrides = dict(overrides, **{MOE_SCALE_HOOK: self.moe_scale})
         self.saved = {name: getattr(self.config, name) for name in overrides if hasattr(self.config, name)}
+        global _OPEN
         step_loss.activate(self.normalization)
+        _OPEN = self
+        _held.clear()
         STEP_STATISTICS.reset()
         STEP_STATISTICS.reporting = self.metrics
         router_metrics.reset()
@@ -106,6 +144,10 @@ class StepScope:
 
     def exit(self) -> None:
         """The config as before ``enter``; the normalization inactive. Idempotent."""
+        global _OPEN
+        if _OPEN is self:
+            _OPEN = None
+            _held.clear()
         if self.saved is not None:
             for name, value in self.saved.items():
                 setattr(self.config, name, value)

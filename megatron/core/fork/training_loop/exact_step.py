@@ -36,7 +36,7 @@ from megatron.core.utils import get_model_config
 from megatron.core.fork.mtp import router_losses, router_metrics, step_loss
 from megatron.core.fork.mtp.exact_mtp_step import ExactMTPStep
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS
-from megatron.core.fork.mtp.step_scope import reduced_sums
+from megatron.core.fork.mtp.step_scope import reduced_sums, refuse_what_any_rank_found
 from megatron.core.fork.training_loop import loss_contract, metrics
 
 
@@ -134,6 +134,7 @@ def _counted_masks(batches, virtual: bool) -> list:
 
 def _finalize_without_count(finalize):
     def finalize_exactly(model, num_tokens=None, **kwargs):
+        refuse_what_any_rank_found()  # what a rank found in the forward, on every rank, before the reduce
         finalize(model, None, **kwargs)  # seeded up front: nothing left to divide
     return finalize_exactly
 
