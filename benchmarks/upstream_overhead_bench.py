@@ -3,27 +3,35 @@
 """The fork's MTP step against pristine upstream, side by side in one run (isolation off).
 
     .venv/bin/python -m benchmarks.upstream_overhead_bench [--version 0.19.2] [--rounds 10] [--vocab 8192]
-        [--moe | --architecture mla_moe|delta_net] [--threads N]
+        [--moe | --architecture mla_moe|delta_net] [--threads N] [--mtp-loss-type kl|tv|e2e_tv]
 
-Two sides build the same GPT (SDPA layer spec, same weights and data):
+Three sides build the same GPT (SDPA layer spec, same weights and data):
 - fork: this checkout's patched build of VERSION (default: `current`), its default MTP
-  loss (sparse and chunked: logits only at the positions that count);
+  loss (sparse and chunked: logits only at the positions that count), as a training step
+  that training_log does not print runs it: without the metric projections (the step drivers'
+  switch, megatron.core.fork.mtp.statistics.STEP_STATISTICS.reporting, off);
+- fork, logged: the same build and config as a printed step (or an evaluation) runs it: with
+  the sampled acceptance's projection of every MTP row by the main head at t + k;
 - upstream: pristine VERSION plus only the patches that make it run here (CPU/gloo,
   Python 3.11), i.e. upstream's own MTP loss branch (every position projected).
 A step is the forward and backward of one micro-batch in calculate_per_token_loss mode,
 with every position valid, or 30% valid (the leading 70% of each row masked, as an RL or
-SFT prompt). Each side and D runs in its own long-lived process; the parent makes all six
+SFT prompt). Each side and D runs in its own long-lived process; the parent makes all nine
 take turns, one step at a time, so all see the same machine load, and prints medians, the
-ratio fork / upstream for D = 0, 1 and 3, and the MTP overhead step(D) - step(0) of each
-side with its ratio, in wall-clock time and in the processes' CPU time (less sensitive to
-other load on the machine; the step's own work with --threads 1). Peak memory: the peak of
-live tensor memory during a step, from torch.profiler's record of every CPU allocation and
-free (deterministic), one process per side, D and vocabulary size, and the ratio.
+ratio of each fork side to upstream for D = 0, 1 and 3, and the MTP overhead step(D) - step(0)
+of each side with its ratio, in wall-clock time and in the processes' CPU time (less sensitive
+to other load on the machine; the step's own work with --threads 1). Peak memory: the peak of
+live tensor memory during a step of each side, from torch.profiler's record of
+every CPU allocation and free (deterministic), one process per side, D and vocabulary size, and
+the ratio. Its run time: benchmarks/README.md.
 
 --moe: the same with the MoE layers of benchmarks.common.MOE (the backbone's last three
 layers and the MTP layer; seq_aux_loss and z-loss), D = 0 and 1, peak memory at the
 step-time vocabulary only. The fork's MoE MTP layer keeps its dense last-depth MLP
 (megatron/core/fork/mtp/last_depth.py): what it saves at 30% valid is the sparse loss.
+
+--mtp-loss-type: the fork sides train that draft objective (spec section 12; with isolation,
+which it needs), upstream its ce as always: the draft objective's step against upstream's.
 
 --architecture: likewise (D = 0 and 1) on an architecture of benchmarks.common.ARCHITECTURES:
 mla_moe (DeepSeek-V3's multi-latent attention with YaRN and q/k norms, the MoE layers of
@@ -47,7 +55,11 @@ from benchmarks.common import ARCHITECTURES, MOE, SHAPE, build, peak_step_memory
 
 VARIANTS = {"dense": {}, "moe": MOE, **ARCHITECTURES}  # the model's TransformerConfig fields beside SHAPE
 
-def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads: int) -> None:
+FORK_SIDES = {"fork": False, "fork, logged": True}  # side -> whether its steps measure the metrics
+
+
+def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads: int, metrics: bool,
+           objective: str) -> None:
     """Answer "step" with one step's wall-clock and CPU seconds, until "quit"."""
     import torch
 
@@ -58,7 +70,9 @@ def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads
     setup_process()
     if threads:
         torch.set_num_threads(threads)
-    model, tokens = build(depths, vocab=vocab, **VARIANTS[variant])
+    draft = {"mtp_loss_type": objective, "detach": True} if objective != "ce" and depths else {}
+    model, tokens = build(depths, vocab=vocab, **VARIANTS[variant], **draft)
+    without_metrics(metrics)
     step(model, tokens, valid_fraction)  # warm-up
     print("ready", file=answers)
     for line in sys.stdin:
@@ -69,9 +83,20 @@ def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads
         print(time.perf_counter() - start, time.process_time() - cpu_start, file=answers)
 
 
-def peak_memory(depths: int, vocab: int, variant: str) -> None:
+def without_metrics(metrics: bool) -> None:
+    """Unless `metrics`, what a step driver sets for a step whose metrics no line prints (a no-op
+    in upstream's tree, which has no such metrics)."""
+    if not metrics:
+        from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+
+        STEP_STATISTICS.reporting = False
+
+
+def peak_memory(depths: int, vocab: int, variant: str, metrics: bool) -> None:
     setup_process()
-    print(peak_step_memory_mib(*build(depths, vocab=vocab, **VARIANTS[variant])))
+    model, tokens = build(depths, vocab=vocab, **VARIANTS[variant])
+    without_metrics(metrics)
+    print(peak_step_memory_mib(model, tokens))
 
 
 def side_env(tree: Path) -> dict:
@@ -79,16 +104,18 @@ def side_env(tree: Path) -> dict:
 
 
 def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: int, rounds: int,
-                      variant: str = "dense", threads: int = 0) -> tuple:
+                      variant: str = "dense", threads: int = 0, objective: str = "ce") -> tuple:
     """({D: {side: median wall seconds}}, {D: {side: median CPU seconds}}): one process per
     side and D, all taking turns one step at a time, so that step(D) - step(0) subtracts steps
     measured under the same load. CPU seconds (the process's, all its threads) depend less
     on what else runs on the machine; with one thread (--threads 1) they are the step's work."""
+    sides = {side: (trees["fork"], metrics, objective) for side, metrics in FORK_SIDES.items()}
+    sides["upstream"] = (trees["upstream"], True, "ce")
     procs = {(d, side): subprocess.Popen([sys.executable, __file__, "--worker", str(d), str(valid_fraction),
-                                          str(vocab), variant, str(threads)], env=side_env(tree),
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                         text=True)
-             for d in depths for side, tree in trees.items()}
+                                          str(vocab), variant, str(threads), str(int(metrics)), loss],
+                                         env=side_env(tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+             for d in depths for side, (tree, metrics, loss) in sides.items()}
     try:
         for proc in procs.values():
             assert proc.stdout.readline().strip() == "ready"
@@ -102,18 +129,20 @@ def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: 
         for proc in procs.values():
             proc.stdin.close()
             proc.wait(timeout=60)
-    return tuple({d: {side: statistics.median(t[i] for t in times[(d, side)]) for side in trees} for d in depths}
+    return tuple({d: {side: statistics.median(t[i] for t in times[(d, side)]) for side in sides} for d in depths}
                  for i in (0, 1))
 
 
 def compare_peak_memory(trees: dict, depths: int, vocab: int, variant: str = "dense") -> dict:
     peaks = {}
-    for side, tree in trees.items():
+    sides = {side: (trees["fork"], metrics) for side, metrics in FORK_SIDES.items()}
+    sides["upstream"] = (trees["upstream"], True)
+    for side, (tree, metrics) in sides.items():
         # torch.profiler's memory timeline sometimes asserts on its own records ("duplicate
         # outputs", tensor ids reused): measure again, the number itself is deterministic.
         for _ in range(3):
-            run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab), variant],
-                                 env=side_env(tree), capture_output=True, text=True)
+            run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab), variant,
+                                  str(int(metrics))], env=side_env(tree), capture_output=True, text=True)
             if run.returncode == 0 or "duplicate outputs" not in run.stderr:
                 break
         if run.returncode:
@@ -132,14 +161,17 @@ def main() -> None:
                         help="an architecture of benchmarks.common.ARCHITECTURES, D = 0 and 1")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of each step-time process (default: torch's own)")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
-    parser.add_argument("--peak-memory", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--mtp-loss-type", default="ce", choices=("ce", "kl", "tv", "e2e_tv"),
+                        help="the fork sides' draft objective (isolation on); upstream trains ce")
+    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--peak-memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         return worker(int(args.worker[0]), float(args.worker[1]), int(args.worker[2]), args.worker[3],
-                      int(args.worker[4]))
+                      int(args.worker[4]), bool(int(args.worker[5])), args.worker[6])
     if args.peak_memory is not None:
-        return peak_memory(int(args.peak_memory[0]), int(args.peak_memory[1]), args.peak_memory[2])
+        return peak_memory(int(args.peak_memory[0]), int(args.peak_memory[1]), args.peak_memory[2],
+                           bool(int(args.peak_memory[3])))
     if args.moe and args.architecture:
         parser.error("--moe and --architecture: give one")
     variant = args.architecture or ("moe" if args.moe else "dense")
@@ -151,16 +183,21 @@ def main() -> None:
     memory_vocabs = (SHAPE["vocab"], 4 * SHAPE["vocab"]) if variant == "dense" else (args.vocab,)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"fork": build_tree(version), "upstream": make_upstream_tree(version, Path(tmp))}
-        print(f"megatron-core {version}, isolation off; shape {SHAPE}, vocab {args.vocab} in the step-time runs"
+        fork_loss = ("isolation off" if args.mtp_loss_type == "ce"
+                     else f"the fork sides {args.mtp_loss_type} with isolation, upstream ce without")
+        print(f"megatron-core {version}, {fork_loss}; shape {SHAPE}, vocab {args.vocab} in the step-time runs"
               + (f"; {variant} {VARIANTS[variant]}" if VARIANTS[variant] else "")
               + (f"; {args.threads} torch thread(s)" if args.threads else ""))
         for valid_fraction in (1.0, 0.3):
             print(f"step time, {valid_fraction:.0%} of positions valid (median of {args.rounds} alternating steps):")
             for kind, seconds in zip(("wall", "CPU"), compare_step_time(
-                    trees, depths, valid_fraction, args.vocab, args.rounds, variant, args.threads)):
+                    trees, depths, valid_fraction, args.vocab, args.rounds, variant, args.threads,
+                    args.mtp_loss_type)):
                 print(f" {kind} time:")
                 report("", {d: {side: t * 1000 for side, t in by_side.items()} for d, by_side in seconds.items()},
                        "ms", "MTP overhead step(D) - step(0)")
+        if args.mtp_loss_type != "ce":
+            return  # the objectives' memory: benchmarks.draft_objectives_bench
         print("peak live tensor memory of a step, all positions valid:")
         for vocab in memory_vocabs:
             report(f"vocab {vocab:6d}, ",
@@ -169,15 +206,17 @@ def main() -> None:
 
 
 def report(label: str, by_depth: dict, unit: str, mtp_part: str) -> None:
-    """One line per D: both sides and their ratio; for D > 0 also what MTP adds to D = 0."""
+    """One line per D and fork side: that side, upstream and their ratio; for D > 0 also what
+    MTP adds to D = 0."""
     for depths, value in by_depth.items():
-        line = (f"  {label}D={depths}: fork {value['fork']:7.1f} {unit}, upstream {value['upstream']:7.1f} {unit} "
-                f"-> ratio {value['fork'] / value['upstream']:.3f}")
-        if depths:
-            added = {side: value[side] - by_depth[0][side] for side in value}
-            line += (f"; {mtp_part}: fork {added['fork']:6.1f} {unit}, upstream {added['upstream']:6.1f} {unit} "
-                     f"-> ratio {added['fork'] / added['upstream']:.3f}")
-        print(line)
+        for side in (name for name in value if name != "upstream"):
+            line = (f"  {label}D={depths}: {side + ' ' * (12 - len(side))} {value[side]:7.1f} {unit}, upstream "
+                    f"{value['upstream']:7.1f} {unit} -> ratio {value[side] / value['upstream']:.3f}")
+            if depths:
+                added = {name: value[name] - by_depth[0][name] for name in (side, "upstream")}
+                line += (f"; {mtp_part}: {added[side]:6.1f} {unit}, upstream {added['upstream']:6.1f} {unit} "
+                         f"-> ratio {added[side] / added['upstream']:.3f}")
+            print(line)
 
 if __name__ == "__main__":
     main()

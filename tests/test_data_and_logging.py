@@ -261,6 +261,27 @@ def test_mock_data(tmp_path):
     check_mock_run(run, iterations=2, global_batch=8, padded_vocab=384)
 
 
+@pytest.mark.slow
+def test_the_sampled_acceptance_a_line_prints_is_its_own_iteration_s_step(tmp_path):
+    """Only a step training_log prints measures the sampled and greedy-draft acceptances (their projection costs a
+    second pass over the MTP rows): with --log-interval 2 the first line (iteration 1, printed
+    off the interval) has none, and the lines at 2 and 4 have the value a run printing every
+    step prints for that step, whatever the interval's other steps did."""
+    common = (*TINY, "--lr", "1e-3", "--train-iters", "4", "--mtp-num-layers", "2", "--mock-data",
+              "--tokenizer-type", "NullTokenizer", "--vocab-size", "300")
+    every = train(1, *common).iterations
+    interval = train(1, *common, "--log-interval", "2").iterations
+    assert sorted(interval) == [1, 2, 4], sorted(interval)
+    sampled = ("mtp_1 sampled acceptance", "mtp_2 sampled acceptance", "expected accepted length (sampling)",
+               "mtp_1 greedy-draft acceptance", "mtp_2 greedy-draft acceptance",
+               "expected accepted length (greedy drafts)")
+    assert not set(sampled) & set(interval[1]), interval[1]
+    for step in (2, 4):
+        assert {name: interval[step][name] for name in sampled} == {name: every[step][name] for name in sampled}, step
+    # the interval's other metrics are over both its steps: the line differs from the step's own
+    assert interval[4]["mtp_1 loss"] != every[4]["mtp_1 loss"]
+
+
 def check_mock_run(run, iterations: int, global_batch: int, padded_vocab: int) -> None:
     """The run trained on megatron-core's mock GPT data, sized by the run, every step counted,
     with real losses: an untrained model's cross-entropy over the padded vocabulary is near

@@ -100,6 +100,19 @@ def test_ce_without_the_sampled_metrics_skips_them_and_trains_alike(suite):
     assert result["sampled_unknown"] and result["reported"] == [], result
 
 
+def test_a_step_that_reports_no_metrics_makes_no_metric_projection_and_one_that_does_is_exact(suite):
+    result = suite["metric_steps"]
+    # metrics off: the main head's rows and each depth's MTP rows, once; on: the MTP rows again (the
+    # main head at t + k), and nothing else
+    mtp_rows = result["rows_off"] - result["main_rows"]
+    assert mtp_rows > 0 and result["rows_on"] == result["rows_off"] + mtp_rows, result
+    assert result["off_first_fields"] < TOL and result["off_counts_exact"], result
+    assert result["off_sampled_fields"] == 0 and result["off_reported"] == [], result
+    assert result["on_sums"] < TOL and result["on_counts_exact"], result
+    assert all(0.05 < a < 0.95 for a in result["on_sampled"]), result  # measured, not a trivial 0 or 1
+    assert result["reporting_after"] == [True, True], result
+
+
 def test_refusals_name_the_fix(suite):
     refusals = suite["refusals"]
     for objective in ("kl", "tv", "e2e_tv"):

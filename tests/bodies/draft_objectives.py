@@ -7,8 +7,9 @@ computes them on whole [b, s, V] softmaxes with torch.minimum and autograd."""
 import itertools
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
 from megatron_mtp.library.model import build_gpt
 from tests.bodies.mtp_model import (
     LAMBDA,
@@ -109,7 +110,7 @@ def matrix() -> dict:
 
 def without_sampled_metrics() -> dict:
     """ce with mtp_sampled_acceptance off: the same gradients as the reference's, the sampled
-    sums unknown (NaN) and their metrics left out."""
+    sums measured at no position and their metrics left out."""
     from megatron.core.fork.mtp.statistics import metrics_from_sums
 
     config = make_config(2, detach=True, mtp_sampled_acceptance=False, sparse_loss_chunk_size=SPARSE_CHUNK)
@@ -126,8 +127,65 @@ def without_sampled_metrics() -> dict:
         metrics = metrics_from_sums(got["sums"])
         return {"grads": max(max_rel(got["grads"][n], want[n]) for n in want),
                 "first_fields": max_rel(got["sums"][:, :4], ref_sums[:, :4]),
-                "sampled_unknown": bool(torch.isnan(got["sums"][:, 4:]).all()),
+                "sampled_unknown": bool((got["sums"][:, 4:] == 0).all()),
                 "reported": sorted(name for name in metrics if "sampl" in name or "greedy" in name)}
+
+
+class VocabularyProjections(TorchDispatchMode):
+    """Counts the rows projected onto the vocabulary (matrix products whose output's last
+    dimension is VOCAB) while it is active."""
+
+    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.PRODUCTS and out.size(-1) == VOCAB:
+            self.rows += out.numel() // VOCAB
+        return out
+
+
+def metric_steps() -> dict:
+    """ce at D = 3, one step in a step scope built with metrics=False (what a step training_log
+    does not print runs) and one with metrics=True: the rows each projects onto the vocabulary in
+    its forward and its sums against the reference's; and whether the projections are on again
+    after the scope."""
+    from megatron.core.fork.mtp import step_loss
+    from megatron.core.fork.mtp.step_scope import StepScope
+
+    config = make_config(3, detach=True, sparse_loss_chunk_size=SPARSE_CHUNK, mtp_draft_temperature=TEMPERATURE)
+    out = {}
+    with model_parallel():
+        torch.manual_seed(5)
+        model = build_gpt(config, VOCAB, SEQ)
+        sharpen(model)
+        input_ids, labels, mask, _ = padded_batch(1)
+        ref = reference_for(model, 3, False, False, True)
+        logits, _, per_depth = ref.losses(input_ids, labels, mask)
+        ref_sums = reference_sums(logits, per_depth, None, "ce", TEMPERATURE)
+        counts = step_loss.StepCounts(tokens=int(mask.sum()), sequences=mask.size(0))
+        for metrics in (False, True):
+            scope = StepScope(config, step_loss.TOKEN, counts, routed_tokens=None, grad_scale_func=None,
+                              metrics=metrics)
+            scope.enter({})
+            try:
+                with VocabularyProjections() as projections:
+                    sums = run_megatron(model, input_ids, labels, mask, None)["sums"]
+            finally:
+                scope.exit()
+            out[metrics] = {"rows": projections.rows, "sums": sums, "reporting_after": STEP_STATISTICS.reporting}
+    off, on = out[False], out[True]
+    return {"main_rows": input_ids.numel(), "rows_off": off["rows"], "rows_on": on["rows"],
+            "off_first_fields": max_rel(off["sums"][:, :4], ref_sums[:, :4]),
+            "off_counts_exact": counts_equal(off["sums"][:, :4], ref_sums[:, :4]),
+            "off_sampled_fields": off["sums"][:, 4:].abs().sum().item(),
+            "off_reported": sorted(name for name in metrics_from_sums(off["sums"]) if "sampl" in name or "greedy" in name),
+            "on_sums": max_rel(on["sums"], ref_sums), "on_counts_exact": counts_equal(on["sums"], ref_sums),
+            "on_sampled": (on["sums"][:, 4] / on["sums"][:, 6]).tolist(),
+            "reporting_after": [off["reporting_after"], on["reporting_after"]]}
 
 
 def default_cases() -> dict:
@@ -267,4 +325,4 @@ def suite(tier: str) -> dict:
     return {"cases": matrix() if tier == "matrix" else default_cases(), "greedy_aligned": greedy_aligned(),
             "backbone": backbone_untouched(),
             "refusals": refusals(), "decoder": decoder_agrees(), "sample_mask": sample_mask(),
-            "without_sampled_metrics": without_sampled_metrics()}
+            "without_sampled_metrics": without_sampled_metrics(), "metric_steps": metric_steps()}

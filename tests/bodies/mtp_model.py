@@ -134,8 +134,8 @@ def reference_for(model, depths, tied, repeated, detach, arch=Architecture()):
 
 def reference_sums(logits, per_depth, segments=None, objective="ce", temperature=1.0):
     """The reference's per-depth sums in the fork's field order (statistics.FIELDS): the
-    objective's term, valid, correct, chain-correct, sampled acceptance and its chain, greedy-draft
-    acceptance and its chain."""
+    objective's term, valid, correct, chain-correct, sampled acceptance and its chain, measured at
+    every valid position, greedy-draft acceptance and its chain."""
     with torch.no_grad():
         alphas = acceptances(logits, per_depth, segments, temperature)
         betas = greedy_draft_acceptances(logits, per_depth, segments, temperature)
@@ -148,13 +148,14 @@ def reference_sums(logits, per_depth, segments=None, objective="ce", temperature
             greedy_chain = beta if greedy_chain is None else greedy_chain * beta
             rows.append([(term * mask_k).sum(), mask_k.sum(), (correct * mask_k).sum(),
                          (chain * mask_k).sum(), (alpha * mask_k).sum(), (sampled_chain * mask_k).sum(),
-                         (beta * mask_k).sum(), (greedy_chain * mask_k).sum()])
+                         mask_k.sum(), (beta * mask_k).sum(), (greedy_chain * mask_k).sum()])
     return torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float64)
 
 
 def counts_equal(sums, ref_sums) -> bool:
-    """The integer fields (valid, correct, chain-correct) equal to the last count."""
-    return sums is not None and bool(torch.equal(sums[:, list(COUNT_FIELDS)], ref_sums[:, list(COUNT_FIELDS)]))
+    """The integer fields (valid, correct, chain-correct, measured; those present) equal to the last count."""
+    fields = [field for field in COUNT_FIELDS if field < sums.size(1)] if sums is not None else []
+    return sums is not None and bool(torch.equal(sums[:, fields], ref_sums[:, fields]))
 
 
 def max_rel(a, b) -> float:

@@ -56,7 +56,7 @@ def test_sample_mask_drops_whole_samples():
 
 
 def test_metrics_from_sums_are_ratios_of_sums_with_the_bonus_token():
-    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0, 1.0, 1.0], [4.0, 2.0, 1.0, 1.0, 1.5, 0.5, 0.5, 0.25]],
+    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0, 4.0, 1.0, 1.0], [4.0, 2.0, 1.0, 1.0, 1.5, 0.5, 2.0, 0.5, 0.25]],
                         dtype=torch.float64)
     metrics = metrics_from_sums(sums)
     assert metrics["mtp_1 loss"] == 1.5 and metrics["mtp_2 loss"] == 2.0
@@ -74,10 +74,34 @@ def test_sums_saved_before_the_sampled_fields_resume_with_them_unknown():
     assert metrics["mtp_1 acceptance"] == 0.75
     # unknown, so left out (not reported as 0)
     assert "mtp_1 sampled acceptance" not in metrics and "expected accepted length (sampling)" not in metrics
-    # sums saved before the greedy-draft fields: those alone unknown
-    metrics = metrics_from_sums(widened(torch.tensor([[6.0, 4.0, 3.0, 3.0, 2.0, 2.0]], dtype=torch.float64)))
-    assert metrics["mtp_1 sampled acceptance"] == 0.5
-    assert "mtp_1 greedy-draft acceptance" not in metrics and "expected accepted length (greedy drafts)" not in metrics
+
+
+def test_sums_saved_without_the_measured_count_resume_measured_nowhere():
+    # [D, 6]: the sampled sums of steps whose greedy-draft acceptance is unknown; both are counted over
+    # the same measured positions, so those steps count at none
+    for sampled in (2.0, float("nan")):
+        old = torch.tensor([[6.0, 4.0, 3.0, 3.0, sampled, 1.0]], dtype=torch.float64)
+        assert widened(old).tolist() == [[6.0, 4.0, 3.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    metrics = metrics_from_sums(widened(old))
+    assert metrics["mtp_1 acceptance"] == 0.75 and "mtp_1 greedy-draft acceptance" not in metrics
+    # a later step measured at 2 positions: the ratios are over those only
+    later = widened(old) + torch.tensor([[1.0, 2.0, 1.0, 1.0, 1.5, 1.0, 2.0, 0.5, 0.25]], dtype=torch.float64)
+    metrics = metrics_from_sums(later)
+    assert metrics["mtp_1 sampled acceptance"] == 0.75 and metrics["mtp_1 greedy-draft acceptance"] == 0.25
+
+
+def test_sampled_metrics_are_ratios_over_the_measured_positions():
+    # depth 1 measured at 2 of its 4 valid positions; depth 2 has none valid (0, as its other metrics)
+    sums = torch.tensor([[6.0, 4.0, 3.0, 3.0, 1.5, 1.5, 2.0, 1.0, 0.5], [0.0] * 9], dtype=torch.float64)
+    metrics = metrics_from_sums(sums)
+    assert metrics["mtp_1 sampled acceptance"] == 0.75 and metrics["mtp_2 sampled acceptance"] == 0.0
+    assert metrics["expected accepted length (sampling)"] == 1.75
+    assert metrics["mtp_1 greedy-draft acceptance"] == 0.5 and metrics["expected accepted length (greedy drafts)"] == 1.25
+    # depth 2 valid but measured nowhere: unknown, and so is the chained length
+    sums[1, 1] = 3.0
+    metrics = metrics_from_sums(sums)
+    assert "mtp_2 sampled acceptance" not in metrics and "expected accepted length (sampling)" not in metrics
+    assert "mtp_2 greedy-draft acceptance" not in metrics and "expected accepted length (greedy drafts)" not in metrics
 
 
 def test_a_depth_without_valid_positions_reports_zero_not_nan():

@@ -7,6 +7,10 @@
         ...   # the framework's own step: zero_grad, forward_backward_func, optimizer.step()
     step.metrics   # per-depth MTP metrics, mtp grad norm, the MTP depths' router losses
 
+``metrics=False`` skips what only the metrics need (under ``ce``, the sampled acceptance's projection
+of every MTP row by the main head at t + k), for a step whose metrics nobody reads; the step's
+gradients are the same, and its metrics leave the sampled ones out.
+
 This is the public front of megatron.core.fork.mtp.step_scope's StepScope, the one core of every
 exact step: SplitStep and megatron.training's exact steps enter it too (with `main_loss`, the
 level of their own step_loss.main_loss, and the hooks they drive). Without `main_loss` the step
@@ -90,12 +94,13 @@ def _check_packed_forward(model, args, kwargs):
 
 class ExactMTPStep:
     def __init__(self, model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
-                 main_loss: str | None = None, grad_scale_func=None):
+                 main_loss: str | None = None, grad_scale_func=None, metrics: bool = True):
         """`counts`: the step's global StepCounts if known up front (else the streaming form);
         `routed_tokens`: T of spec section 11, needed with MoE router losses; `optimizer`: the one
         the framework steps (its loss scale; its group norms in the metrics); `main_loss`: None for a
         framework's step, else the level of step_loss.main_loss (SplitStep, megatron.training);
-        `grad_scale_func`: the loss scale the routers carry (default: the optimizer's)."""
+        `grad_scale_func`: the loss scale the routers carry (default: the optimizer's); `metrics`:
+        False skips the metric projections (megatron.core.fork.mtp.statistics.metric_projections)."""
         self.chunks = list(model_chunks)
         self.config = get_model_config(self.chunks[0])
         self.optimizer = optimizer
@@ -123,7 +128,7 @@ class ExactMTPStep:
         if grad_scale_func is None and optimizer is not None:
             grad_scale_func = optimizer.scale_loss
         self.scope = StepScope(config, main_loss, counts, routed_tokens=routed_tokens,
-                               grad_scale_func=grad_scale_func, normalization=normalization)
+                               grad_scale_func=grad_scale_func, normalization=normalization, metrics=metrics)
         self.metrics: dict = {}
         self._scaled = 1.0  # the factors the framework applied through scale_gradients
         self._finalized = False
@@ -255,9 +260,10 @@ class ExactMTPStep:
         return metrics
 
 
-def exact_mtp_step(model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None) -> ExactMTPStep:
+def exact_mtp_step(model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
+                   metrics: bool = True) -> ExactMTPStep:
     """A framework's training step made exact for MTP (see the module): use it as a context manager
     around the step, or call ``enter()`` before and ``close()`` after where the step is split over
     calls (``abort()`` drops it)."""
-    return ExactMTPStep(model_chunks, counts, optimizer=optimizer, routed_tokens=routed_tokens)
+    return ExactMTPStep(model_chunks, counts, optimizer=optimizer, routed_tokens=routed_tokens, metrics=metrics)
 

@@ -20,7 +20,7 @@ from megatron.core.fork.mtp.sparse_cross_entropy import (
     refuse_output_bias,
     vocab_parallel_rows,
 )
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metric_projections
 from megatron.core.fork.mtp.supervision import rolled_main_hidden
 
 
@@ -61,7 +61,7 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
     objective = objective_of(config)
     masks = [mask for _, _, mask in targets]
     positions = rows_of(masks)
-    sampled = objective != "ce" or config.mtp_sampled_acceptance  # the main head at t + k is needed
+    sampled = objective != "ce" or metric_projections(config)  # the main head at t + k is needed
     main_rows = [None] * len(targets)
     if sampled:
         main_full = full_sequence(main_hidden.detach(), config, tp_group)
@@ -103,16 +103,17 @@ def record_statistics(objective, targets, positions, values, predicted, acceptan
     chain_correct = torch.cumprod(correct.long(), dim=0)
     if acceptances is not None:
         sampled, greedy = (aligned(list(rates.float().split(lengths))) for rates in acceptances)
-    else:  # not measured (mtp_sampled_acceptance off): unknown, which the metrics leave out
-        sampled = greedy = torch.full(correct.shape, float("nan"), device=correct.device)
+    else:  # not measured (statistics.metric_projections): counted at no position, which the metrics leave out
+        sampled = greedy = torch.zeros(correct.shape, device=correct.device)
     sampled_chain, greedy_chain = torch.cumprod(sampled, dim=0), torch.cumprod(greedy, dim=0)
     if objective == "e2e_tv":  # the depth's prefix term, at its rows
         terms = [1.0 - prefix.index_select(0, where) for prefix, where in zip(sampled_chain, positions)]
     else:
         terms = depth_terms(objective, values)
+    measured = 1.0 if acceptances is not None else 0.0  # the count of positions the acceptances cover
     for (k, _, mask_k), where, term, weights_k in zip(targets, positions, terms, row_weights, strict=True):
         mask = flat(mask_k)
         STEP_STATISTICS.add(k, depths, (term.float() * weights_k).sum(), mask_k.sum(), (correct[k - 1] * mask).sum(),
                             (chain_correct[k - 1] * mask).sum(), (sampled[k - 1] * mask).sum(),
-                            (sampled_chain[k - 1] * mask).sum(), (greedy[k - 1] * mask).sum(),
-                            (greedy_chain[k - 1] * mask).sum())
+                            (sampled_chain[k - 1] * mask).sum(), measured * mask_k.sum(),
+                            (greedy[k - 1] * mask).sum(), (greedy_chain[k - 1] * mask).sum())

@@ -84,7 +84,8 @@ class SplitStep:
         """Whether a step has begun and neither finished nor been aborted."""
         return self._scope is not None
 
-    def begin(self, counts: "step_loss.StepCounts | None" = None, *, routed_tokens: int | None = None) -> None:
+    def begin(self, counts: "step_loss.StepCounts | None" = None, *, routed_tokens: int | None = None,
+              metrics: bool = True) -> None:
         """Start a step: checks the model and the counts, zeroes the gradients, holds back the
         gradient sync and finalize_model_grads until ``finish``.
 
@@ -96,6 +97,9 @@ class SplitStep:
             routed_tokens (int, optional): with MoE router losses, the step's input positions
                 over all chunks and data-parallel ranks (T of spec section 11, known from the
                 shapes even when the valid counts are not); required up front in either mode.
+            metrics (bool): False skips what only the step's metrics need (under ``ce``, the
+                sampled acceptance's projection by the main head at t + k; those metrics are then
+                left out); the gradients are the same. Default True.
 
         Raises:
             RuntimeError: a step is already in progress.
@@ -106,7 +110,7 @@ class SplitStep:
         if not self.config.calculate_per_token_loss:
             raise ValueError("split steps need calculate_per_token_loss=True (raw loss sums per micro-batch)")
         scope = ExactMTPStep(self.chunks, counts, main_loss=self.main_loss, routed_tokens=routed_tokens,
-                             grad_scale_func=self.optimizer.scale_loss)
+                             grad_scale_func=self.optimizer.scale_loss, metrics=metrics)
         # Nothing has changed yet: everything above may refuse.
         self._mtp_loss_scale = MTPLossAutoScaler.main_loss_backward_scale
         self._moe_loss_scale = MoEAuxLossAutoScaler.main_loss_backward_scale

@@ -8,9 +8,11 @@ draft_objectives), the valid count M_k, the top-1 correct count, the chain-corre
 (predictions at depths 1..k all correct at that position: a k-token draft fully accepted),
 and, for sampled drafts, the sum of alpha^k_t = sum_v min(p, q) (what a rejection sampler
 accepts at depth k given depths < k accepted) and of the chain product
-prod_{i<=k} alpha^i_t (a k-token sampled draft fully accepted), and the same two for greedy
-drafts (spec section 12.1): beta^k_t = p(argmax q), what a rejection sampler accepts of a
-draft d = argmax q taken as one-hot, and prod_{i<=k} beta^i_t. Sums add across
+prod_{i<=k} alpha^i_t (a k-token sampled draft fully accepted), the same two for greedy
+drafts (spec section 12.1: beta^k_t = p(argmax q), what a rejection sampler accepts of a draft
+d = argmax q taken as one-hot, and prod_{i<=k} beta^i_t), and the count of valid positions where
+these four were measured (the metric projections, the main head at t + k, run only in steps that
+report them: ``metric_projections``). Sums add across
 micro-batches, chunks and data-parallel ranks; ratios are taken only at the end. A
 prediction at depth j < k counts as correct when it equals its target token, whether or
 not that target is itself supervised (the target token exists whenever depth k's does).
@@ -21,10 +23,10 @@ import torch.distributed as dist
 
 from megatron.core.fork.runtime import device as compute_device
 
-(CE_SUM, VALID, CORRECT, CHAIN_CORRECT, SAMPLED_ACCEPTED, SAMPLED_CHAIN_ACCEPTED, GREEDY_ACCEPTED,
- GREEDY_CHAIN_ACCEPTED) = range(8)
-FIELDS = 8
-COUNT_FIELDS = (VALID, CORRECT, CHAIN_CORRECT)  # integers: they reduce exactly
+(CE_SUM, VALID, CORRECT, CHAIN_CORRECT, SAMPLED_ACCEPTED, SAMPLED_CHAIN_ACCEPTED, MEASURED, GREEDY_ACCEPTED,
+ GREEDY_CHAIN_ACCEPTED) = range(9)
+FIELDS = 9
+COUNT_FIELDS = (VALID, CORRECT, CHAIN_CORRECT, MEASURED)  # integers: they reduce exactly
 
 
 def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,21 +48,24 @@ def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, to
 
 
 class MTPStatistics:
-    """Per-depth sums for one training step; reset it when a step begins."""
+    """Per-depth sums for one training step; reset it when a step begins. ``reporting``: whether
+    the step measures the metrics that need a projection of their own (a step driver turns it off
+    for a step whose metrics nobody reads, and back on after it)."""
 
     def __init__(self):
         self.sums = None
+        self.reporting = True
 
     def reset(self) -> None:
         self.sums = None
 
     def add(self, depth: int, depths: int, ce_sum, valid, correct, chain_correct, sampled_accepted,
-            sampled_chain_accepted, greedy_accepted, greedy_chain_accepted) -> None:
+            sampled_chain_accepted, measured, greedy_accepted, greedy_chain_accepted) -> None:
         if self.sums is None or self.sums.size(0) != depths:
             self.sums = torch.zeros(depths, FIELDS, dtype=torch.float64, device=compute_device.current_device())
         row = torch.stack([value.detach().double() for value in (
-            ce_sum, valid, correct, chain_correct, sampled_accepted, sampled_chain_accepted, greedy_accepted,
-            greedy_chain_accepted)])
+            ce_sum, valid, correct, chain_correct, sampled_accepted, sampled_chain_accepted, measured,
+            greedy_accepted, greedy_chain_accepted)])
         self.sums[depth - 1] += row
 
     def local_sums(self) -> torch.Tensor | None:
@@ -72,6 +77,13 @@ class MTPStatistics:
 STEP_STATISTICS = MTPStatistics()
 
 
+def metric_projections(config) -> bool:
+    """Whether this forward projects rows onto the vocabulary only for metrics (the main head at
+    t + k of the sampled acceptance under ``ce``): the config asks for those metrics and the step
+    reports them (every evaluation and every step outside a driver does)."""
+    return bool(config.mtp_sampled_acceptance) and STEP_STATISTICS.reporting
+
+
 EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"
 EXPECTED_LENGTH_SAMPLING = "expected accepted length (sampling)"
 EXPECTED_LENGTH_GREEDY = "expected accepted length (greedy drafts)"
@@ -79,11 +91,15 @@ EXPECTED_LENGTH_GREEDY = "expected accepted length (greedy drafts)"
 
 def metrics_from_sums(sums: torch.Tensor) -> dict:
     """Named metrics from [D, FIELDS] sums. Every expected accepted length counts the
-    verifier's bonus token."""
+    verifier's bonus token. The sampled and greedy-draft ones are ratios over the positions where
+    they were measured; a depth with valid positions none of which was measured leaves them out
+    (unknown), and so does a table measured nowhere (mtp_sampled_acceptance off, or no step
+    reported them)."""
     metrics = {}
     chain_total = sampled_chain_total = greedy_chain_total = 0.0
+    any_measured = bool((sums[:, MEASURED] > 0).any())
     for k in range(sums.size(0)):
-        ce_sum, valid, correct, chain, sampled, sampled_chain, greedy, greedy_chain = sums[k].tolist()
+        ce_sum, valid, correct, chain, sampled, sampled_chain, measured, greedy, greedy_chain = sums[k].tolist()
 
         def ratio(x, valid=valid):
             return x / valid if valid > 0 else 0.0
@@ -91,14 +107,15 @@ def metrics_from_sums(sums: torch.Tensor) -> dict:
         metrics[f"mtp_{k + 1} loss"] = ratio(ce_sum)
         metrics[f"mtp_{k + 1} acceptance"] = ratio(correct)
         metrics[f"mtp_{k + 1} chain acceptance"] = ratio(chain)
-        if sampled == sampled:  # NaN: not measured (mtp_sampled_acceptance off), left out
-            metrics[f"mtp_{k + 1} sampled acceptance"] = ratio(sampled)
-        if greedy == greedy:
-            metrics[f"mtp_{k + 1} greedy-draft acceptance"] = ratio(greedy)
+        if measured > 0 or (any_measured and valid == 0):
+            metrics[f"mtp_{k + 1} sampled acceptance"] = ratio(sampled, measured)
+            metrics[f"mtp_{k + 1} greedy-draft acceptance"] = ratio(greedy, measured)
+            sampled_chain_total += ratio(sampled_chain, measured)
+            greedy_chain_total += ratio(greedy_chain, measured)
+        else:  # unknown
+            sampled_chain_total = greedy_chain_total = float("nan")
         metrics[f"mtp_{k + 1} tokens"] = valid
         chain_total += ratio(chain)
-        sampled_chain_total += ratio(sampled_chain)
-        greedy_chain_total += ratio(greedy_chain)
     metrics[EXPECTED_LENGTH] = 1.0 + chain_total
     if sampled_chain_total == sampled_chain_total:
         metrics[EXPECTED_LENGTH_SAMPLING] = 1.0 + sampled_chain_total
@@ -108,11 +125,11 @@ def metrics_from_sums(sums: torch.Tensor) -> dict:
 
 
 def widened(sums: torch.Tensor | None) -> torch.Tensor | None:
-    """Sums saved before the sampled fields existed ([D, 4]), or before the greedy-draft fields
-    ([D, 6]), with the missing fields unknown (NaN): a run resumed from such a checkpoint leaves
-    out those metrics of sums that include the older steps (their past is unknown), and reports
-    every other metric as before."""
+    """Sums saved by an older version in today's fields: without the sampled fields ([D, 4]), or
+    with them but without the greedy-draft fields and the measured count ([D, 6]), they were
+    measured at no position (the greedy-draft acceptance of those steps is unknown, and the two
+    are counted over the same positions). A resumed run's sampled and greedy-draft metrics then
+    cover the steps that measured them, and every other metric is as before."""
     if sums is None or sums.size(1) == FIELDS:
         return sums
-    unknown = sums.new_full((sums.size(0), FIELDS - sums.size(1)), float("nan"))
-    return torch.cat([sums, unknown], dim=1)
+    return torch.cat([sums[:, :SAMPLED_ACCEPTED], sums.new_zeros(sums.size(0), FIELDS - SAMPLED_ACCEPTED)], dim=1)

@@ -11,8 +11,9 @@ each of them enters through its public front, megatron.core.fork.mtp.exact_mtp_s
   normalization's mode, the routed-token count the router losses need) and changes nothing;
 - ``enter(overrides)`` saves the config hooks the step overrides, sets them, activates the
   step's normalization (megatron.core.fork.mtp.step_loss), gives the routers their exact scale
-  (megatron.core.fork.mtp.router_losses) and starts the step's MTP and router statistics afresh;
-- ``exit()`` restores the hooks and deactivates the normalization;
+  (megatron.core.fork.mtp.router_losses) and starts the step's MTP and router statistics afresh,
+  with the metric projections off in a step built with ``metrics=False`` (statistics.metric_projections);
+- ``exit()`` restores the hooks and deactivates the normalization (and turns the metric projections on);
 - ``reduced_sums(config, extra)`` reduces the step's MTP sums, and any sums the driver keeps,
   over the last pipeline stage's data-parallel ranks in one collective;
 - ``refuse_in_step(message)``: a refusal found inside the step's forward on one rank (an MTP forward
@@ -97,12 +98,12 @@ def reduced_sums(config, extra: torch.Tensor | None = None) -> tuple:
 
 class StepScope:
     def __init__(self, config, main_loss: str, counts: "step_loss.StepCounts | None", *,
-                 routed_tokens: int | None, grad_scale_func, normalization=None):
+                 routed_tokens: int | None, grad_scale_func, normalization=None, metrics: bool = True):
         """`counts`: the step's global counts if known up front; `routed_tokens`: its input
         positions over all chunks and data-parallel ranks (T of spec section 11), needed with
         MoE router losses; `grad_scale_func`: the optimizer's loss scale the routers carry;
         `normalization`: a framework's (step_loss.FrameworkNormalization), else the step's own
-        at the `main_loss` level."""
+        at the `main_loss` level; `metrics`: False for a step whose metrics nobody reads."""
         router_losses.check_exact_step(config)
         self.normalization = normalization or step_loss.StepNormalization(main_loss, bool(config.mtp_detach_heads),
                                                                           counts)
@@ -123,6 +124,7 @@ class StepScope:
                 )
             self.moe_scale = router_losses.scale_func(config, routed_tokens, grad_scale_func)
         self.config = config
+        self.metrics = metrics
         self.saved = None
 
     def enter(self, overrides: dict) -> None:
@@ -135,6 +137,7 @@ class StepScope:
         _OPEN = self
         _held.clear()
         STEP_STATISTICS.reset()
+        STEP_STATISTICS.reporting = self.metrics
         router_metrics.reset()
         for name, value in overrides.items():
             setattr(self.config, name, value)
@@ -149,5 +152,6 @@ class StepScope:
             for name, value in self.saved.items():
                 setattr(self.config, name, value)
             self.saved = None
+        STEP_STATISTICS.reporting = True
         if step_loss.active() is self.normalization:
             step_loss.deactivate()

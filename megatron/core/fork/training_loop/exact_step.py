@@ -17,7 +17,10 @@ With MoE router losses the step also counts its routed tokens T (every input pos
 gives the routers their exact scale, the loss scale over T (megatron.core.fork.mtp.router_losses).
 
 ``end`` restores the config, reduces the step's MTP sums (one collective) and hands them,
-with the MTP gradient norm, to the metrics (megatron.core.fork.training_loop.metrics). The checks,
+with the MTP gradient norm, to the metrics (megatron.core.fork.training_loop.metrics). A step
+that training_log will not print (its iteration not a multiple of --log-interval) runs without
+the metric projections (megatron.core.fork.mtp.statistics.metric_projections): the sampled
+acceptance a line prints is its own iteration's step's, exact over its global batch. The checks,
 config hooks, normalization and router scale around the step are megatron.core.fork.mtp.exact_mtp_step's
 (the front of step_scope's core), as SplitStep's and a framework's own step's are. Exact
 steps are on once the trainer calls ``enable`` (its loss function must then be
@@ -136,8 +139,15 @@ def _finalize_without_count(finalize):
     return finalize_exactly
 
 
-def begin(model, data_iterator, num_microbatches: int):
-    """Start a step: returns the data iterator(s) the step's schedule reads from."""
+def logged(iteration: int | None, log_interval: int | None) -> bool:
+    """Whether training_log prints the step train_step runs at `iteration` (the count of steps
+    before it: the line is printed after it, at iteration + 1, on multiples of the interval)."""
+    return iteration is None or not log_interval or (iteration + 1) % log_interval == 0
+
+
+def begin(model, data_iterator, num_microbatches: int, metrics: bool = True):
+    """Start a step: returns the data iterator(s) the step's schedule reads from. `metrics`:
+    False for a step whose metrics no line prints (``logged``): no metric projections."""
     global _current
     end()  # a step that exited early (rerun, signal) leaves nothing behind
     config = get_model_config(model[0])
@@ -145,6 +155,7 @@ def begin(model, data_iterator, num_microbatches: int):
     router_metrics.reset()
     upstream_loss = _main_loss_level is None and config.exact_steps  # --exact-steps, upstream's loss contract
     if not exact(config):
+        STEP_STATISTICS.reporting = metrics
         _current = _Step(config, num_microbatches)
         return data_iterator
     level = step_loss.TOKEN if upstream_loss else _main_loss_level
@@ -153,7 +164,7 @@ def begin(model, data_iterator, num_microbatches: int):
     batches = _prefetch(data_iterator, num_microbatches)
     step_counts, routed = step_loss.step_counts(_counted_masks(batches, virtual))
     scope = ExactMTPStep(model, step_counts, main_loss=level, routed_tokens=routed,
-                         grad_scale_func=config.grad_scale_func)
+                         grad_scale_func=config.grad_scale_func, metrics=metrics)
     overrides = {"finalize_model_grads_func": _finalize_without_count(config.finalize_model_grads_func)}
     if upstream_loss:
         overrides.update(loss_contract.main_loss_seed(config, scope.normalization.main_scale()))
@@ -168,6 +179,7 @@ def end(optimizer=None, update_successful: bool = False) -> None:
     if _current is None:
         return
     step, _current = _current, None
+    STEP_STATISTICS.reporting = True  # evaluations and steps outside a driver measure every metric
     if step.scope is not None:
         step.scope.exit()
     if optimizer is None:

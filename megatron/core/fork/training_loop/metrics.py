@@ -9,10 +9,12 @@ console line and the TensorBoard/W&B scalars of a log interval are ratios of the
 sums (token-weighted over all its steps, not a mean of per-step ratios): ``mtp_k loss``,
 ``mtp_k acceptance``, ``mtp_k chain acceptance``, ``mtp_k sampled acceptance``, ``mtp_k
 greedy-draft acceptance``, ``expected accepted length (incl. bonus token)`` and its
-``(sampling)`` and ``(greedy drafts)`` forms, plus ``mtp grad norm``,
-tokens/s and the ETA. The sums since the start of training (the cumulative
-acceptance) and those of the open interval are part of the checkpoint (``state_dict``), so
-they continue across a resume.
+``(sampling)`` and ``(greedy drafts)`` forms, plus ``mtp grad norm``, tokens/s and the ETA. The
+sampled and greedy-draft ones are ratios over the positions where they were measured: under
+``ce`` only a step that training_log prints measures them (training_loop.exact_step.logged), so
+a line's are its own iteration's step's; a draft objective measures them in every step. The
+sums since the start of training (the cumulative acceptance) and those of the open interval are
+part of the checkpoint (``state_dict``), so they continue across a resume.
 """
 
 import time
