@@ -9,7 +9,16 @@ import itertools
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
+from megatron.core.fork.mtp.statistics import (
+    GREEDY_ACCEPTED,
+    GREEDY_CHAIN_ACCEPTED,
+    MEASURED,
+    SAMPLED_ACCEPTED,
+    SAMPLED_CHAIN_ACCEPTED,
+    STEP_STATISTICS,
+    VALID,
+    metrics_from_sums,
+)
 from megatron_mtp.library.model import build_gpt
 from tests.bodies.mtp_model import (
     LAMBDA,
@@ -84,11 +93,11 @@ def case(objective, depths, repeated, tied, layout, sparse, temperature=TEMPERAT
         "complete_chains": int(torch.stack([mask_k != 0 for _, mask_k, _, _ in per_depth]).all(dim=0).sum()),
         "sums": max_rel(got["sums"], ref_sums),
         "counts_exact": counts_equal(got["sums"], ref_sums),
-        "sampled_acceptance": (got["sums"][:, 4] / got["sums"][:, 1]).tolist(),
-        "greedy_draft_acceptance": (got["sums"][:, 6] / got["sums"][:, 1]).tolist(),
+        "sampled_acceptance": (got["sums"][:, SAMPLED_ACCEPTED] / got["sums"][:, VALID]).tolist(),
+        "greedy_draft_acceptance": (got["sums"][:, GREEDY_ACCEPTED] / got["sums"][:, VALID]).tolist(),
         # the greedy-draft fields alone against the reference's (the table's largest magnitude, a CE
         # sum, would hide an error in them)
-        "greedy_sums": max_rel(got["sums"][:, 6:], ref_sums[:, 6:]),
+        "greedy_sums": max_rel(got["sums"][:, GREEDY_ACCEPTED:], ref_sums[:, GREEDY_ACCEPTED:]),
     }
 
 
@@ -127,7 +136,7 @@ def without_sampled_metrics() -> dict:
         metrics = metrics_from_sums(got["sums"])
         return {"grads": max(max_rel(got["grads"][n], want[n]) for n in want),
                 "first_fields": max_rel(got["sums"][:, :4], ref_sums[:, :4]),
-                "sampled_unknown": bool((got["sums"][:, 4:] == 0).all()),
+                "sampled_unknown": bool((got["sums"][:, SAMPLED_ACCEPTED:] == 0).all()),
                 "reported": sorted(name for name in metrics if "sampl" in name or "greedy" in name)}
 
 
@@ -181,10 +190,11 @@ def metric_steps() -> dict:
     return {"main_rows": input_ids.numel(), "rows_off": off["rows"], "rows_on": on["rows"],
             "off_first_fields": max_rel(off["sums"][:, :4], ref_sums[:, :4]),
             "off_counts_exact": counts_equal(off["sums"][:, :4], ref_sums[:, :4]),
-            "off_sampled_fields": off["sums"][:, 4:].abs().sum().item(),
-            "off_reported": sorted(name for name in metrics_from_sums(off["sums"]) if "sampl" in name or "greedy" in name),
+            "off_sampled_fields": off["sums"][:, SAMPLED_ACCEPTED:].abs().sum().item(),
+            "off_reported": sorted(name for name in metrics_from_sums(off["sums"])
+                                   if "sampl" in name or "greedy" in name),
             "on_sums": max_rel(on["sums"], ref_sums), "on_counts_exact": counts_equal(on["sums"], ref_sums),
-            "on_sampled": (on["sums"][:, 4] / on["sums"][:, 6]).tolist(),
+            "on_sampled": (on["sums"][:, SAMPLED_ACCEPTED] / on["sums"][:, MEASURED]).tolist(),
             "reporting_after": [off["reporting_after"], on["reporting_after"]]}
 
 
@@ -272,10 +282,11 @@ def decoder_agrees() -> dict:
         stats = speculative.Stats(depths=3)
         with torch.no_grad():
             speculative.teacher_forced(Runner(model, VOCAB), tokens[0].tolist(), stats, temperature=TEMPERATURE)
-        return {"trainer": got["sums"][:, 4].tolist(), "trainer_valid": got["sums"][:, 1].tolist(),
+        return {"trainer": got["sums"][:, SAMPLED_ACCEPTED].tolist(), "trainer_valid": got["sums"][:, VALID].tolist(),
                 "decoder": stats.teacher_forced_overlap, "decoder_valid": stats.teacher_forced_total,
-                "trainer_greedy": got["sums"][:, 6].tolist(), "decoder_greedy": stats.teacher_forced_greedy,
-                "trainer_chains": got["sums"][:, [5, 7]].t().tolist(),
+                "trainer_greedy": got["sums"][:, GREEDY_ACCEPTED].tolist(),
+                "decoder_greedy": stats.teacher_forced_greedy,
+                "trainer_chains": got["sums"][:, [SAMPLED_CHAIN_ACCEPTED, GREEDY_CHAIN_ACCEPTED]].t().tolist(),
                 "decoder_chains": [stats.teacher_forced_overlap_chain, stats.teacher_forced_greedy_chain]}
 
 

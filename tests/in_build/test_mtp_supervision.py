@@ -96,12 +96,14 @@ def test_sampled_metrics_are_ratios_over_the_measured_positions():
     metrics = metrics_from_sums(sums)
     assert metrics["mtp_1 sampled acceptance"] == 0.75 and metrics["mtp_2 sampled acceptance"] == 0.0
     assert metrics["expected accepted length (sampling)"] == 1.75
-    assert metrics["mtp_1 greedy-draft acceptance"] == 0.5 and metrics["expected accepted length (greedy drafts)"] == 1.25
+    assert metrics["mtp_1 greedy-draft acceptance"] == 0.5
+    assert metrics["expected accepted length (greedy drafts)"] == 1.25
     # depth 2 valid but measured nowhere: unknown, and so is the chained length
     sums[1, 1] = 3.0
     metrics = metrics_from_sums(sums)
     assert "mtp_2 sampled acceptance" not in metrics and "expected accepted length (sampling)" not in metrics
-    assert "mtp_2 greedy-draft acceptance" not in metrics and "expected accepted length (greedy drafts)" not in metrics
+    assert "mtp_2 greedy-draft acceptance" not in metrics
+    assert "expected accepted length (greedy drafts)" not in metrics
 
 
 def test_a_depth_without_valid_positions_reports_zero_not_nan():
