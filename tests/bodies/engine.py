@@ -1,4 +1,5 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The project's decoder on the engine tier's checkpoint (tests/test_engine.py): per prompt, greedy
 plain decoding and speculative decoding with each draft chain at each depth, and the smallest margin
 between the two largest logits of any argmax the decode took (a tie within the engine's round-off

@@ -1,4 +1,5 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A vLLM engine in a process of its own, as RL frameworks run one: started by
 megatron_mtp.serving.engines.vllm with the engine's own interpreter (`.venv-vllm/bin/python`,
 `tools/bootstrap --engine vllm`), it builds one `vllm.LLM` and answers requests until told to stop.
@@ -59,7 +60,8 @@ def generate(llm, request: dict) -> dict:
                             seed=request.get("seed"), ignore_eos=True, detokenize=False)
     before = counters(llm)
     results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return {"outputs": [list(r.outputs[0].token_ids) for r in results], "spec_decode": difference(counters(llm), before)}
+    return {"outputs": [list(r.outputs[0].token_ids) for r in results],
+            "spec_decode": difference(counters(llm), before)}
 
 
 def main() -> int:
