@@ -16,6 +16,7 @@ fails its tests instead of turning them off: docs/tests.md "Skips"); the README'
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -95,3 +96,19 @@ def test_engine_counts_equal_the_vllm_chain_prompt_by_prompt(runs, depth):
             for i in kept]
     assert sum(drafts for drafts, _ in counted) > PROMPTS  # the engine drafted
     assert counted == ours
+
+
+def test_an_engine_that_does_not_answer_is_closed_with_its_children(tmp_path, monkeypatch):
+    """The harness's deadline: an engine process that never answers (here a stand-in interpreter that
+    starts a child, as vLLM starts workers, and sleeps) raises after start_timeout, and neither it nor
+    its child is left running."""
+    pids = tmp_path / "pids"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/bash\nsleep 300 &\necho $$ $! > {pids}\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("MEGATRON_MTP_VLLM_PYTHON", str(fake))
+    with pytest.raises(TimeoutError, match="no reply to start within 2 s"):
+        vllm_engine.Engine(tmp_path / "model", start_timeout=2)
+    for pid in map(int, pids.read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
