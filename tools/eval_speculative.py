@@ -32,6 +32,9 @@ so its output is not compared ("lossless": null). Reported, with the definitions
   verify steps (vLLM's mean acceptance length; SGLang's accept length, sum(accepted + 1) / verify
   steps, is the same number when every verify step carries drafts, as here);
 - target forward passes per generated token (the prefill included);
+- with --draft-chain vllm, the drafts are chained as vLLM 0.32 chains them (depth 1's layer at every
+  draft step over one KV cache, the embedding at position 0 zeroed: VllmDrafter), whose counts are
+  vLLM's own; the default chains them as trained;
 - beside them, the trainer's teacher-forced acceptance (spec section 7: depth k's argmax against
   the text's own token) on the same texts: the prompt and the data's continuation (or, with
   --prompts, the prompt and the plain decoding's continuation); its greedy-draft acceptance (spec
@@ -85,6 +88,7 @@ import warnings
 from megatron_mtp import cli
 
 PROG = "eval_speculative.py"
+CHAINS = ("trained", "vllm")  # megatron_mtp.serving.speculative.CHAINS (not imported before the arguments are read)
 fail = functools.partial(cli.fail, PROG)  # one line on stderr, exit status 2 (or given)
 
 
@@ -109,6 +113,10 @@ def parse(argv):
                              "the depth's softmax (probabilistic, the default here) or its argmax (greedy, vLLM's "
                              "default)")
     parser.add_argument("--seed", type=int, default=1, help="the samplers' random streams (with the prompt's index)")
+    parser.add_argument("--draft-chain", choices=tuple(CHAINS), default="trained",
+                        help="how the depths chain their drafts: as trained (depth k runs at draft step k over "
+                             "its own states), or as vLLM runs them (depth 1's layer at every step, over one KV "
+                             "cache; megatron_mtp.serving.speculative.VllmDrafter) (default: trained)")
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args(argv)
 
@@ -188,7 +196,7 @@ def main(argv=None) -> int:
     for i, (prompt, reference) in enumerate(pairs):
         trace = []
         output = speculative.speculative(runner, prompt, args.new_tokens, stats, depths=use,
-                                         choose=samplers[args.sampler](i), trace=trace)
+                                         choose=samplers[args.sampler](i), trace=trace, chain=args.draft_chain)
         if args.sampler == "rejection":
             speculative.drafted_acceptance(runner, prompt + output, trace, stats, temperature, draft_sample_method)
         # a rejection sampler's plain decoding draws from a stream of its own (the outputs agree in
@@ -209,6 +217,7 @@ def main(argv=None) -> int:
                     "new tokens per prompt": args.new_tokens, "depths": use, "checkpoint": str(directory),
                     "sampler": args.sampler, "temperature": temperature if sampled else None,
                     "draft sample method": draft_sample_method if args.sampler == "rejection" else None,
+                    "draft chain": args.draft_chain,
                     "teacher-forced text": "prompt + plain decoding's output" if args.prompts
                     else "prompt + the data's continuation"})
     for key, value in summary.items():

@@ -269,18 +269,23 @@ class Runner:
         return hidden, self._logits(hidden)
 
     @torch.no_grad()
-    def depth(self, k: int, hidden: torch.Tensor, ahead: torch.Tensor, start: int = 0):
+    def depth(self, k: int, hidden: torch.Tensor, ahead: torch.Tensor, start: int = 0, zero_position_0: bool = False):
         """Depth k (1-based) at positions t = start .. start + n - 1: h^{k-1}_t [n, b, h] and the tokens
-        x_{t+k} [b, n] -> (h^k [n, b, h], logits^k [b, n, V]) predicting x_{t+k+1}."""
+        x_{t+k} [b, n] -> (h^k [n, b, h], logits^k [b, n, V]) predicting x_{t+k+1}. With
+        `zero_position_0`, the token embedding at position 0 is zero (vLLM's MiMo MTP masks it there)."""
         layer = self.model.mtp.layers[0 if self.repeated else k - 1]
+        embedding = self.model.embedding
+        if zero_position_0 and start == 0:
+            def embedding(input_ids, position_ids, _embed=self.model.embedding):
+                embedded = _embed(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
+                return torch.cat([torch.zeros_like(embedded[:1]), embedded[1:]])
         count = hidden.shape[0]
         positions = (torch.arange(start, start + count) + k).unsqueeze(0).expand_as(ahead)  # the rolled inputs'
         # depth k's next forward starts at its first position whose input x_{t+k} was a draft, up to
         # k - 1 before this one's end (speculative.Drafter): a Gated DeltaNet layer of its keeps the state there
         with self._positions(("depth", k), start, count, keep=k - 1):
             out = layer.forward_single_position(hidden_states=hidden, next_token_ids=ahead, position_ids=positions,
-                                                embedding=self.model.embedding,
-                                                rotary_pos_emb=self._rope(start, count))
+                                                embedding=embedding, rotary_pos_emb=self._rope(start, count))
         return out, self._logits(out)
 
     @torch.no_grad()

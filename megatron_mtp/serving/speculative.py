@@ -286,20 +286,57 @@ class Drafter:
         return drafts
 
 
+class VllmDrafter(Drafter):
+    """The drafts as vLLM 0.32 chains them (read in vllm/v1/spec_decode/llm_base_proposer.py `propose`,
+    vllm/model_executor/models/mimo_mtp.py; counts checked against the engine, tests/test_engine.py),
+    where they differ from the trained chain (Drafter):
+
+    - one MTP layer runs at every draft step: the proposer passes no step index, so the draft model's
+      first layer (depth 1's) drafts token t+k+1 too;
+    - one KV cache for it: the first step runs depth 1 over the accepted positions s .. t (its cache
+      keeps positions < s from earlier steps); step k >= 2 runs at position t + k - 1 on the previous
+      step's output there (its final_layernorm(h), as trained) and the previous draft, attending to
+      depth 1's keys at positions <= t and this step's chain before it (where the trained depth k
+      attends to depth k's own states at positions <= t, at position t);
+    - the token embedding at position 0 is zero (MiMo's MTP masks it: `positions == 0`).
+    """
+
+    def draft(self, seq: list[int]) -> list[int]:
+        t = len(seq) - 2
+        held = self.final[1]
+        start = 0 if held is None else held.shape[0]
+        hidden, logits = self.runner.depth(1, self.final[0][start:], torch.tensor([seq[start + 1: t + 2]]),
+                                           start=start, zero_position_0=True)
+        self.final[1] = hidden if held is None else torch.cat([held, hidden])  # x_{t'+1} accepted for t' <= t
+        drafts, self.logits = [], []
+        for k in range(1, self.depths + 1):
+            if k > 1:  # the chain: one position on, the previous step's output and draft as inputs
+                hidden, logits = self.runner.depth(1, hidden[-1:], torch.tensor([drafts[-1:]]), start=t + k - 1)
+            [token] = self.choose(logits[0, -1:], t + k + 1)
+            drafts.append(token)
+            self.logits.append(logits[0, -1])
+        return drafts
+
+
+CHAINS = {"trained": Drafter, "vllm": VllmDrafter}
+
+
 def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None,
-                choose=greedy_choice, stop: int | None = None, trace: list | None = None) -> list[int]:
+                choose=greedy_choice, stop: int | None = None, trace: list | None = None,
+                chain: str = "trained") -> list[int]:
     """Decoding with MTP drafts; returns the tokens of `greedy(..., choose, stop)` (with a
     RejectionSampler: tokens of their distribution): `new_tokens` of them, or fewer ending with the
     first `stop` token. A verify step's tokens after a stop token or beyond `new_tokens` are
     dropped: `generated` counts what is returned, the acceptance counters the verifier's verdict
     on every draft it checked (vLLM's counting). A `trace` list receives each verify step's
-    (t, drafts accepted), t the position whose depths drafted (`drafted_acceptance` reads it)."""
+    (t, drafts accepted), t the position whose depths drafted (`drafted_acceptance` reads it).
+    `chain`: how the drafts are chained (CHAINS): as trained (Drafter), or as vLLM runs them (VllmDrafter)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens {new_tokens} must be >= 1")
     rejection = isinstance(choose, RejectionSampler)
     verify = choose.verify if rejection else functools.partial(match, choose)
     depths = runner.depths if depths is None else depths
-    drafter = Drafter(runner, depths, choose.draft if rejection else choose)
+    drafter = CHAINS[chain](runner, depths, choose.draft if rejection else choose)
     # prefill: the first token is the main head's, then the first drafts
     hidden, logits = runner.main(torch.tensor([prompt]))
     stats.forwards += 1

@@ -591,6 +591,16 @@ def mimo(root: str) -> dict:
     out["exported config"] = [back_config["architectures"], back_config["model_type"],
                               back_config.get("num_nextn_predict_layers")]
     out["round trip"] = sorted(back) == sorted(original) and all(torch.equal(back[n], original[n]) for n in original)
+    # the export as written loads in transformers (model_type qwen2: transformers has no `mimo`), as the
+    # Qwen2 it is: its logits are the original Qwen2's
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(f"{root}/mimo-back", dtype=torch.float32).eval()
+        reference = AutoModelForCausalLM.from_pretrained(f"{root}/qwen", dtype=torch.float32).eval()
+        out["transformers loads the export"] = [type(loaded).__name__, _rel(loaded(tokens).logits,
+                                                                            reference(tokens).logits)]
     out["trained as mimo"] = _convert_captured("export", f"{root}/trained", f"{root}/trained-mimo",
                                        "--architecture", "mimo")[0]
     config = json.loads((Path(root) / "trained-mimo" / "config.json").read_text())

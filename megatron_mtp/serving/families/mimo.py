@@ -1,8 +1,14 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""MiMo (MiMoForCausalLM, model_type mimo): Qwen2 with MTP depths in model.mtp_layers; its own name
-in config.json is what makes vLLM and SGLang serve those depths (their MiMo MTP models). The same
+"""MiMo (MiMoForCausalLM): Qwen2 with MTP depths in model.mtp_layers; its class name in config.json's
+architectures is what makes vLLM and SGLang serve those depths (their MiMo MTP models). The same
 trained model as Qwen2: an import records the family, and --architecture exchanges the two.
+
+The export writes model_type qwen2: transformers has no `mimo` model type (published MiMo checkpoints
+say `mimo` and ship their own configuration code, loaded with trust_remote_code), and vLLM reads
+config.json through transformers, so `mimo` stops both; under qwen2 transformers loads the backbone
+as Qwen2ForCausalLM and vLLM picks its model by the architecture (MiMoForCausalLM, and its MiMo MTP
+as the draft). Import reads either model type: the architecture names the family.
 
 MiMo's MTP layout (the dense families' default): model.mtp_layers.{k}: token_layernorm = enorm,
 hidden_layernorm = hnorm, input_proj over [hidden, embedding] (megatron-core's eh_proj with its
@@ -56,6 +62,7 @@ class Mimo(Qwen2):
     name = "mimo"
     title = "MiMo"
     architecture = "MiMoForCausalLM"
+    model_type = "qwen2"
     same_shape_as = "qwen2"
     own_mtp_layout = MimoLayout()
 

@@ -1,0 +1,93 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
+"""A vLLM engine in a process of its own, as RL frameworks run one: started by
+megatron_mtp.serving.engines.vllm with the engine's own interpreter (`.venv-vllm/bin/python`,
+`tools/bootstrap --engine vllm`), it builds one `vllm.LLM` and answers requests until told to stop.
+
+    .venv-vllm/bin/python megatron_mtp/serving/engines/vllm_server.py '{"model": DIR, ...}'
+
+Its argument is LLM(...)'s keywords as JSON. Requests are JSON lines on stdin, each answered by one
+JSON line on stdout (the engine's own output goes to stderr):
+
+    {"op": "generate", "prompts": [[ids], ...], "max_tokens": N, "temperature": T, "seed": S}
+        -> {"outputs": [[ids], ...], "spec_decode": {...}}  (this request's spec-decode counters)
+    {"op": "stop"}  -> {"stopped": true}, then the process exits
+
+An error in a request is answered {"error": "..."} and the engine stays up. It imports vLLM and the
+standard library only: this project is not installed in the engine's environment (vLLM pins its own
+transformers). LLM(...) runs under `__main__` because vLLM spawns its worker processes.
+"""
+
+import json
+import os
+import sys
+
+# vLLM's counters (LLM.get_metrics) -> the names this protocol reports
+COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted tokens",
+            "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted per position"}
+
+
+def counters(llm) -> dict:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name in COUNTERS:
+            out[COUNTERS[metric.name]] = list(metric.values) if hasattr(metric, "values") else int(metric.value)
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    """This request's counts: the engine's counters accumulate over its life."""
+    out = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, list):
+            old = old or [0] * len(value)
+            out[name] = [a - b for a, b in zip(value, old + [0] * (len(value) - len(old)))]
+        else:
+            out[name] = value - (old or 0)
+    return out
+
+
+def generate(llm, request: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = request["prompts"]
+    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise ValueError("prompts must be non-empty lists of token ids")
+    params = SamplingParams(max_tokens=int(request["max_tokens"]), temperature=float(request.get("temperature", 0)),
+                            seed=request.get("seed"), ignore_eos=True, detokenize=False)
+    before = counters(llm)
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return {"outputs": [list(r.outputs[0].token_ids) for r in results],
+            "spec_decode": difference(counters(llm), before)}
+
+
+def main() -> int:
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel
+    os.dup2(2, 1)  # whatever vLLM or a worker prints goes to stderr
+    options = json.loads(sys.argv[1])
+    from vllm import LLM
+
+    llm = LLM(**options)
+    replies.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            if request.get("op") == "stop":
+                replies.write(json.dumps({"stopped": True}) + "\n")
+                break
+            if request.get("op") != "generate":
+                raise ValueError(f"unknown op {request.get('op')!r} (generate, stop)")
+            reply = generate(llm, request)
+        except Exception as error:  # the request's failure, not the engine's: answer it and go on
+            reply = {"error": f"{type(error).__name__}: {error}"}
+        replies.write(json.dumps(reply) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

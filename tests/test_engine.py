@@ -1,0 +1,114 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
+"""The heads in a real engine: vLLM's CPU build (`tools/bootstrap --engine vllm`), run as its own
+process (megatron_mtp.serving.engines.vllm_engine), against the project's decoder.
+
+One module fixture: a tiny Qwen2-shaped model with one repeated MTP layer at D = 2 (--add-qkv-bias,
+heads of 32: the CPU attention's smallest head size), trained 100 iterations on the embedded corpus,
+exported with --architecture mimo (vLLM's MiMo MTP drafts with it), and decoded by the project
+(tests.bodies.engine) and by vLLM, one request per prompt so that each prompt's spec-decode counters
+are its own. Greedy: vLLM's speculative tokens = its plain tokens = the project's; vLLM's verify steps
+and accepted drafts per position = the project's with vLLM's draft chain (speculative.VllmDrafter),
+prompt by prompt, at D = 1 and D = 2, where the project's decisions are clear of round-off (the
+margin between the two largest logits of every argmax it took >= MARGIN; the others are counted, and
+must be few). Without the engine the tests fail, naming the command that installs it (a missing tool
+fails its tests instead of turning them off: docs/tests.md "Skips"); the README's test command installs it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_mtp.serving.engines import vllm_engine
+from tests.harness.launcher import REPO_ROOT, launch
+from tests.harness.trainer import train
+
+MODEL = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--kv-channels", "32",
+         "--group-query-attention", "--num-query-groups", "1", "--ffn-hidden-size", "96", "--seq-length", "64",
+         "--max-position-embeddings", "128", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
+         "--disable-bias-linear", "--add-qkv-bias", "--position-embedding-type", "rope", "--rotary-base", "1000000",
+         "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "1",
+         "--mtp-num-layers", "2", "--mtp-use-repeated-layer")
+TRAIN = ("--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "100", "--lr", "3e-3",
+         "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "50")
+PROMPTS, PROMPT_LENGTH, NEW_TOKENS = 48, 24, 10
+DEPTHS = (1, 2)
+MARGIN = 1e-2  # logits; the engine's fp32 kernels differ from megatron-core's by ~1e-5 relative
+ENGINE_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
+    from megatron_mtp.serving import prompts as serving_prompts
+
+    if not vllm_engine.available():
+        pytest.fail(f"no vLLM at {vllm_engine.python()}: run `bash tools/bootstrap --engine vllm`")
+    root = tmp_path_factory.mktemp("engine")
+    train(1, *MODEL, *TRAIN, "--save", str(root / "trained"), "--save-interval", "100", timeout=600)
+    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", str(root / "trained"), str(root / "hf"),
+                    "--architecture", "mimo"], cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    pairs = serving_prompts.dataset_prompts(str(corpus_prefix(default_cache_dir())), PROMPTS, PROMPT_LENGTH,
+                                            NEW_TOKENS)
+    prompts = [[int(t) for t in prompt] for prompt, _ in pairs]
+    project = launch("tests.bodies.engine:decode", 1, {"checkpoint": str(root / "trained"), "prompts": prompts,
+                                                       "new_tokens": NEW_TOKENS, "depths": list(DEPTHS)},
+                     timeout=600)[0]
+    engine = {}
+    log = open(root / "engine.log", "w")
+    for depth in (0, *DEPTHS):
+        spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": depth}} if depth else {}
+        with vllm_engine.Engine(root / "hf", start_timeout=ENGINE_TIMEOUT, request_timeout=ENGINE_TIMEOUT,
+                                log=log, **spec) as running:
+            engine[depth] = [running.generate([prompt], NEW_TOKENS) for prompt in prompts]
+    log.close()
+    (root / "results.json").write_text(json.dumps({"project": project, "engine": engine}))
+    return project, engine
+
+
+def clear(project) -> list:
+    return [i for i, margin in enumerate(project["margin"]) if margin >= MARGIN]
+
+
+def test_engine_tokens_equal_the_project_s_greedy_tokens(runs):
+    project, engine = runs
+    kept = clear(project)
+    assert len(kept) >= PROMPTS * 3 // 4, project["margin"]
+    for i in kept:
+        plain = engine[0][i]["outputs"][0]
+        assert plain == project["plain"][i], i
+        for depth in DEPTHS:
+            assert engine[depth][i]["outputs"][0] == plain, (depth, i)
+            for chain in ("trained", "vllm"):
+                assert project[f"{chain} {depth}"][i]["tokens"] == plain, (chain, depth, i)
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_engine_counts_equal_the_vllm_chain_prompt_by_prompt(runs, depth):
+    project, engine = runs
+    kept = clear(project)
+    counted = [(engine[depth][i]["spec_decode"]["drafts"], engine[depth][i]["spec_decode"]["accepted per position"])
+               for i in kept]
+    ours = [(project[f"vllm {depth}"][i]["drafts"], project[f"vllm {depth}"][i]["accepted per position"])
+            for i in kept]
+    assert sum(drafts for drafts, _ in counted) > PROMPTS  # the engine drafted
+    assert counted == ours
+
+
+def test_an_engine_that_does_not_answer_is_closed_with_its_children(tmp_path, monkeypatch):
+    """The harness's deadline: an engine process that never answers (here a stand-in interpreter that
+    starts a child, as vLLM starts workers, and sleeps) raises after start_timeout, and neither it nor
+    its child is left running."""
+    pids = tmp_path / "pids"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/bash\nsleep 300 &\necho $$ $! > {pids}\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("MEGATRON_MTP_VLLM_PYTHON", str(fake))
+    with pytest.raises(TimeoutError, match="no reply to start within 2 s"):
+        vllm_engine.Engine(tmp_path / "model", start_timeout=2)
+    for pid in map(int, pids.read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
