@@ -39,7 +39,10 @@ def bootstrap(tmp_path: Path, probe: str, torch_build: str | None,
     # build's first attempt (no index added) fails; any other command succeeds
     no_local = ("" if local_wheel else
                 '[ "$*" = "-m pip --disable-pip-version-check install --quiet torch==2.13.0+cpu" ] && exit 1\n')
-    python.write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" >> {calls}; echo >> {calls}\n{no_local}[ "$1" != -c ]\n')
+    # one call, one write: the record is made in a file of its own and appended at once, since the
+    # background `tools/fork build --all` records its calls at the same time as pip's
+    python.write_text(f'#!/bin/bash\nrecord=$(mktemp); printf "%s\\0" "$@" > "$record"; echo >> "$record"\n'
+                      f'cat "$record" >> {calls}; rm -f "$record"\n{no_local}[ "$1" != -c ]\n')
     python.chmod(0o755)
     if PROBES[probe] is not None:
         (stubs / "nvidia-smi").write_text(f"#!/bin/bash\n{PROBES[probe]}\n")
