@@ -85,15 +85,17 @@ def pytest_collection_modifyitems(config, items):
         if _in_matrix_by_build(item):
             item.add_marker(pytest.mark.matrix)
     if not config.getoption("--matrix"):
-        matrix = [item for item in items if "matrix" in item.keywords]
+        # the marker itself, not keywords: those hold every parent's name too, so a checkout in a
+        # directory named "matrix" would deselect every test
+        matrix = [item for item in items if item.get_closest_marker("matrix")]
         if matrix:
             config.hook.pytest_deselected(items=matrix)
-            items[:] = [item for item in items if "matrix" not in item.keywords]
+            items[:] = [item for item in items if not item.get_closest_marker("matrix")]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (CPU-only machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)
 
 
