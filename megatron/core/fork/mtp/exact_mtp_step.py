@@ -7,9 +7,9 @@
         ...   # the framework's own step: zero_grad, forward_backward_func, optimizer.step()
     step.metrics   # per-depth MTP metrics, mtp grad norm, the MTP depths' router losses
 
-``metrics=False`` skips what only the metrics need (under ``ce``, the sampled acceptance's projection
-of every MTP row by the main head at t + k), for a step whose metrics nobody reads; the step's
-gradients are the same, and its metrics leave the sampled ones out.
+``metrics=False`` skips what only the metrics need (under ``ce``, the projection of every MTP row by
+the main head at t + k that the sampled and greedy-draft acceptances read), for a step whose metrics
+nobody reads; the step's gradients are the same, and its metrics leave those acceptances out.
 
 This is the public front of megatron.core.fork.mtp.step_scope's StepScope, the one core of every
 exact step: SplitStep and megatron.training's exact steps enter it too (with `main_loss`, the

@@ -98,8 +98,9 @@ class SplitStep:
                 over all chunks and data-parallel ranks (T of spec section 11, known from the
                 shapes even when the valid counts are not); required up front in either mode.
             metrics (bool): False skips what only the step's metrics need (under ``ce``, the
-                sampled acceptance's projection by the main head at t + k; those metrics are then
-                left out); the gradients are the same. Default True.
+                projection by the main head at t + k that the sampled and greedy-draft
+                acceptances read; those metrics are then left out); the gradients are the same.
+                Default True.
 
         Raises:
             RuntimeError: a step is already in progress.
