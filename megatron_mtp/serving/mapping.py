@@ -43,6 +43,7 @@ An MTP depth's inner layer is built as the last decoder layer (MoE when that one
 attention.
 """
 
+import functools
 import re
 
 import torch
@@ -304,24 +305,65 @@ def _inner(tensors: dict, prefix: str) -> dict:
     return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
+def hf_parts(cfg: ModelConfig, mtp_layout: str | None) -> list:
+    """The Hugging Face export in parts, in the order written: (whether the part is an MTP depth's, the
+    prefixes of the model's tensor names it reads, the part: those tensors -> its Hugging Face tensors).
+    The weight stream gathers, maps and sends one part at a time; megatron_to_hf joins them all."""
+    vocab = "embedding.word_embeddings.weight"
+    head = vocab if cfg.tied else "output_layer.weight"
+
+    def shared(t):
+        out = {"model.embed_tokens.weight": _unpad(t[vocab], cfg)}
+        if not cfg.tied:
+            out["lm_head.weight"] = _unpad(t[head], cfg)
+        return out
+
+    def layer(t, i, sparse, linear):
+        return {f"model.layers.{i}.{k}": v.contiguous()
+                for k, v in layer_to_hf(_inner(t, f"decoder.layers.{i}."), cfg, sparse, linear).items()}
+
+    def final(t):
+        out = {"model.norm.weight": t["decoder.final_layernorm.weight"]}
+        return out if cfg.tied else {**out, "lm_head.weight": _unpad(t[head], cfg)}
+
+    def depth(t, d):
+        source, prefix = f"mtp.layers.{0 if cfg.mtp_repeated else d}.", layout.prefix(cfg, d)
+        # a layout that copies the embedding or the head into a depth reads them from these
+        copied = shared(t) if layout.copies_shared else {}
+        out = dict(copied)
+        inner = _inner(t, source + "mtp_model_layer.")
+        out.update({prefix + k: v for k, v in layer_to_hf(inner, cfg, mtp_sparse(cfg)).items()})
+        layout.to_hf(t, source, prefix, d, cfg, out)
+        return {k: v for k, v in out.items() if k not in copied}
+
+    parts = [(False, (vocab,), lambda t: {"model.embed_tokens.weight": _unpad(t[vocab], cfg)})]
+    for i, (sparse, linear) in enumerate(layer_kinds(cfg)):
+        parts.append((False, (f"decoder.layers.{i}.",), functools.partial(layer, i=i, sparse=sparse, linear=linear)))
+    parts.append((False, ("decoder.final_layernorm.",) + (() if cfg.tied else (head,)), final))
+    layout = families.mtp_layout(mtp_layout) if mtp_layout else None
+    for d in range(cfg.mtp_num_layers if mtp_layout else 0):
+        reads = (f"mtp.layers.{0 if cfg.mtp_repeated else d}.",) + ((vocab, head) if layout.copies_shared else ())
+        parts.append((True, reads, functools.partial(depth, d=d)))
+    return parts
+
+
+def join(out: dict, part: dict, what: str) -> None:
+    """A part's tensors into `out`: a name an earlier part wrote (a layout that holds one tensor for
+    every MTP depth) must come again with the same value."""
+    for name, value in part.items():
+        if name in out and not torch.equal(out[name], value):
+            raise ServingError(f"{what}: the MTP layout holds one {name} for all depths, and the depths' differ: "
+                               "export with --mtp-layout none (the backbone only), or train the depths as one "
+                               "--mtp-use-repeated-layer")
+        out.setdefault(name, value)
+
+
 def megatron_to_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None) -> dict:
     """megatron-core model tensors (state-dict names) -> Hugging Face tensors (MTP depths only
     with a layout)."""
-    out = {"model.embed_tokens.weight": _unpad(tensors["embedding.word_embeddings.weight"], cfg)}
-    for i, (sparse, linear) in enumerate(layer_kinds(cfg)):
-        layer = layer_to_hf(_inner(tensors, f"decoder.layers.{i}."), cfg, sparse, linear)
-        out.update({f"model.layers.{i}.{k}": v.contiguous() for k, v in layer.items()})
-    out["model.norm.weight"] = tensors["decoder.final_layernorm.weight"]
-    head = None if cfg.tied else _unpad(tensors["output_layer.weight"], cfg)
-    if head is not None:
-        out["lm_head.weight"] = head
-    layout = families.mtp_layout(mtp_layout) if mtp_layout else None
-    for depth in range(cfg.mtp_num_layers if mtp_layout else 0):
-        source = f"mtp.layers.{0 if cfg.mtp_repeated else depth}."
-        prefix = layout.prefix(cfg, depth)
-        inner = _inner(tensors, source + "mtp_model_layer.")
-        out.update({prefix + k: v for k, v in layer_to_hf(inner, cfg, mtp_sparse(cfg)).items()})
-        layout.to_hf(tensors, source, prefix, depth, cfg, out)
+    out = {}
+    for _, _, part in hf_parts(cfg, mtp_layout):
+        join(out, part(tensors), f"--mtp-layout {mtp_layout}")
     return out
 
 

@@ -3,23 +3,29 @@
 """The weights of a live distributed model as the rollout engine takes them: `weights(chunks, args)`
 yields (name, tensor) in the family's Hugging Face names, MTP depths included in the engine's
 layout, equal bit for bit to the files `convert_checkpoint.py export` writes from a checkpoint of
-the same model (serving.export is the one mapping of both).
+the same model (serving.mapping's parts are the one mapping of both); `buckets` groups them into
+batches of bounded size, as an engine's weight update takes them (engines.vllm_engine).
 
-The model is gathered as the export reads a checkpoint: every rank's main-replica shards of the
-model's sharded state dict (the one dist checkpointing saves, at any TP / PP / VPP / EP layout) are
-assembled into global tensors by checkpoint key, then mapped. Every rank of the world takes part
-(a collective: all ranks iterate the generator) and every rank receives every tensor, so the ranks
-that feed an engine are free to be any of them. The gathered model is held once per rank while it
-streams.
+The model is gathered as the export reads a checkpoint, one part of the export at a time
+(mapping.hf_parts: the embedding, each decoder layer, the final norm and head, each MTP depth):
+every rank's main-replica shards of the model's sharded state dict (the one dist checkpointing
+saves, at any TP / PP / VPP / EP layout) that the part reads are assembled into global tensors,
+mapped, yielded, and dropped before the next part is gathered. A rank holds at most one part's
+global tensors (its largest: a decoder layer with all its experts, or the embedding) and the batch
+its consumer keeps, never the whole model (benchmarks/weight_stream_bench.py measures it). Every
+rank of the world takes part (a collective: all ranks iterate the generator, in the same order)
+and every rank receives every tensor, so the ranks that feed an engine are free to be any of them.
 
 Where a serving engine is known to run the MTP layout otherwise than megatron-core trained it,
 `warnings(args, ...)` says so (the same sentences the export's output line carries).
 """
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
-from megatron_mtp.serving import ServingError, export
+from megatron_mtp.serving import ServingError, experts, export, mapping
 
 
 def _shards(chunks) -> list:
@@ -49,36 +55,111 @@ def _shards(chunks) -> list:
     return shards
 
 
-def gather(chunks) -> dict:
-    """Every model tensor as a global tensor by checkpoint key, on every rank (a collective)."""
-    mine = _shards(chunks)
-    described = [None] * dist.get_world_size()
-    dist.all_gather_object(described, [(key, shape, dtype, slices) for key, shape, dtype, slices, _ in mine])
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensors, own = {}, iter(mine)
-    for rank, shards in enumerate(described):
-        for key, shape, dtype, slices in shards:
-            if key not in tensors:
-                tensors[key] = torch.empty(shape, dtype=dtype, device=device)
-            elif tensors[key].shape != shape or tensors[key].dtype != dtype:
-                raise ServingError(f"{key}: ranks disagree on its global shape or dtype")
-            if rank == dist.get_rank():
-                buffer = next(own)[4].detach().to(device).reshape(tensors[key][slices].shape).contiguous()
-            else:
-                buffer = torch.empty(tensors[key][slices].shape, dtype=dtype, device=device)
-            dist.broadcast(buffer, src=rank)
-            tensors[key][slices] = buffer
-    return tensors
+def _layer_stacked(key: str) -> bool:
+    """A key of megatron-core's decoder that holds every layer (a leading layer axis), as local_names reads it."""
+    return key.startswith("decoder.layers.") and not key[len("decoder.layers."):].split(".")[0].isdigit()
+
+
+class _Model:
+    """Where every shard of the model lives (a collective to build): each piece a model tensor name
+    (a layer-stacked key cut into one name per layer), its global shape and dtype, and its shards
+    as (rank, index in that rank's shards, slices)."""
+
+    def __init__(self, chunks):
+        self.mine = _shards(chunks)
+        described = [None] * dist.get_world_size()
+        dist.all_gather_object(described, [(key, shape, dtype, slices) for key, shape, dtype, slices, _ in self.mine])
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        self.pieces = {}  # name -> (shape, dtype, [(rank, index, slices)]), in the order the ranks describe
+        for rank, shards in enumerate(described):
+            for index, (key, shape, dtype, slices) in enumerate(shards):
+                if _layer_stacked(key):
+                    name = f"decoder.layers.{slices[0].start}.{key[len('decoder.layers.'):]}"
+                    shape, slices = shape[1:], slices[1:]
+                else:
+                    name = key
+                held = self.pieces.setdefault(name, (shape, dtype, []))
+                if held[0] != shape or held[1] != dtype:
+                    raise ServingError(f"{key}: ranks disagree on its global shape or dtype")
+                held[2].append((rank, index, slices))
+
+    def gather(self, prefixes: tuple) -> dict:
+        """The global tensors of the pieces whose names start with one of `prefixes` (a collective)."""
+        tensors = {}
+        for name, (shape, dtype, shards) in self.pieces.items():
+            if not name.startswith(prefixes):
+                continue
+            tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
+            for rank, index, slices in shards:
+                target = tensors[name][slices]
+                if rank == dist.get_rank():
+                    buffer = self.mine[index][4].detach().to(self.device).reshape(target.shape).contiguous()
+                else:
+                    buffer = torch.empty(target.shape, dtype=dtype, device=self.device)
+                dist.broadcast(buffer, src=rank)
+                tensors[name][slices] = buffer
+        return tensors
 
 
 def weights(chunks, args, mtp_layout: str | None = None, architecture: str | None = None,
-            expert_layout: str | None = None, dtype: str = "fp32"):
+            expert_layout: str | None = None, dtype: str = "fp32", mtp: bool | None = None):
     """(Hugging Face name, tensor) of the live model `chunks` (its DDP-wrapped or bare modules, one per
     virtual pipeline stage) trained with `args` (the trainer's arguments), in the order and dtype
-    `convert_checkpoint.py export` writes them with the same options; a collective."""
+    `convert_checkpoint.py export` writes them with the same options; a collective. `mtp`: True, the
+    MTP depths' tensors only (a drafter's own); False, all but theirs (the target's); None, all."""
+    from megatron_mtp.serving.model import local_names
+
     plan = export.plan(args, mtp_layout, architecture, expert_layout)  # refused before any collective
-    hf = export.hf_tensors(plan, gather(chunks), "the live model")
-    yield from export.cast(hf, dtype)
+    cfg = plan.cfg
+    expected = mapping.hf_shapes(cfg, plan.layout, cfg.mtp_num_layers if plan.layout else 0)
+    model, mapped, streamed, repeated = _Model(chunks), set(), set(), {}
+    parts = mapping.hf_parts(cfg, plan.layout)
+    if cfg.mtp_num_layers and plan.layout and not any(name.startswith("mtp.layers.") for name in model.pieces):
+        raise ServingError(f"the live model: the arguments name {cfg.mtp_num_layers} MTP depths but the model "
+                           "holds no MTP tensors")
+    for is_mtp, reads, part in parts:
+        if mtp is not None and is_mtp != mtp:
+            continue
+        hf = part(local_names(model.gather(reads), cfg.num_layers))
+        if not set(hf) <= set(expected):
+            raise ServingError(f"internal: streamed names the loaders do not know ({sorted(set(hf) - set(expected))[:3]})")
+        mapped.update(hf)
+        for name, value in export.cast(experts.stack(hf, cfg.adapter.published_experts, plan.expert_layout,
+                                                     cfg.num_layers), dtype):
+            if name in streamed:  # a layout that holds one tensor for every depth: sent once, the same each time
+                if repeated.get(name) != _digest(value):
+                    raise ServingError(f"the live model: the MTP layout holds one {name} for all depths, and the "
+                                       "depths' differ: stream with --mtp-layout none, or train the depths as one "
+                                       "--mtp-use-repeated-layer")
+                continue
+            streamed.add(name)
+            if is_mtp:
+                repeated[name] = _digest(value)
+            yield name, value
+        del hf
+    if mtp is None and mapped != set(expected):
+        raise ServingError(f"internal: the streamed names differ from the loaders' ({sorted(set(expected) ^ mapped)[:3]})")
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def buckets(named_tensors, bucket_bytes: int):
+    """Lists of (name, tensor) of at most `bucket_bytes` each (a tensor larger than that alone), in order."""
+    if bucket_bytes <= 0:
+        raise ServingError(f"bucket size {bucket_bytes}: must be positive")
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def warnings(args, mtp_layout: str | None = None, architecture: str | None = None) -> list[str]:

@@ -22,6 +22,8 @@ class MtpLayout:
     name: str
     # Its norms scale by 1 + w, the other layouts' by w: a model is written in its family's kind only.
     zero_centred = False
+    # A depth holds copies of the embedding and the output head (`to_hf` finds them in `out`).
+    copies_shared = False
 
     def prefix(self, cfg, depth: int) -> str:
         raise NotImplementedError

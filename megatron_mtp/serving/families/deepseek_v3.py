@@ -86,6 +86,7 @@ class SigmoidRouted(Family):
 
 class DeepseekV3Layout(MtpLayout):
     name = "deepseek_v3"
+    copies_shared = True
 
     def prefix(self, cfg, depth: int) -> str:
         return f"model.layers.{cfg.num_layers + depth}."
