@@ -38,22 +38,34 @@ PROMPTS, PROMPT_LENGTH, NEW_TOKENS = 48, 24, 10
 DEPTHS = (1, 2)
 MARGIN = 1e-2  # logits; the engine's fp32 kernels differ from megatron-core's by ~1e-5 relative
 ENGINE_TIMEOUT = 300
+UPDATE_DEPTH = 2
+UPDATE_BUCKET_BYTES = 64 << 10  # small enough that every layer's tensors come in several batches
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
-    from megatron_mtp.serving import prompts as serving_prompts
-
+def trained(tmp_path_factory):
+    """The checkpoint (trained) and its MiMo export (hf)."""
     if not vllm_engine.available():
         pytest.fail(f"no vLLM at {vllm_engine.python()}: run `bash tools/bootstrap --engine vllm`")
     root = tmp_path_factory.mktemp("engine")
     train(1, *MODEL, *TRAIN, "--save", str(root / "trained"), "--save-interval", "100", timeout=600)
     subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", str(root / "trained"), str(root / "hf"),
                     "--architecture", "mimo"], cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    return root
+
+
+def corpus_prompts() -> list:
+    from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
+    from megatron_mtp.serving import prompts as serving_prompts
+
     pairs = serving_prompts.dataset_prompts(str(corpus_prefix(default_cache_dir())), PROMPTS, PROMPT_LENGTH,
                                             NEW_TOKENS)
-    prompts = [[int(t) for t in prompt] for prompt, _ in pairs]
+    return [[int(t) for t in prompt] for prompt, _ in pairs]
+
+
+@pytest.fixture(scope="module")
+def runs(trained):
+    root, prompts = trained, corpus_prompts()
     project = launch("tests.bodies.engine:decode", 1, {"checkpoint": str(root / "trained"), "prompts": prompts,
                                                        "new_tokens": NEW_TOKENS, "depths": list(DEPTHS)},
                      timeout=600)[0]
@@ -96,6 +108,47 @@ def test_engine_counts_equal_the_vllm_chain_prompt_by_prompt(runs, depth):
             for i in kept]
     assert sum(drafts for drafts, _ in counted) > PROMPTS  # the engine drafted
     assert counted == ours
+
+
+@pytest.fixture(scope="module")
+def updated(trained):
+    """A second policy (the same model trained from another seed: every weight differs) as a live model at
+    PP = 2 on two gloo ranks, streamed into an engine started on the first policy's export (target alone,
+    then target and drafter; tests.bodies.engine.update), and the project's decoder on its checkpoint."""
+    root, prompts = trained, corpus_prompts()
+    train(1, *MODEL, *TRAIN, "--seed", "7", "--save", str(root / "policy"), "--save-interval", "100", timeout=600)
+    project = launch("tests.bodies.engine:decode", 1, {"checkpoint": str(root / "policy"), "prompts": prompts,
+                                                       "new_tokens": NEW_TOKENS, "depths": [UPDATE_DEPTH]},
+                     timeout=600)[0]
+    engine = launch("tests.bodies.engine:update", 2,
+                    {"old_export": str(root / "hf"), "checkpoint": str(root / "policy"), "pp": 2, "prompts": prompts,
+                     "new_tokens": NEW_TOKENS, "depth": UPDATE_DEPTH, "bucket_bytes": UPDATE_BUCKET_BYTES,
+                     "engine_timeout": ENGINE_TIMEOUT}, timeout=900)[0]
+    return project, engine
+
+
+def test_an_update_in_place_gives_the_engine_the_new_policy_s_drafts(updated):
+    """After the weight stream's update of target and drafter, the engine's greedy tokens and its
+    verify steps and accepted drafts per position are the project's on the new policy (vLLM's draft
+    chain), prompt by prompt. The control: after the target's update alone, the tokens are the new
+    policy's but the acceptance is not (the drafter still drafts with the old heads: verl #6947), so
+    the comparison sees a drafter that did not take the new weights."""
+    project, engine = updated
+    kept = clear(project)
+    assert len(kept) >= PROMPTS * 3 // 4, project["margin"]
+    assert 0 < engine["target only bytes"] < engine["target and drafter bytes"]
+
+    def counts(results):
+        return [(results[i]["spec_decode"]["drafts"], results[i]["spec_decode"]["accepted per position"])
+                for i in kept]
+
+    ours = [(project[f"vllm {UPDATE_DEPTH}"][i]["drafts"],
+             project[f"vllm {UPDATE_DEPTH}"][i]["accepted per position"]) for i in kept]
+    for phase in ("target only", "target and drafter"):
+        assert [engine[phase][i]["outputs"][0] for i in kept] == [project["plain"][i] for i in kept], phase
+    assert [engine["before"][i]["outputs"][0] for i in kept] != [project["plain"][i] for i in kept]
+    assert counts(engine["target only"]) != ours
+    assert counts(engine["target and drafter"]) == ours
 
 
 def test_an_engine_that_does_not_answer_is_closed_with_its_children(tmp_path, monkeypatch):

@@ -162,6 +162,24 @@ def buckets(named_tensors, bucket_bytes: int):
         yield bucket
 
 
+def update_engine(engine, chunks, args, bucket_bytes: int, drafts: bool, **options) -> int:
+    """The live model's weights into a running engine in place, no restart, as an RL framework's refit
+    pushes them after a step (a collective: every rank streams; the rank that holds the engine
+    passes it, the others None). `drafts`: the engine drafts with the MTP depths, so the drafter's
+    weights go too, in a weight update of their own (vLLM updates one model per update; a drafter
+    left out drafts with its old weights: verl #6947, SGLang #34495); the target's update takes the
+    rest. Batches of at most `bucket_bytes`; `options` as weights()'s. Returns the bytes this rank sent."""
+    sent = 0
+    for mtp, draft in (((True, True),) if drafts else ()) + ((False, False),):
+        batches = buckets(weights(chunks, args, mtp=mtp, **options), bucket_bytes)
+        if engine is None:
+            for _ in batches:  # the other ranks' share of the gathers
+                pass
+        else:
+            sent += engine.update_weights(batches, draft=draft)
+    return sent
+
+
 def warnings(args, mtp_layout: str | None = None, architecture: str | None = None) -> list[str]:
     """Where an engine is known to serve the streamed MTP layout otherwise than it was trained."""
     plan = export.plan(args, mtp_layout, architecture)

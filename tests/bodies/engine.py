@@ -38,3 +38,47 @@ def decode(checkpoint: str, prompts: list, new_tokens: int, depths: list) -> dic
                     {"tokens": tokens, "drafts": stats.drafts, "accepted per position": stats.accepted_per_position})
         out["margin"].append(min(margins))
     return out
+
+
+def update(old_export: str, checkpoint: str, pp: int, prompts: list, new_tokens: int, depth: int,
+           bucket_bytes: int, engine_timeout: float) -> dict:
+    """A vLLM engine started on `old_export`, updated in place from the live model of `checkpoint` (built
+    at PP = `pp` on the launch's ranks and loaded from it) by the weight stream, the target first
+    alone (the control: a drafter left with its old weights), then target and drafter; rank 0 drives
+    the engine and returns its greedy outputs and spec-decode counters after each, one request per
+    prompt. The prompts are decoded once before any update too, so that a prefix cache kept across the
+    update would show."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_mtp.library.model import build_gpt, gpt_options
+    from megatron_mtp.serving import stream
+    from megatron_mtp.serving.engines import vllm_engine
+    from tests.harness.layout import model_parallel
+
+    torch.set_grad_enabled(False)
+    run_args, directory = files.read_arguments(checkpoint)
+    out = {}
+    with model_parallel(pp=pp):
+        config = dataclasses.replace(serving_model.transformer_config(run_args), pipeline_model_parallel_size=pp,
+                                     pipeline_dtype=torch.float32)
+        model = build_gpt(config, run_args.padded_vocab_size, run_args.max_position_embeddings, **gpt_options(run_args))
+        serving_model.load(model, str(directory))
+        chunks = [model]
+        engine = None
+        if dist.get_rank() == 0:
+            spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": depth}}
+            engine = vllm_engine.Engine(old_export, start_timeout=engine_timeout, request_timeout=engine_timeout,
+                                        **spec)
+        try:
+            for phase, drafts in (("before", None), ("target only", False), ("target and drafter", True)):
+                if drafts is not None:
+                    sent = stream.update_engine(engine, chunks, run_args, bucket_bytes, drafts=drafts)
+                    out[f"{phase} bytes"] = sent
+                if engine is not None:
+                    out[phase] = [engine.generate([prompt], new_tokens) for prompt in prompts]
+        finally:
+            if engine is not None:
+                engine.close()
+    return out

@@ -10,8 +10,9 @@
 The engine (engines/vllm_server.py) runs in vLLM's own interpreter (`.venv-vllm/bin/python`, or
 $MEGATRON_MTP_VLLM_PYTHON), in a session of its own, so that closing it ends vLLM's worker processes
 with it. Every reply has a deadline: one that does not come in time closes the engine and raises.
-The engine lives across requests, so one started once serves a whole run (the follow-up: weights
-pushed into it between requests through a worker extension).
+The engine lives across requests, so one started once serves a whole run, its weights updated in
+place between requests (`update_weights`: vLLM's weight-transfer lifecycle, the target's or the
+drafter's, each batch of tensors passed as a file in shared memory; engines/vllm_weights.py).
 
 Defaults are the CPU build's: fp32, eager mode (no compilation), prompts as token ids
 (skip_tokenizer_init: exports of byte-level runs carry no tokenizer), a small KV cache; the context
@@ -21,9 +22,11 @@ is the model's (max_position_embeddings) unless max_model_len says less.
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +56,10 @@ class Engine:
             raise ServingError(f"no vLLM interpreter at {python()}: run `bash tools/bootstrap --engine vllm`")
         self.request_timeout = request_timeout
         self.options = {**DEFAULTS, "model": str(model), **options}
+        self.drafts = bool((self.options.get("speculative_config") or {}).get("num_speculative_tokens"))
+        # where weight batches pass to the engine: memory (tmpfs) where the system has it
+        self.transfer = tempfile.mkdtemp(prefix="megatron-mtp-weights-",
+                                         dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         # offline: the model is a local directory, and a hub look-up without network waits for its timeout
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -96,6 +103,34 @@ class Engine:
         return self.request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
                              "temperature": temperature, "seed": seed})
 
+    def update_weights(self, batches, draft: bool = False) -> int:
+        """One weight update of the target (draft: the speculative drafter) in place, no restart:
+        each batch of (Hugging Face name, tensor) is written to one file, which the engine loads
+        and this process deletes before the next is written (one batch in memory at a time, besides
+        the engine's). Returns the bytes sent."""
+        from safetensors.torch import save_file
+
+        self.request({"op": "start_weight_update", "draft": draft})
+        sent = 0
+        for index, batch in enumerate(batches):
+            path = Path(self.transfer) / f"batch-{index}.safetensors"
+            tensors, storages = {}, set()
+            for name, tensor in batch:
+                tensor = tensor.detach().cpu().contiguous()
+                if tensor.untyped_storage().data_ptr() in storages:  # safetensors refuses shared storage
+                    tensor = tensor.clone()
+                storages.add(tensor.untyped_storage().data_ptr())
+                tensors[name] = tensor
+                sent += tensor.numel() * tensor.element_size()
+            save_file(tensors, str(path))
+            del tensors
+            try:
+                self.request({"op": "update_weights", "path": str(path)})
+            finally:
+                path.unlink(missing_ok=True)
+        self.request({"op": "finish_weight_update"})
+        return sent
+
     def close(self) -> None:
         """Stops the engine: asked first, then its whole process group (vLLM's workers) killed."""
         if self.process.poll() is None:
@@ -110,6 +145,7 @@ class Engine:
         except (ProcessLookupError, PermissionError):
             pass
         self.process.wait()
+        shutil.rmtree(self.transfer, ignore_errors=True)
         for stream in (self.process.stdin, self.process.stdout):
             try:
                 stream.close()

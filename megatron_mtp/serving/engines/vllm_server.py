@@ -11,7 +11,16 @@ JSON line on stdout (the engine's own output goes to stderr):
 
     {"op": "generate", "prompts": [[ids], ...], "max_tokens": N, "temperature": T, "seed": S}
         -> {"outputs": [[ids], ...], "spec_decode": {...}}  (this request's spec-decode counters)
+    {"op": "start_weight_update", "draft": false}  -> {"done": true}  (draft: the speculative drafter)
+    {"op": "update_weights", "path": FILE}  -> {"done": true}  (one bucket: a safetensors file)
+    {"op": "finish_weight_update"}  -> {"done": true}  (and the prefix cache emptied: its blocks hold
+        keys and values the old weights computed)
     {"op": "stop"}  -> {"stopped": true}, then the process exits
+
+Weight updates are vLLM's own lifecycle (the worker's start_weight_update / start_draft_weight_update,
+update_weights, finish_weight_update, reached through LLM.collective_rpc) over the transport of
+vllm_weights.py, which this process registers and selects (weight_transfer_config) before it builds
+the engine.
 
 An error in a request is answered {"error": "..."} and the engine stays up. It imports vLLM and the
 standard library only: this project is not installed in the engine's environment (vLLM pins its own
@@ -64,13 +73,33 @@ def generate(llm, request: dict) -> dict:
             "spec_decode": difference(counters(llm), before)}
 
 
+def weight_update(llm, request: dict) -> dict:
+    """One step of vLLM's weight-update lifecycle on every worker."""
+    op = request["op"]
+    if op == "start_weight_update":
+        llm.collective_rpc("start_draft_weight_update" if request.get("draft") else "start_weight_update")
+    elif op == "update_weights":
+        llm.collective_rpc("update_weights", args=({"path": str(request["path"])},))
+    else:
+        llm.collective_rpc("finish_weight_update")
+        llm.reset_prefix_cache()
+    return {"done": True}
+
+
+OPS = {"generate": generate, "start_weight_update": weight_update, "update_weights": weight_update,
+       "finish_weight_update": weight_update}
+
+
 def main() -> int:
     replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel
     os.dup2(2, 1)  # whatever vLLM or a worker prints goes to stderr
     options = json.loads(sys.argv[1])
     from vllm import LLM
 
-    llm = LLM(**options)
+    import vllm_weights  # beside this file: the script's directory is on sys.path
+
+    vllm_weights.register()
+    llm = LLM(**options, weight_transfer_config={"backend": vllm_weights.BACKEND})
     replies.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         if not line.strip():
@@ -80,9 +109,9 @@ def main() -> int:
             if request.get("op") == "stop":
                 replies.write(json.dumps({"stopped": True}) + "\n")
                 break
-            if request.get("op") != "generate":
-                raise ValueError(f"unknown op {request.get('op')!r} (generate, stop)")
-            reply = generate(llm, request)
+            if request.get("op") not in OPS:
+                raise ValueError(f"unknown op {request.get('op')!r} ({', '.join(OPS)}, stop)")
+            reply = OPS[request["op"]](llm, request)
         except Exception as error:  # the request's failure, not the engine's: answer it and go on
             reply = {"error": f"{type(error).__name__}: {error}"}
         replies.write(json.dumps(reply) + "\n")
