@@ -122,8 +122,8 @@ def weights(chunks, args, mtp_layout: str | None = None, architecture: str | Non
         if mtp is not None and is_mtp != mtp:
             continue
         hf = part(local_names(model.gather(reads), cfg.num_layers))
-        if not set(hf) <= set(expected):
-            raise ServingError(f"internal: streamed names the loaders do not know ({sorted(set(hf) - set(expected))[:3]})")
+        if unknown := sorted(set(hf) - set(expected)):
+            raise ServingError(f"internal: streamed names the loaders do not know ({unknown[:3]})")
         mapped.update(hf)
         for name, value in export.cast(experts.stack(hf, cfg.adapter.published_experts, plan.expert_layout,
                                                      cfg.num_layers), dtype):
@@ -139,7 +139,8 @@ def weights(chunks, args, mtp_layout: str | None = None, architecture: str | Non
             yield name, value
         del hf
     if mtp is None and mapped != set(expected):
-        raise ServingError(f"internal: the streamed names differ from the loaders' ({sorted(set(expected) ^ mapped)[:3]})")
+        raise ServingError(f"internal: the streamed names differ from the loaders' "
+                           f"({sorted(set(expected) ^ mapped)[:3]})")
 
 
 def _digest(tensor: torch.Tensor) -> str:

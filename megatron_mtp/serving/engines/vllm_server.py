@@ -94,9 +94,8 @@ def main() -> int:
     replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel
     os.dup2(2, 1)  # whatever vLLM or a worker prints goes to stderr
     options = json.loads(sys.argv[1])
-    from vllm import LLM
-
     import vllm_weights  # beside this file: the script's directory is on sys.path
+    from vllm import LLM
 
     vllm_weights.register()
     llm = LLM(**options, weight_transfer_config={"backend": vllm_weights.BACKEND})

@@ -19,8 +19,7 @@ vllm_server.py registers it before it builds the engine, under BACKEND.
 
 from dataclasses import dataclass
 
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 BACKEND = "megatron_mtp_files"
 

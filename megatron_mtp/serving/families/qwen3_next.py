@@ -17,8 +17,6 @@ mtp.pre_fc_norm_embedding = enorm, mtp.pre_fc_norm_hidden = hnorm, mtp.fc = eh_p
 
 import re
 
-import torch
-
 from megatron_mtp.serving import ServingError
 from megatron_mtp.serving.families.base import Family, MtpLayout
 from megatron_mtp.serving.families.qwen3_moe import Qwen3MoeExperts
