@@ -94,11 +94,14 @@ class _Model:
             for rank, index, slices in shards:
                 target = tensors[name][slices]
                 if rank == dist.get_rank():
-                    buffer = self.mine[index][4].detach().to(self.device).reshape(target.shape).contiguous()
+                    target.copy_(self.mine[index][4].detach().reshape(target.shape))
+                    dist.broadcast(target if target.is_contiguous() else target.contiguous(), src=rank)
+                elif target.is_contiguous():  # a shard along the first axis: received in place
+                    dist.broadcast(target, src=rank)
                 else:
                     buffer = torch.empty(target.shape, dtype=dtype, device=self.device)
-                dist.broadcast(buffer, src=rank)
-                tensors[name][slices] = buffer
+                    dist.broadcast(buffer, src=rank)
+                    target.copy_(buffer)
         return tensors
 
 
