@@ -122,3 +122,38 @@ def test_the_qwen3_5_policy_on_packed_rows_at_cp_2_keeps_one_trajectory(tmp_path
     assert sum(series["mtp_1 rollout acceptance"].values()) > 0  # the heads drafted over the recurrent state
     assert sum(series["mtp_2 rollout acceptance"].values()) > 0
     assert all(value > 0 for value in series["mtp_1 load balancing loss"].values())  # the depth's aux_loss
+
+
+def vllm_runs(tmp_path, heads: tuple) -> tuple[dict, dict]:
+    summaries, runs = {}, {}
+    for name in heads:
+        out = tmp_path / name
+        train(2, "--policy", "mimo", "--engine", "vllm", "--heads", name, "--weight-bucket-mb", "0.01", "--out",
+              str(out), *SHORT, script="examples/rl/grpo.py", timeout=600)
+        summaries[name] = json.loads((out / "summary.json").read_text())
+        runs[name] = read(out / "console.log")
+    return summaries, runs
+
+
+def test_rl_with_vllm_rollouts_pushes_the_policy_into_the_engine_every_step(tmp_path):
+    """--engine vllm (issue 49): vLLM's CPU build samples the rollouts and drafts with the heads, its
+    weights pushed in place every step in batches of 10 KiB; the engine's greedy acceptance per depth
+    equals the project's decoder's on the same prompts with vLLM's draft chain, every step, so the
+    engine drafted with the heads as they are after each step's update."""
+    summaries, runs = vllm_runs(tmp_path, ("online",))
+    online, series = summaries["online"], runs["online"].series
+    assert len(online["bytes pushed into vllm"]) == STEPS and min(online["bytes pushed into vllm"]) > 0
+    assert online["heads sha256"] != online["heads sha256 after warm start"]  # the heads moved between pushes
+    for k in (1, 2):
+        assert series[f"mtp_{k} vllm greedy acceptance"] == series[f"mtp_{k} decoder greedy acceptance"], k
+    assert sum(series["mtp_1 vllm greedy acceptance"].values()) > 0  # the engine's drafts were accepted
+    assert "mtp_1 rollout acceptance" not in series  # vLLM's rollouts are plain sampling
+    assert {"mtp_1 engine acceptance", "mtp_1 engine acceptance (greedy drafts)", "rollout seconds"} <= set(series)
+
+
+@pytest.mark.matrix
+def test_rl_with_vllm_rollouts_keeps_one_trajectory(tmp_path):
+    """--engine vllm with heads online, frozen and none: the same rewards, losses and backbone (the
+    rollouts are vLLM's plain sampling with a seed per response, on the pushed policy)."""
+    summaries, runs = vllm_runs(tmp_path, ("online", "frozen", "none"))
+    assert_one_trajectory(summaries, runs)

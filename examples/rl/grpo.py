@@ -6,6 +6,7 @@
     .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --heads online --out runs/rl/online
     .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --heads none --out runs/rl/none
     .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --policy qwen3_5 --context-parallel-size 2
+    .venv/bin/torchrun --nproc-per-node 2 examples/rl/grpo.py --policy mimo --engine vllm --out runs/rl/vllm
 
 The policy (--policy): a Llama (the default), or a tiny Qwen3.5-MoE: GPTModel with Gated DeltaNet
 layers (three in four, --experimental-attention-variant gated_delta_net, as
@@ -41,6 +42,18 @@ One step, as AReaL's GRPO with online-trained MTP heads runs it, on CPU:
    A / n_i x N_tok / N_seq, the same loss); one update per batch of rollouts, so the importance
    ratio is 1 and its clipping does nothing (no KL term). The MTP heads train on the rollout
    tokens with mtp_detach_heads: their loss never reaches the policy.
+
+--engine vllm (--policy mimo: Qwen2 with MiMo's MTP depths, one repeated layer, heads of 32: what vLLM's
+CPU build drafts for here): the rollouts come from vLLM's CPU build (`tools/bootstrap --engine vllm`),
+two engines in processes of their own on rank 0, kept for the run and updated in place by the weight
+stream before every step's rollouts (serving.stream.update_engine, batches of --weight-bucket-mb; the
+drafter's weights in an update of their own). One samples every rollout by plain decoding at
+temperature 1, each response with a seed of its own, so the rollouts depend on the policy's weights
+alone; the other drafts with the heads, greedily (vLLM 0.32.0's CPU build samples wrongly at
+temperature > 0 with drafts: docs/serving.md), and each step prints its acceptance per depth (mtp_k
+vllm greedy acceptance) beside the project's decoder's on the same prompts with vLLM's draft chain
+(mtp_k decoder greedy acceptance); the decoder's engine view below is printed too, its rollout
+acceptance is not (vLLM's rollouts draft nothing).
 
 --heads online: the heads train every step (above); frozen: they keep the weights they had
 after the warm-start (restored after every step), so their drafts age as the policy moves;
@@ -97,8 +110,14 @@ ENGINE_NAMES = {"probabilistic": "", "greedy": " (greedy drafts)"}
 def parse(argv=None):
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", choices=("llama", "qwen3_5"), default="llama",
-                        help="a Llama, or a tiny Qwen3.5-MoE (Gated DeltaNet, gated attention, MoE with aux_loss)")
+    parser.add_argument("--policy", choices=("llama", "qwen3_5", "mimo"), default="llama",
+                        help="a Llama, a tiny Qwen3.5-MoE (Gated DeltaNet, gated attention, MoE with aux_loss), or "
+                             "a MiMo (Qwen2 with MTP: what vLLM's CPU build drafts for, --engine vllm)")
+    parser.add_argument("--engine", choices=("decoder", "vllm"), default="decoder",
+                        help="roll out with the project's decoder (per rank), or with vLLM's CPU build in its own "
+                             "processes on rank 0, its weights pushed in place every step (--policy mimo)")
+    parser.add_argument("--weight-bucket-mb", type=float, default=64.0,
+                        help="--engine vllm: the weight stream's batches into the engine, at most this many MiB")
     parser.add_argument("--rows", choices=("padded", "packed"), default=None,
                         help="one response per row (padded), or --micro-batch-size responses per packed THD row "
                              "(default: padded for llama, packed for qwen3_5)")
@@ -142,6 +161,19 @@ def parse(argv=None):
                      "that 2 x length + 2 does, or --rows packed)")
     if args.sft_steps < 0:
         parser.error("--sft-steps must be >= 0")
+    if args.engine == "vllm":
+        from megatron_mtp.serving.engines import vllm_engine
+
+        if args.policy != "mimo":
+            parser.error(f"--engine vllm with --policy {args.policy}: vLLM's CPU build drafts with MTP heads for "
+                         "--policy mimo here (docs/serving.md, the families table)")
+        if args.hidden_size < 64:
+            parser.error(f"--engine vllm with --hidden-size {args.hidden_size}: vLLM's CPU attention needs heads of "
+                         "at least 32 (the mimo policy has 2 heads): give 64 or more")
+        if not vllm_engine.available():
+            parser.error(f"--engine vllm: no vLLM at {vllm_engine.python()}: run `bash tools/bootstrap --engine vllm`")
+    if args.weight_bucket_mb <= 0:
+        parser.error("--weight-bucket-mb must be > 0")
     return args
 
 
@@ -158,6 +190,13 @@ def policy_config(args, task, depths: int) -> dict:
     if args.policy == "llama":
         return {**shape, "architectures": ["LlamaForCausalLM"], "intermediate_size": 4 * args.hidden_size,
                 "rms_norm_eps": 1e-5}
+    if args.policy == "mimo":
+        # Qwen2 with MTP (q/k/v biases): two heads, so heads of 32 at hidden 64 (vLLM's CPU attention's
+        # smallest); positions for twice a rollout (vLLM counts the prompt and every response token,
+        # the last included, against the model's length)
+        return {**shape, "architectures": ["MiMoForCausalLM"], "num_attention_heads": 2, "num_key_value_heads": 1,
+                "intermediate_size": 4 * args.hidden_size, "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 2 * task.sequence_length}
     # Qwen3.5-MoE, tiny: every fourth layer gated full attention (q/k norms, a quarter of each head
     # rotated), the others Gated DeltaNet with 2 key heads (a multiple of CP = 2: whole heads per rank
     # after its all-to-all); experts and a gated shared expert in every layer and MTP depth.
@@ -185,8 +224,9 @@ def build(args, task):
     depths = 0 if args.heads == "none" else args.depths
     shape = ModelConfig.from_hf(policy_config(args, task, depths), pad_to=1)
     # Qwen3.5's MTP block is one layer, which vLLM and SGLang run at every drafted position (its
-    # layout streams one): D depths of one repeated layer
-    shape.mtp_repeated = args.policy == "qwen3_5"
+    # layout streams one), and vLLM runs MiMo's first MTP layer at every drafted position: D depths
+    # of one repeated layer
+    shape.mtp_repeated = args.policy in ("qwen3_5", "mimo")
     policy_args = shape.megatron_args()
     # The serving config (one process) made the trainer's: CP, and Qwen3.5's auxiliary loss, which the
     # engine does not compute (an import's arguments hold none)
@@ -389,6 +429,86 @@ def engine_decodes(runner, prompts, task, args, step: int, first_index: int, sta
             speculative.speculative(runner, prompt, task.answer_length, stats[method], choose=sampler, stop=EOS)
 
 
+class VllmRollouts:
+    """vLLM's CPU build as the rollout engine (--engine vllm), on rank 0, as RL frameworks keep one alive
+    for a run: one engine samples the rollouts by plain decoding, each response with a seed of its own
+    (so the rollouts depend on the policy's weights alone: online, frozen and no heads keep one
+    trajectory), and one drafts with the policy's MTP heads (vLLM's speculative decoding) for its
+    acceptance, measured greedily (vLLM 0.32.0's CPU build samples wrongly at temperature > 0 with
+    drafts: docs/serving.md). Both start on an export of the policy after the warm start; before every
+    step's rollouts the weight stream pushes the policy's weights into both in place (serving.stream:
+    the target's, and the drafter's into the drafting engine). Every rank calls every method (the
+    stream is a collective); rank 0 alone drives the engines."""
+
+    def __init__(self, chunks, policy_args, depths: int, args, out: Path | None):
+        import tempfile
+
+        from megatron_mtp.serving import export, files, stream
+        from megatron_mtp.serving.engines import vllm_engine
+
+        self.chunks, self.policy_args, self.depths = chunks, policy_args, depths
+        self.bucket_bytes = int(args.weight_bucket_mb * 2**20)
+        self.plain = self.drafting = None
+        hf = dict(stream.weights(chunks, policy_args))  # a collective
+        if dist.get_rank() != 0:
+            return
+        plan = export.plan(policy_args)
+        self.directory = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
+        files.write_hf(Path(self.directory.name), plan.cfg.to_hf("fp32", plan.layout), hf, "fp32", None)
+        log = open(out / "engine.log", "w") if out is not None else None
+        self.plain = vllm_engine.Engine(self.directory.name, log=log)
+        if depths:
+            self.drafting = vllm_engine.Engine(self.directory.name, log=log, speculative_config={
+                "method": "mtp", "num_speculative_tokens": depths})
+
+    def push(self) -> int:
+        """The policy's weights into both engines, in place (a collective); the bytes sent."""
+        from megatron_mtp.serving import stream
+
+        sent = stream.update_engine(self.plain, self.chunks, self.policy_args, self.bucket_bytes, drafts=False)
+        if self.depths:
+            sent += stream.update_engine(self.drafting, self.chunks, self.policy_args, self.bucket_bytes, drafts=True)
+        return sent
+
+    def sample(self, prompts: list, task, args, step: int) -> list:
+        """G responses per prompt at temperature 1, response r's seed its key (as the decoder's rollouts
+        key their Gumbel noise), on every rank."""
+        responses = None
+        if dist.get_rank() == 0:
+            requests = [prompt for prompt in prompts for _ in range(args.group_size)]
+            seeds = [args.seed * 10**9 + step * args.prompts_per_step * args.group_size + r
+                     for r in range(len(requests))]
+            responses = self.plain.generate(requests, task.answer_length, temperature=1.0, seeds=seeds,
+                                            stop_token_ids=[EOS])["outputs"]
+        shared = [responses]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
+    def acceptance(self, prompts: list, task) -> list:
+        """vLLM's greedy speculative decode of every prompt: [verify steps, accepted per position...]
+        (rank 0's counters; zeros elsewhere, so that a sum over ranks is the engine's)."""
+        if dist.get_rank() != 0 or not self.depths:
+            return [0] * (1 + self.depths)
+        counted = self.drafting.generate(prompts, task.answer_length, stop_token_ids=[EOS])["spec_decode"]
+        return [counted["drafts"], *counted["accepted per position"]]
+
+    def close(self) -> None:
+        for engine in (self.plain, self.drafting):
+            if engine is not None:
+                engine.close()
+
+
+def decoder_greedy_acceptance(runner, prompts: list, task, depths: int) -> list:
+    """The project's decoder on the same prompts as vLLM's drafting engine: greedy, drafts chained as vLLM
+    chains them (speculative.VllmDrafter): [verify steps, accepted per position...]."""
+    from megatron_mtp.serving import speculative
+
+    stats = speculative.Stats(depths=depths)
+    for prompt in prompts:
+        speculative.speculative(runner, prompt, task.answer_length, stats, chain="vllm", stop=EOS)
+    return [stats.drafts, *stats.accepted_per_position]
+
+
 def advantages_of(rewards: list[float], group: int) -> list[float]:
     out = []
     for i in range(0, len(rewards), group):
@@ -478,68 +598,96 @@ def main(argv=None) -> int:
     frozen = {name: param.detach().clone() for name, param in model.named_parameters() if name.startswith("mtp.")}
     heads_after_warm_start = digest(model, heads=True)
 
-    rewards_per_step, synced, differences, started = [], [], [], time.perf_counter()
-    for step in range(1, args.steps + 1):
-        prompts = task.prompts(args.prompts_per_step, args.seed, step)[mine]
-        synced.append(refresh(rollout_model, chunks, policy_args))  # the rollouts sample the policy as it is now
-        differences.append(largest_difference(rollout_model, model))
-        stats = speculative.Stats(depths=depths)
-        rollout_start = time.perf_counter()
-        responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
-        rollout_seconds = time.perf_counter() - rollout_start
-        engines_by_mode = {method: speculative.Stats(depths=depths) for method in speculative.DRAFT_SAMPLE_METHODS}
-        if depths:
-            engine_decodes(runner, prompts, task, args, step, mine.start, engines_by_mode)
-        engine_counts = [count for method in speculative.DRAFT_SAMPLE_METHODS
-                         for count in (engines_by_mode[method].drafts, *engines_by_mode[method].accepted_per_position)]
-        expanded = [p for p in prompts for _ in range(args.group_size)]
-        if len(expanded) != len(responses):
-            raise RuntimeError(f"{len(responses)} responses for {len(expanded)} prompt samples")
-        rewards = [task.reward(p, r) for p, r in zip(expanded, responses)]
-        sequences, advantages = replica_share([p + r for p, r in zip(expanded, responses)],
-                                              advantages_of(rewards, args.group_size), dp, dp_rank)
-        metrics = train_step(chunks, optimizer, sequences, advantages, task, args)
-        if args.heads == "frozen":
-            # The optimizer steps these fp32 parameters themselves (no distributed optimizer, no
-            # bf16 main copies), so restoring them here is what the next step starts from.
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if name in frozen:
-                        param.copy_(frozen[name])
-        totals = all_sum([sum(rewards), len(rewards), sum(r == 1.0 for r in rewards), stats.drafts,
-                          *stats.accepted_per_position, *engine_counts, rollout_seconds])
-        reward, solved, drafts = totals[0] / totals[1], totals[2] / totals[1], totals[3]
-        rewards_per_step.append(reward)
-        values = {"consumed samples": step * args.prompts_per_step * args.group_size, "reward": reward,
-                  "solved": solved}
-        for k in range(1, depths + 1):
-            values[f"mtp_{k} rollout acceptance"] = totals[3 + k] / max(drafts, 1)
-        if depths:
-            values["rollout mean acceptance length (incl. bonus)"] = 1 + sum(totals[4:4 + depths]) / max(drafts, 1)
-            for mode, method in enumerate(speculative.DRAFT_SAMPLE_METHODS):
-                first = 4 + depths + mode * (1 + depths)
-                engine_drafts, engine_accepted = totals[first], totals[first + 1:first + 1 + depths]
-                named = ENGINE_NAMES[method]
-                for k in range(1, depths + 1):
-                    values[f"mtp_{k} engine acceptance{named}"] = engine_accepted[k - 1] / max(engine_drafts, 1)
-                values[f"engine mean acceptance length (incl. bonus){named}"] = \
-                    1 + sum(engine_accepted) / max(engine_drafts, 1)
-        values["policy-gradient loss"] = metrics["lm loss"]  # the step's main loss
-        for k in range(1, depths + 1):
-            values[f"mtp_{k} loss"] = metrics[f"mtp_{k} loss"]
-            values[f"mtp_{k} acceptance"] = metrics[f"mtp_{k} acceptance"]
-            values[f"mtp_{k} sampled acceptance"] = metrics[f"mtp_{k} sampled acceptance"]
-            values[f"mtp_{k} greedy-draft acceptance"] = metrics[f"mtp_{k} greedy-draft acceptance"]
-            if f"mtp_{k} load balancing loss" in metrics:  # the depth's aux_loss (the qwen3_5 policy's experts)
-                values[f"mtp_{k} load balancing loss"] = metrics[f"mtp_{k} load balancing loss"]
-        values["grad norm"] = metrics["grad norm"]
-        if "mtp grad norm" in metrics:  # the MTP group's own norm (detached heads)
-            values["mtp grad norm"] = metrics["mtp grad norm"]
-        values["rollout seconds per rank"] = totals[-1] / engines
-        emit(console_line(step, args.steps, values))
-        elapsed = time.perf_counter() - started
-        progress(f"RL step {step}/{args.steps}: reward {reward:.4f}, ETA "
-                 f"{time.strftime('%H:%M:%S', time.gmtime(elapsed / step * (args.steps - step)))}")
+    vllm = VllmRollouts(chunks, policy_args, depths, args, out) if args.engine == "vllm" else None
+    try:  # the engines' processes end with the run, however it ends
+        rewards_per_step, synced, differences, pushed, started = [], [], [], [], time.perf_counter()
+        for step in range(1, args.steps + 1):
+            every_prompt = task.prompts(args.prompts_per_step, args.seed, step)
+            prompts = every_prompt[mine]
+            synced.append(refresh(rollout_model, chunks, policy_args))  # the rollouts sample the policy as it is now
+            differences.append(largest_difference(rollout_model, model))
+            stats = speculative.Stats(depths=depths)
+            if vllm is not None:
+                pushed.append(vllm.push())  # the engines sample and draft with the policy as it is now
+            rollout_start = time.perf_counter()
+            if vllm is None:
+                responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
+            else:
+                responses = vllm.sample(every_prompt, task, args, step)[mine.start * args.group_size:
+                                                                      mine.stop * args.group_size]
+            rollout_seconds = time.perf_counter() - rollout_start
+            engines_by_mode = {method: speculative.Stats(depths=depths) for method in speculative.DRAFT_SAMPLE_METHODS}
+            if depths:
+                engine_decodes(runner, prompts, task, args, step, mine.start, engines_by_mode)
+            engine_counts = [count for mode in (engines_by_mode[m] for m in speculative.DRAFT_SAMPLE_METHODS)
+                             for count in (mode.drafts, *mode.accepted_per_position)]
+            expanded = [p for p in prompts for _ in range(args.group_size)]
+            if len(expanded) != len(responses):
+                raise RuntimeError(f"{len(responses)} responses for {len(expanded)} prompt samples")
+            rewards = [task.reward(p, r) for p, r in zip(expanded, responses)]
+            sequences, advantages = replica_share([p + r for p, r in zip(expanded, responses)],
+                                                  advantages_of(rewards, args.group_size), dp, dp_rank)
+            metrics = train_step(chunks, optimizer, sequences, advantages, task, args)
+            if args.heads == "frozen":
+                # The optimizer steps these fp32 parameters themselves (no distributed optimizer, no
+                # bf16 main copies), so restoring them here is what the next step starts from.
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        if name in frozen:
+                            param.copy_(frozen[name])
+            greedy = []  # vLLM's greedy speculative decode beside the decoder's with vLLM's chain
+            if vllm is not None and depths:
+                greedy = vllm.acceptance(every_prompt, task) + decoder_greedy_acceptance(runner, prompts, task, depths)
+            totals = all_sum([sum(rewards), len(rewards), sum(r == 1.0 for r in rewards), stats.drafts,
+                              *stats.accepted_per_position, *engine_counts, *greedy, rollout_seconds])
+            reward, solved, drafts = totals[0] / totals[1], totals[2] / totals[1], totals[3]
+            rewards_per_step.append(reward)
+            values = {"consumed samples": step * args.prompts_per_step * args.group_size, "reward": reward,
+                      "solved": solved}
+            for k in range(1, depths + 1 if vllm is None else 1):  # vLLM's rollouts are plain sampling
+                values[f"mtp_{k} rollout acceptance"] = totals[3 + k] / max(drafts, 1)
+            if depths and vllm is None:
+                values["rollout mean acceptance length (incl. bonus)"] = 1 + sum(totals[4:4 + depths]) / max(drafts, 1)
+            if depths:
+                for mode, method in enumerate(speculative.DRAFT_SAMPLE_METHODS):
+                    first = 4 + depths + mode * (1 + depths)
+                    engine_drafts, engine_accepted = totals[first], totals[first + 1:first + 1 + depths]
+                    named = ENGINE_NAMES[method]
+                    for k in range(1, depths + 1):
+                        values[f"mtp_{k} engine acceptance{named}"] = engine_accepted[k - 1] / max(engine_drafts, 1)
+                    values[f"engine mean acceptance length (incl. bonus){named}"] = \
+                        1 + sum(engine_accepted) / max(engine_drafts, 1)
+            if greedy:
+                first = 4 + depths + len(speculative.DRAFT_SAMPLE_METHODS) * (1 + depths)
+                for side, offset in (("vllm", first), ("decoder", first + 1 + depths)):
+                    side_drafts, side_accepted = totals[offset], totals[offset + 1:offset + 1 + depths]
+                    for k in range(1, depths + 1):
+                        values[f"mtp_{k} {side} greedy acceptance"] = side_accepted[k - 1] / max(side_drafts, 1)
+                    values[f"{side} greedy mean acceptance length (incl. bonus)"] = \
+                        1 + sum(side_accepted) / max(side_drafts, 1)
+            values["policy-gradient loss"] = metrics["lm loss"]  # the step's main loss
+            for k in range(1, depths + 1):
+                values[f"mtp_{k} loss"] = metrics[f"mtp_{k} loss"]
+                values[f"mtp_{k} acceptance"] = metrics[f"mtp_{k} acceptance"]
+                values[f"mtp_{k} sampled acceptance"] = metrics[f"mtp_{k} sampled acceptance"]
+                values[f"mtp_{k} greedy-draft acceptance"] = metrics[f"mtp_{k} greedy-draft acceptance"]
+                if f"mtp_{k} load balancing loss" in metrics:  # the depth's aux_loss (the qwen3_5 policy's experts)
+                    values[f"mtp_{k} load balancing loss"] = metrics[f"mtp_{k} load balancing loss"]
+            values["grad norm"] = metrics["grad norm"]
+            if "mtp grad norm" in metrics:  # the MTP group's own norm (detached heads)
+                values["mtp grad norm"] = metrics["mtp grad norm"]
+            if vllm is None:
+                values["rollout seconds per rank"] = totals[-1] / engines
+            else:  # rank 0's engine sampled every rollout
+                values["rollout seconds"] = totals[-1]
+            emit(console_line(step, args.steps, values))
+            elapsed = time.perf_counter() - started
+            progress(f"RL step {step}/{args.steps}: reward {reward:.4f}, ETA "
+                     f"{time.strftime('%H:%M:%S', time.gmtime(elapsed / step * (args.steps - step)))}")
+
+    finally:
+        if vllm is not None:
+            vllm.close()
 
     summary = {"heads": args.heads, "depths": depths, "mtp loss type": args.mtp_loss_type, "rewards": rewards_per_step,
                "backbone sha256": digest(model, heads=False), "heads sha256 after warm start": heads_after_warm_start,
@@ -547,6 +695,8 @@ def main(argv=None) -> int:
                # per RL step: whether the rollout model held the streamed weights bit for bit after the push
                "rollout model synced": synced, "rollout model largest difference from the policy": differences,
                "arguments": vars(args)}
+    if vllm is not None:  # per RL step: the bytes the weight stream pushed into vLLM's engines (rank 0)
+        summary["bytes pushed into vllm"] = pushed
     if dist.get_rank() == 0 and out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         log.close()

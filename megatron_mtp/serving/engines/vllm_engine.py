@@ -99,9 +99,13 @@ class Engine:
             raise RuntimeError(f"vLLM engine: {reply['error']}")
         return reply
 
-    def generate(self, prompts: list, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> dict:
+    def generate(self, prompts: list, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                 seeds: list | None = None, stop_token_ids: list | None = None) -> dict:
+        """Responses to `prompts` (token ids); `seeds`: one per prompt, in place of `seed`; a response ends
+        with the first of `stop_token_ids` (included)."""
         return self.request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                             "temperature": temperature, "seed": seed})
+                             "temperature": temperature, "seed": seed, "seeds": seeds,
+                             "stop_token_ids": stop_token_ids})
 
     def update_weights(self, batches, draft: bool = False) -> int:
         """One weight update of the target (draft: the speculative drafter) in place, no restart:

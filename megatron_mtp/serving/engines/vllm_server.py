@@ -9,8 +9,11 @@ megatron_mtp.serving.engines.vllm with the engine's own interpreter (`.venv-vllm
 Its argument is LLM(...)'s keywords as JSON. Requests are JSON lines on stdin, each answered by one
 JSON line on stdout (the engine's own output goes to stderr):
 
-    {"op": "generate", "prompts": [[ids], ...], "max_tokens": N, "temperature": T, "seed": S}
+    {"op": "generate", "prompts": [[ids], ...], "max_tokens": N, "temperature": T, "seed": S,
+     "seeds": [S, ...], "stop_token_ids": [ids]}
         -> {"outputs": [[ids], ...], "spec_decode": {...}}  (this request's spec-decode counters)
+        seeds: one per prompt (a per-request generator each: sampling independent of the batch), in
+        place of seed; stop_token_ids: a response ends with the first of them (included)
     {"op": "start_weight_update", "draft": false}  -> {"done": true}  (draft: the speculative drafter)
     {"op": "update_weights", "path": FILE}  -> {"done": true}  (one bucket: a safetensors file)
     {"op": "finish_weight_update"}  -> {"done": true}  (and the prefix cache emptied: its blocks hold
@@ -65,8 +68,12 @@ def generate(llm, request: dict) -> dict:
     prompts = request["prompts"]
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise ValueError("prompts must be non-empty lists of token ids")
-    params = SamplingParams(max_tokens=int(request["max_tokens"]), temperature=float(request.get("temperature", 0)),
-                            seed=request.get("seed"), ignore_eos=True, detokenize=False)
+    seeds = request.get("seeds") or [request.get("seed")] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    params = [SamplingParams(max_tokens=int(request["max_tokens"]), temperature=float(request.get("temperature", 0)),
+                             seed=seed, ignore_eos=True, stop_token_ids=request.get("stop_token_ids"),
+                             detokenize=False) for seed in seeds]
     before = counters(llm)
     results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return {"outputs": [list(r.outputs[0].token_ids) for r in results],
