@@ -34,8 +34,8 @@ def measure(tp: int, bucket_bytes: int | None) -> dict:
     import torch.distributed as dist
 
     from megatron_mtp.library.model import build_model
-    from megatron_mtp.serving import stream
     from megatron_mtp.serving import model as serving_model
+    from megatron_mtp.serving import stream
     from megatron_mtp.serving.config import ModelConfig
     from tests.harness.layout import model_parallel
 
