@@ -62,12 +62,15 @@ def _config(family: str, depths: int, repeated: bool = False) -> ModelConfig:
     ("deepseek_v3", "deepseek_v3", 2, False, "vllm-project/vllm#45895"),
     ("glm4_moe", "deepseek_v3", 2, True, "vllm-project/vllm#45895"),  # the carried state matters even repeated
     ("deepseek_v3", "deepseek_v3", 1, False, None),  # one draft step carries the main model's (normalized) state
-    ("mimo", "mimo", 2, False, None),
+    ("mimo", "mimo", 1, False, ("before its final norm",)),  # vLLM's MiMo drafts from the pre-norm states
+    ("mimo", "mimo", 2, True, ("before its final norm",)),
+    ("mimo", "mimo", 2, False, ("before its final norm", "mtp_layers.0 at every draft step")),
     ("qwen3_5", None, 2, False, None),  # the backbone only
 ])
 def test_the_export_warns_where_vllm_serves_the_mtp_layout_otherwise(family, layout, depths, repeated, issue):
     warned = engine_warnings(_config(family, depths, repeated), layout)
-    assert [issue in line for line in warned] == ([True] if issue else []), warned
+    expected = issue if isinstance(issue, tuple) else (issue,) if issue else ()
+    assert len(warned) == len(expected) and all(e in line for e, line in zip(expected, warned, strict=True)), warned
 
 
 @pytest.mark.matrix

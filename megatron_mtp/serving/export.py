@@ -83,4 +83,4 @@ def engine_warnings(cfg: ModelConfig, layout: str | None) -> list[str]:
     """Where vLLM is known to serve the written MTP depths otherwise than megatron-core trained them
     (docs/serving.md "What the engines run"): each a sentence, none when nothing is known."""
     depths = cfg.mtp_num_layers if layout else 0
-    return families.mtp_layout(layout).engine_warnings(cfg, depths) if depths >= 2 else []
+    return families.mtp_layout(layout).engine_warnings(cfg, depths) if depths else []

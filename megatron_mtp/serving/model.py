@@ -230,6 +230,12 @@ class Runner:
                 self.mla_ropes.append(module.rotary_pos_emb)
             if isinstance(module, GatedDeltaNet):  # its convolution inputs and recurrent state in the cache
                 module.forward = functools.partial(self.cache.gated_delta_net, module)
+        # The decoder's last output before its final norm (main()'s h^0 is after it): what vLLM's MiMo MTP
+        # drafts from (speculative.VllmDrafter)
+        self.pre_norm = None
+        norm = getattr(getattr(model, "decoder", None), "final_layernorm", None)
+        if norm is not None:
+            norm.register_forward_pre_hook(lambda module, args: setattr(self, "pre_norm", args[0]))
 
     def _output_weight(self):
         return self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights \

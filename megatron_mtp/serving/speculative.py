@@ -298,8 +298,15 @@ class VllmDrafter(Drafter):
       step's output there (its final_layernorm(h), as trained) and the previous draft, attending to
       depth 1's keys at positions <= t and this step's chain before it (where the trained depth k
       attends to depth k's own states at positions <= t, at position t);
-    - the token embedding at position 0 is zero (MiMo's MTP masks it: `positions == 0`).
+    - the token embedding at position 0 is zero (MiMo's MTP masks it: `positions == 0`);
+    - the first step takes the main model's states before its final norm (vLLM's MiMoModel returns
+      them so and applies the norm in compute_logits), where megatron-core trains the depths on the
+      states after it (the main head's input).
     """
+
+    def accept(self, hidden0: torch.Tensor) -> None:
+        # the same positions of the main model's last forward, before its final norm (Runner.pre_norm)
+        super().accept(self.runner.pre_norm[: hidden0.shape[0]])
 
     def draft(self, seq: list[int]) -> list[int]:
         t = len(seq) - 2
@@ -323,14 +330,15 @@ CHAINS = {"trained": Drafter, "vllm": VllmDrafter}
 
 def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None,
                 choose=greedy_choice, stop: int | None = None, trace: list | None = None,
-                chain: str = "trained") -> list[int]:
+                chain: str = "trained", draft_logits: list | None = None) -> list[int]:
     """Decoding with MTP drafts; returns the tokens of `greedy(..., choose, stop)` (with a
     RejectionSampler: tokens of their distribution): `new_tokens` of them, or fewer ending with the
     first `stop` token. A verify step's tokens after a stop token or beyond `new_tokens` are
     dropped: `generated` counts what is returned, the acceptance counters the verifier's verdict
     on every draft it checked (vLLM's counting). A `trace` list receives each verify step's
     (t, drafts accepted), t the position whose depths drafted (`drafted_acceptance` reads it).
-    `chain`: how the drafts are chained (CHAINS): as trained (Drafter), or as vLLM runs them (VllmDrafter)."""
+    `chain`: how the drafts are chained (CHAINS): as trained (Drafter), or as vLLM runs them (VllmDrafter).
+    A `draft_logits` list receives each drafting's logits [depths, V] (the rows the drafts were chosen from)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens {new_tokens} must be >= 1")
     rejection = isinstance(choose, RejectionSampler)
@@ -345,7 +353,14 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
     if seq[-1] == stop or new_tokens == 1:
         return seq[len(prompt):]
     drafter.accept(hidden)
-    drafts = drafter.draft(seq) if depths else []
+
+    def draft() -> list[int]:
+        drafts = drafter.draft(seq) if depths else []
+        if draft_logits is not None and drafts:
+            draft_logits.append(torch.stack(drafter.logits))
+        return drafts
+
+    drafts = draft()
     while len(seq) - len(prompt) < new_tokens:
         base = len(seq) - 1  # the last accepted position: its greedy token verifies d_1
         hidden, logits = runner.main(torch.tensor([seq[-1:] + drafts]), start=base)
@@ -366,8 +381,7 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
         if seq[-1] == stop or len(seq) - len(prompt) == new_tokens:  # done: nothing more to draft
             break
         drafter.accept(hidden[: accepted + 1])  # h^0 of the accepted prefix (positions before the bonus)
-        if depths:
-            drafts = drafter.draft(seq)
+        drafts = draft()
     return seq[len(prompt):]
 
 

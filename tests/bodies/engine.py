@@ -1,7 +1,8 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The project's decoder on the engine tier's checkpoint (tests/test_engine.py): per prompt, greedy
-plain decoding and speculative decoding with each draft chain at each depth, and the smallest margin
+plain decoding and speculative decoding with each draft chain at each depth (its counts and every draft
+step's logits), and the smallest margin
 between the two largest logits of any argmax the decode took (a tie within the engine's round-off
 may go either way there, so the test compares only prompts whose decisions are clear)."""
 
@@ -31,11 +32,13 @@ def decode(checkpoint: str, prompts: list, new_tokens: int, depths: list) -> dic
         out["plain"].append(speculative.greedy(runner, prompt, new_tokens, choose=choose))
         for chain in speculative.CHAINS:
             for depth in depths:
-                stats = speculative.Stats(depths=depth)
+                stats, draft_logits = speculative.Stats(depths=depth), []
                 tokens = speculative.speculative(runner, prompt, new_tokens, stats, depths=depth, choose=choose,
-                                                 chain=chain)
+                                                 chain=chain, draft_logits=draft_logits)
                 out.setdefault(f"{chain} {depth}", []).append(
-                    {"tokens": tokens, "drafts": stats.drafts, "accepted per position": stats.accepted_per_position})
+                    {"tokens": tokens, "drafts": stats.drafts, "accepted per position": stats.accepted_per_position,
+                     # every draft step's logits row, in drafting order (depth 1 .. D of each drafting)
+                     "draft logits": [row.tolist() for rows in draft_logits for row in rows]})
         out["margin"].append(min(margins))
     return out
 

@@ -18,6 +18,9 @@ JSON line on stdout (the engine's own output goes to stderr):
     {"op": "update_weights", "path": FILE}  -> {"done": true}  (one bucket: a safetensors file)
     {"op": "finish_weight_update"}  -> {"done": true}  (and the prefix cache emptied: its blocks hold
         keys and values the old weights computed)
+    {"op": "probe_drafts", "on": true}  -> {"done": true}  (start recording the drafter's logits)
+    {"op": "probe_drafts", "on": false}  -> {"logits": [[[row], ...], ...]}  (stop: one list per drafter
+        call, one row per request; vllm_probe.py)
     {"op": "stop"}  -> {"stopped": true}, then the process exits
 
 Weight updates are vLLM's own lifecycle (the worker's start_weight_update / start_draft_weight_update,
@@ -93,8 +96,20 @@ def weight_update(llm, request: dict) -> dict:
     return {"done": True}
 
 
-OPS = {"generate": generate, "start_weight_update": weight_update, "update_weights": weight_update,
-       "finish_weight_update": weight_update}
+def probe_drafts(llm, request: dict) -> dict:
+    import vllm_probe
+
+    which = request.get("which", "drafter")
+    if request.get("on"):
+        llm.collective_rpc(vllm_probe.record, args=(True, which))
+        return {"done": True}
+    [logits] = llm.collective_rpc(vllm_probe.recorded, args=(which,))
+    llm.collective_rpc(vllm_probe.record, args=(False, which))
+    return {"logits": logits}
+
+
+OPS = {"generate": generate, "probe_drafts": probe_drafts, "start_weight_update": weight_update,
+       "update_weights": weight_update, "finish_weight_update": weight_update}
 
 
 def main() -> int:

@@ -48,7 +48,7 @@ class MtpLayout:
         """Refuses (one line) a model this layout cannot hold."""
 
     def engine_warnings(self, cfg, depths: int) -> list[str]:
-        """Where vLLM is known to serve `depths` (>= 2) depths in this layout otherwise than
+        """Where vLLM is known to serve `depths` (>= 1) depths in this layout otherwise than
         megatron-core trained them."""
         return []
 

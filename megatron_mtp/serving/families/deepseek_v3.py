@@ -122,6 +122,8 @@ class DeepseekV3Layout(MtpLayout):
                 target + "final_layernorm.weight": t[prefix + "shared_head.norm.weight"]}
 
     def engine_warnings(self, cfg, depths: int) -> list[str]:
+        if depths < 2:  # one draft step carries the main model's normalized state, as trained
+            return []
         return ["megatron-core carries each depth's normalized output (final_layernorm) into the next; vLLM "
                 "before vllm-project/vllm#45895 carries the pre-norm hidden state into draft steps 2+ (see "
                 "vllm-project/vllm#46075), so depths 2+ see inputs they were not trained on there"]

@@ -52,6 +52,18 @@ class MimoLayout(MtpLayout):
                 target + "eh_proj.weight": torch.cat([proj[:, H:], proj[:, :H]], 1),  # [emb, hidden]
                 target + "final_layernorm.weight": t[prefix + "final_layernorm.weight"]}
 
+    def engine_warnings(self, cfg, depths: int) -> list[str]:
+        # read in vLLM 0.32.0 (models/mimo.py, mimo_mtp.py) and run (tests/test_engine.py's draft logits)
+        warned = ["vLLM's MiMo MTP drafts from the main model's hidden states before its final norm (MiMoModel "
+                  "returns them so and normalizes in compute_logits), megatron-core trains the depths on them "
+                  "after it: the drafts there are not the trained ones (eval_speculative --draft-chain vllm "
+                  "reproduces vLLM's)"]
+        if depths >= 2 and not cfg.mtp_repeated:
+            warned.append(f"vLLM's MiMo MTP runs model.mtp_layers.0 at every draft step (the proposer passes no "
+                          f"step index), so the {depths - 1} deeper trained depths are loaded and never run there; "
+                          "train one --mtp-use-repeated-layer for what vLLM runs")
+        return warned
+
     def check(self, cfg) -> None:
         if cfg.moe:
             raise ServingError(f"--mtp-layout mimo: MiMo's MTP layers are Qwen2 layers, the model is "
