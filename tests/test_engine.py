@@ -142,11 +142,15 @@ def test_the_engine_s_drafts_are_the_vllm_chain_s_draft_by_draft(runs):
 
 @pytest.fixture(scope="module")
 def updated(trained):
-    """A second policy (the same model trained from another seed: every weight differs) as a live model at
-    PP = 2 on two gloo ranks, streamed into an engine started on the first policy's export (target alone,
-    then target and drafter; tests.bodies.engine.update), and the project's decoder on its checkpoint."""
+    """A second policy (the same model trained from another seed, with two distinct depths where the first
+    had one repeated layer: the export's names and shapes are the same, every weight differs) as a live
+    model at PP = 2 on two gloo ranks, streamed into an engine started on the first policy's export
+    (target alone, then target and drafter; tests.bodies.engine.update), and the project's decoder on its
+    checkpoint. vLLM runs the first depth at every draft step (VllmDrafter), so the distinct depths are
+    also the engine tier's check of that."""
     root, prompts = trained, corpus_prompts()
-    train(1, *MODEL, *TRAIN, "--seed", "7", "--save", str(root / "policy"), "--save-interval", "100", timeout=600)
+    distinct = [flag for flag in MODEL if flag != "--mtp-use-repeated-layer"]
+    train(1, *distinct, *TRAIN, "--seed", "7", "--save", str(root / "policy"), "--save-interval", "100", timeout=600)
     project = launch("tests.bodies.engine:decode", 1, {"checkpoint": str(root / "policy"), "prompts": prompts,
                                                        "new_tokens": NEW_TOKENS, "depths": [UPDATE_DEPTH]},
                      timeout=600)[0]
