@@ -32,9 +32,10 @@ so its output is not compared ("lossless": null). Reported, with the definitions
   verify steps (vLLM's mean acceptance length; SGLang's accept length, sum(accepted + 1) / verify
   steps, is the same number when every verify step carries drafts, as here);
 - target forward passes per generated token (the prefill included);
-- with --draft-chain vllm, the drafts are chained as vLLM 0.32 chains them (depth 1's layer at every
-  draft step over one KV cache, the embedding at position 0 zeroed: VllmDrafter), whose counts are
-  vLLM's own; the default chains them as trained;
+- with --draft-chain vllm, the drafts are chained as vLLM 0.32's MiMo MTP chains them (depth 1's layer
+  at every draft step over one KV cache, the embedding at position 0 zeroed, the first step on the
+  main model's states before its final norm: VllmDrafter), whose counts are vLLM's own; the default
+  chains them as trained;
 - beside them, the trainer's teacher-forced acceptance (spec section 7: depth k's argmax against
   the text's own token) on the same texts: the prompt and the data's continuation (or, with
   --prompts, the prompt and the plain decoding's continuation); its greedy-draft acceptance (spec
