@@ -33,7 +33,9 @@ def prompts() -> list:
     return [[draw.randrange(engine_families.VOCAB) for _ in range(PROMPT_LENGTH)] for _ in range(PROMPTS)]
 
 
-@pytest.fixture(scope="module", params=list(engine_families.FAMILIES))
+# matrix: each family costs 50-150 s here (an import, an export, a decode, one or two engine starts)
+@pytest.fixture(scope="module", params=[pytest.param(family, marks=pytest.mark.matrix)
+                                        for family in engine_families.FAMILIES])
 def runs(request, tmp_path_factory):
     family = request.param
     if not vllm_engine.available():
