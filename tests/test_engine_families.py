@@ -1,0 +1,77 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
+"""Every family's export in vLLM's CPU build (megatron_mtp.serving.engines.vllm_engine), against the
+project's decoder: a tiny random model of the family (tests/bodies/engine_families.py: transformers'
+model imported with one new MTP depth, exported as the family as written, in the dtype the CPU kernels
+take), decoded greedily by the project (tests.bodies.engine) and by vLLM, one request per prompt.
+vLLM's plain tokens = the project's; where vLLM has an MTP model for the family's layout, its
+speculative tokens at D = 1 = its plain ones, and its verify steps and accepted drafts = the
+project's with vLLM's draft chain (at D = 1 both chains are one), prompt by prompt, where the
+project's decisions are clear of the engine's round-off (the margin filter of tests/test_engine.py,
+the dtype's: bf16 engines compute in bf16 on the same bf16 weights).
+"""
+
+import json
+import random
+
+import pytest
+
+from megatron_mtp.serving.engines import vllm_engine
+from tests.bodies import engine_families
+from tests.harness.launcher import launch
+
+PROMPTS, PROMPT_LENGTH, NEW_TOKENS = 16, 12, 8
+# logits: fp32 as tests/test_engine.py; bf16's rounding (2^-8 relative) on these logits (|l| <= ~3) is ~1e-2,
+# where the engine's bf16 tokens were seen to part from the project's fp32 ones (at margins <= 0.0084)
+MARGIN = {"fp32": 1e-2, "bf16": 2e-2}
+KEPT = {"fp32": PROMPTS // 2, "bf16": PROMPTS // 4}  # prompts that must be clear of round-off
+ENGINE_TIMEOUT = 300
+
+
+def prompts() -> list:
+    draw = random.Random(11)
+    return [[draw.randrange(engine_families.VOCAB) for _ in range(PROMPT_LENGTH)] for _ in range(PROMPTS)]
+
+
+# matrix: each family costs 50-150 s here (an import, an export, a decode, one or two engine starts)
+@pytest.fixture(scope="module", params=[pytest.param(family, marks=pytest.mark.matrix)
+                                        for family in engine_families.FAMILIES])
+def runs(request, tmp_path_factory):
+    family = request.param
+    if not vllm_engine.available():
+        pytest.fail(f"no vLLM at {vllm_engine.python()}: run `bash tools/bootstrap --engine vllm`")
+    _, _, dtype, drafter, options, _ = engine_families.FAMILIES[family]
+    root = tmp_path_factory.mktemp(family)
+    engine_families.export(str(root), family)
+    depths = [1] if drafter else []
+    project = launch("tests.bodies.engine:decode", 1, {"checkpoint": str(root / "checkpoint"), "prompts": prompts(),
+                                                       "new_tokens": NEW_TOKENS, "depths": depths}, timeout=600)[0]
+    engine = {}
+    with open(root / "engine.log", "w") as log:
+        for depth in (0, *depths):
+            spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": depth}} if depth else {}
+            with vllm_engine.Engine(root / "hf", start_timeout=ENGINE_TIMEOUT, request_timeout=ENGINE_TIMEOUT,
+                                    log=log, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                                    **options, **spec) as running:
+                engine[depth] = [running.generate([prompt], NEW_TOKENS) for prompt in prompts()]
+    (root / "results.json").write_text(json.dumps({"project": project, "engine": engine}))
+    return family, dtype, depths, project, engine
+
+
+def test_the_engine_s_greedy_tokens_and_drafts_equal_the_project_s(runs):
+    family, dtype, depths, project, engine = runs
+    kept = [i for i, margin in enumerate(project["margin"]) if margin >= MARGIN[dtype]]
+    assert len(kept) >= KEPT[dtype], project["margin"]
+    for i in kept:
+        plain = engine[0][i]["outputs"][0]
+        assert plain == project["plain"][i], (family, i)
+        for depth in depths:
+            assert engine[depth][i]["outputs"][0] == plain, (family, depth, i)
+            assert project[f"vllm {depth}"][i]["tokens"] == plain, (family, depth, i)
+    for depth in depths:
+        counted = [(engine[depth][i]["spec_decode"]["drafts"],
+                    engine[depth][i]["spec_decode"]["accepted per position"]) for i in kept]
+        ours = [(project[f"vllm {depth}"][i]["drafts"], project[f"vllm {depth}"][i]["accepted per position"])
+                for i in kept]
+        assert sum(drafts for drafts, _ in counted) >= len(kept)  # the engine drafted
+        assert counted == ours, family
