@@ -1,0 +1,210 @@
+# Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
+# Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
+"""vLLM's speculative decoding with the project's MTP heads against vLLM's plain decoding, side by side.
+
+    MEGATRON_MTP_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python -m benchmarks.vllm_speculative_bench \\
+        [--checkpoint CKPT] [--work DIR] [--train-iters 300] [--prompts 16] [--new-tokens 96] [--rounds 3]
+
+Without --checkpoint it trains a Qwen2-shaped model deep enough that a draft step (one MTP layer)
+costs less than a target step (MODEL: 8 layers, hidden 256, heads of 64, one repeated MTP layer at
+D = 2, as vLLM serves it) on the embedded byte corpus (`pretrain_gpt_mtp.py`, torchrun, one thread
+per rank), then exports it with `--architecture mimo`. vLLM's CPU build (engines.vllm_engine, its
+defaults: fp32, eager) decodes the same prompts (the first --prompt-length bytes of documents of the
+corpus) greedily, plain and with D = 1 and 2 MTP drafts: one engine at a time, each started afresh in
+every round (the rounds alternate the three), a warm-up request first, then every prompt at every
+--batch-sizes (the prompts in consecutive batches). Each side's outputs are compared with plain's at
+the same batch size; a difference is printed (where the greedy choice is a near tie, fp32 round-off
+in a different batch shape can flip it), never hidden.
+
+Printed: per batch size and side, generated tokens per second (medians over rounds), the speed-up
+over plain measured in the same rounds, vLLM's acceptance per draft position (accepted / drafts)
+and its mean acceptance length (1 + accepted / drafts); at batch size 1, the time of one engine step
+(plain: seconds per token; speculative: seconds per verify step, i.e. per draft) and what it implies
+for one draft step (the verify step at D = 2 minus that at D = 1: one more draft step and one more
+position in the target's forward) against one target step.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+# Qwen2's shape (what vLLM serves as MiMoForCausalLM): heads of 64 (the CPU attention's sizes start at 32),
+# one repeated MTP layer (vLLM runs the draft model's first layer at every draft step)
+MODEL = ("--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--kv-channels", "64",
+         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "704", "--seq-length", "128",
+         "--max-position-embeddings", "256", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
+         "--disable-bias-linear", "--add-qkv-bias", "--position-embedding-type", "rope", "--rotary-base", "1000000",
+         "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "1",
+         "--mtp-num-layers", "2", "--mtp-use-repeated-layer")
+TRAIN = ("--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "2e-3", "--min-lr", "2e-4",
+         "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01",
+         "--eval-iters", "0", "--log-interval", "50")
+DEPTHS = (1, 2)
+
+
+def train(directory: Path, iterations: int, ranks: int) -> None:
+    from tests.harness.trainer import train as run
+
+    started = time.perf_counter()
+    result = run(ranks, *MODEL, *TRAIN, "--train-iters", str(iterations),
+                 "--lr-warmup-iters", str(iterations // 10), "--save", str(directory),
+                 "--save-interval", str(iterations), timeout=3600)
+    last = result.iterations[max(result.iterations)]
+    losses = ", ".join(f"{name} {value:.3f}" for name, value in last.items() if "loss" in name)
+    print(f"trained {iterations} iterations on {ranks} ranks in {time.perf_counter() - started:.0f} s; "
+          f"iteration {max(result.iterations)}: {losses}", flush=True)
+
+
+def export(checkpoint: Path, directory: Path) -> None:
+    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", str(checkpoint), str(directory),
+                    "--architecture", "mimo"], check=True, capture_output=True, timeout=600,
+                   cwd=Path(__file__).resolve().parents[1])
+
+
+def decode(engine, prompts: list, new_tokens: int, batch: int) -> dict:
+    """Every prompt, `batch` at a time: the outputs in prompt order, the seconds, the summed counters."""
+    outputs, seconds, counts = [], 0.0, {}
+    for first in range(0, len(prompts), batch):
+        started = time.perf_counter()
+        reply = engine.generate(prompts[first:first + batch], new_tokens)
+        seconds += time.perf_counter() - started
+        outputs += reply["outputs"]
+        for name, value in reply["spec_decode"].items():
+            if isinstance(value, list):
+                old = counts.get(name, [0] * len(value))
+                counts[name] = [a + b for a, b in zip(value, old, strict=True)]
+            else:
+                counts[name] = counts.get(name, 0) + value
+    return {"outputs": outputs, "seconds": seconds, "spec_decode": counts}
+
+
+def first_difference(a: list, b: list) -> int | None:
+    if len(a) != len(b):
+        return min(len(a), len(b))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def repeated_share(prompt: list, output: list, n: int = 8) -> float:
+    """The share of generated tokens that end an n-gram already in the text before them: tokens a
+    decoding loop repeats (greedy decoding of a small model falls into loops, which drafts predict)."""
+    text, repeated = prompt + output, 0
+    for end in range(len(prompt) + 1, len(text) + 1):
+        window = text[end - n:end]
+        repeated += any(text[start:start + n] == window for start in range(0, end - n))
+    return repeated / len(output)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", help="a trained checkpoint to export (default: train MODEL)")
+    parser.add_argument("--work", help="directory for the checkpoint, export and engine log (default: temporary)")
+    parser.add_argument("--train-iters", type=int, default=300)
+    parser.add_argument("--train-ranks", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="the engine's torch threads (OMP_NUM_THREADS)")
+    args = parser.parse_args()
+    if min(args.batch_sizes) < 1 or max(args.batch_sizes) > 8:
+        parser.error("--batch-sizes: 1 to 8 (the engine's max_num_seqs)")
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine process inherits it
+    from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
+    from megatron_mtp.serving import prompts as serving_prompts
+    from megatron_mtp.serving.engines import vllm_engine
+
+    if not vllm_engine.available():
+        raise SystemExit(f"no vLLM at {vllm_engine.python()}: run `bash tools/bootstrap --engine vllm`")
+    scratch = None if args.work else tempfile.TemporaryDirectory(prefix="vllm-bench-")
+    work = Path(args.work or scratch.name)
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else work / "trained"
+    if not args.checkpoint:
+        train(checkpoint, args.train_iters, args.train_ranks)
+    export(checkpoint, work / "hf")
+    config = json.loads((work / "hf" / "config.json").read_text())
+    prefix = str(corpus_prefix(default_cache_dir()))
+    pairs = serving_prompts.dataset_prompts(prefix, args.prompts, args.prompt_length, args.new_tokens)
+    prompts = [[int(t) for t in prompt] for prompt, _ in pairs]
+    print(f"{checkpoint}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocabulary "
+          f"{config['vocab_size']}; vLLM {args.threads} thread(s); {args.prompts} prompts of {args.prompt_length} "
+          f"bytes from {prefix}, {args.new_tokens} new tokens, greedy; {args.rounds} rounds", flush=True)
+
+    sides = (0, *DEPTHS)
+    runs = {(side, batch): [] for side in sides for batch in args.batch_sizes}
+    with open(work / "engine.log", "w") as log:
+        for _ in range(args.rounds):
+            for side in sides:
+                spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": side}} if side else {}
+                with vllm_engine.Engine(work / "hf", log=log, **spec) as engine:
+                    engine.generate(prompts[:max(args.batch_sizes)], 8)  # warm-up
+                    for batch in args.batch_sizes:
+                        runs[side, batch].append(decode(engine, prompts, args.new_tokens, batch))
+    (work / "outputs.json").write_text(json.dumps({"prompts": prompts, "outputs": {
+        f"{side} {batch}": [run["outputs"] for run in rounds] for (side, batch), rounds in runs.items()}}))
+    report(runs, sides, args)
+    plain = runs[0, args.batch_sizes[0]][0]["outputs"]
+    share = statistics.mean(repeated_share(p, o) for p, o in zip(prompts, plain, strict=True))
+    print(f"plain outputs: {share:.2f} of the generated tokens end an 8-gram already in the text; prompt 0 and "
+          f"its continuation: {bytes(prompts[0]).decode(errors='replace')!r} -> "
+          f"{bytes(t for t in plain[0] if t < 256).decode(errors='replace')!r}")
+    if scratch is not None:
+        scratch.cleanup()
+
+
+def report(runs: dict, sides: tuple, args) -> None:
+    tokens = args.prompts * args.new_tokens
+    name = {0: "plain", **{d: f"MTP D = {d}" for d in DEPTHS}}
+    step = {}
+    print("| batch | decoding | tokens/s | speed-up (rounds' range) | acceptance per position |"
+          " mean acceptance length | outputs equal plain's |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for batch in args.batch_sizes:
+        plain = runs[0, batch][0]["outputs"]
+        plain_seconds = [run["seconds"] for run in runs[0, batch]]
+        for side in sides:
+            rounds = runs[side, batch]
+            seconds = statistics.median(run["seconds"] for run in rounds)
+            # the speed-up of each round (its engines ran one after another), then the median
+            speedups = [p / run["seconds"] for p, run in zip(plain_seconds, rounds, strict=True)]
+            speedup = f"{statistics.median(speedups):.3f} ({min(speedups):.3f}-{max(speedups):.3f})"
+            differences = []
+            for run in rounds:
+                for i, (out, ref) in enumerate(zip(run["outputs"], plain, strict=True)):
+                    at = first_difference(out, ref)
+                    if at is not None:
+                        differences.append((i, at))
+            differences = sorted(set(differences))
+            equal = f"no: {len(differences)} (prompt, token) {differences}" if differences else "yes"
+            counts = rounds[0]["spec_decode"]
+            if side:
+                drafts = counts["drafts"]
+                per_position = " / ".join(f"{n / drafts:.3f}" for n in counts["accepted per position"][:side])
+                length = f"{1 + counts['accepted tokens'] / drafts:.3f}"
+                step[side, batch] = statistics.median(run["seconds"] / run["spec_decode"]["drafts"] for run in rounds)
+            else:
+                per_position, length = "", ""
+                step[side, batch] = seconds / tokens
+            print(f"| {batch} | {name[side]} | {tokens / seconds:.1f} | {speedup} | {per_position} | {length} |"
+                  f" {equal} |", flush=True)
+    if 1 in args.batch_sizes:
+        target = step[0, 1]
+        verify = {d: step[d, 1] for d in DEPTHS}
+        draft = verify[2] - verify[1]
+        print(f"batch 1, one engine step: plain (one target step) {target * 1000:.2f} ms; verify step with D = 1 "
+              f"{verify[1] * 1000:.2f} ms, D = 2 {verify[2] * 1000:.2f} ms; hence one draft step (D = 2 - D = 1) "
+              f"about {draft * 1000:.2f} ms = {draft / target:.2f} of a target step")
+
+
+if __name__ == "__main__":
+    main()
