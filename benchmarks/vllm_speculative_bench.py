@@ -68,13 +68,23 @@ def export(checkpoint: Path, directory: Path) -> None:
                    cwd=Path(__file__).resolve().parents[1])
 
 
+def cpu_seconds(process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
 def decode(engine, prompts: list, new_tokens: int, batch: int) -> dict:
-    """Every prompt, `batch` at a time: the outputs in prompt order, the seconds, the summed counters."""
-    outputs, seconds, counts = [], 0.0, {}
+    """Every prompt, `batch` at a time: the outputs in prompt order, the wall seconds, the engine
+    process's CPU seconds (its own work, whatever else the machine runs) and the summed counters."""
+    import psutil
+
+    process = psutil.Process(engine.process.pid)
+    outputs, seconds, cpu, counts = [], 0.0, 0.0, {}
     for first in range(0, len(prompts), batch):
-        started = time.perf_counter()
+        started, used = time.perf_counter(), cpu_seconds(process)
         reply = engine.generate(prompts[first:first + batch], new_tokens)
         seconds += time.perf_counter() - started
+        cpu += cpu_seconds(process) - used
         outputs += reply["outputs"]
         for name, value in reply["spec_decode"].items():
             if isinstance(value, list):
@@ -82,7 +92,7 @@ def decode(engine, prompts: list, new_tokens: int, batch: int) -> dict:
                 counts[name] = [a + b for a, b in zip(value, old, strict=True)]
             else:
                 counts[name] = counts.get(name, 0) + value
-    return {"outputs": outputs, "seconds": seconds, "spec_decode": counts}
+    return {"outputs": outputs, "seconds": seconds, "cpu": cpu, "spec_decode": counts}
 
 
 def first_difference(a: list, b: list) -> int | None:
@@ -105,14 +115,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", help="a trained checkpoint to export (default: train MODEL)")
     parser.add_argument("--work", help="directory for the checkpoint, export and engine log (default: temporary)")
-    parser.add_argument("--train-iters", type=int, default=300)
+    parser.add_argument("--train-iters", type=int, default=600)
     parser.add_argument("--train-ranks", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--prompt-offset", type=int, default=128,
+                        help="where in its document a prompt starts (past the topic's title and its underline)")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="the engine's torch threads (OMP_NUM_THREADS)")
+    parser.add_argument("--no-iomp", action="store_true",
+                        help="start the engine without Intel OpenMP preloaded (vLLM's CPU guide preloads it)")
     args = parser.parse_args()
     if min(args.batch_sizes) < 1 or max(args.batch_sizes) > 8:
         parser.error("--batch-sizes: 1 to 8 (the engine's max_num_seqs)")
@@ -125,8 +139,13 @@ def main() -> None:
 
     if not vllm_engine.available():
         raise SystemExit(f"no vLLM at {vllm_engine.python()}: run `bash tools/bootstrap --engine vllm`")
+    iomp = vllm_engine.python().parent.parent / "lib" / "libiomp5.so"  # vLLM's intel-openmp
+    if not args.no_iomp and not iomp.is_file():
+        raise SystemExit(f"no {iomp} (vLLM's intel-openmp); --no-iomp runs the engine without it")
     scratch = None if args.work else tempfile.TemporaryDirectory(prefix="vllm-bench-")
     work = Path(args.work or scratch.name)
+    if (work / "hf").exists():
+        raise SystemExit(f"--work {work} already holds an export (hf): give a new directory")
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = Path(args.checkpoint) if args.checkpoint else work / "trained"
     if not args.checkpoint:
@@ -134,12 +153,17 @@ def main() -> None:
     export(checkpoint, work / "hf")
     config = json.loads((work / "hf" / "config.json").read_text())
     prefix = str(corpus_prefix(default_cache_dir()))
-    pairs = serving_prompts.dataset_prompts(prefix, args.prompts, args.prompt_length, args.new_tokens)
-    prompts = [[int(t) for t in prompt] for prompt, _ in pairs]
+    pairs = serving_prompts.dataset_prompts(prefix, args.prompts, args.prompt_offset + args.prompt_length,
+                                            args.new_tokens)
+    prompts = [[int(t) for t in prompt[args.prompt_offset:]] for prompt, _ in pairs]
     print(f"{checkpoint}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, vocabulary "
-          f"{config['vocab_size']}; vLLM {args.threads} thread(s); {args.prompts} prompts of {args.prompt_length} "
-          f"bytes from {prefix}, {args.new_tokens} new tokens, greedy; {args.rounds} rounds", flush=True)
+          f"{config['vocab_size']}; vLLM {args.threads} thread(s), "
+          f"{'without Intel OpenMP' if args.no_iomp else 'Intel OpenMP preloaded'}; {args.prompts} prompts of "
+          f"{args.prompt_length} bytes at byte {args.prompt_offset} of documents of {prefix}, {args.new_tokens} "
+          f"new tokens, greedy; {args.rounds} rounds", flush=True)
 
+    if not args.no_iomp:  # the engine inherits this process's environment; this process has already started
+        os.environ["LD_PRELOAD"] = " ".join(filter(None, (os.environ.get("LD_PRELOAD"), str(iomp))))
     sides = (0, *DEPTHS)
     runs = {(side, batch): [] for side in sides for batch in args.batch_sizes}
     with open(work / "engine.log", "w") as log:
@@ -165,45 +189,38 @@ def main() -> None:
 def report(runs: dict, sides: tuple, args) -> None:
     tokens = args.prompts * args.new_tokens
     name = {0: "plain", **{d: f"MTP D = {d}" for d in DEPTHS}}
-    step = {}
-    print("| batch | decoding | tokens/s | speed-up (rounds' range) | acceptance per position |"
-          " mean acceptance length | outputs equal plain's |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    cost = {}  # batch 1: the engine's CPU seconds per step (plain: per token; speculative: per verify step)
+    print("| batch | decoding | tokens/s (wall) | speed-up, wall (rounds' range) | speed-up, engine CPU time |"
+          " acceptance per position | mean acceptance length | outputs equal plain's |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch in args.batch_sizes:
-        plain = runs[0, batch][0]["outputs"]
-        plain_seconds = [run["seconds"] for run in runs[0, batch]]
+        plain_rounds = runs[0, batch]
+        plain = plain_rounds[0]["outputs"]
         for side in sides:
             rounds = runs[side, batch]
-            seconds = statistics.median(run["seconds"] for run in rounds)
-            # the speed-up of each round (its engines ran one after another), then the median
-            speedups = [p / run["seconds"] for p, run in zip(plain_seconds, rounds, strict=True)]
-            speedup = f"{statistics.median(speedups):.3f} ({min(speedups):.3f}-{max(speedups):.3f})"
-            differences = []
-            for run in rounds:
-                for i, (out, ref) in enumerate(zip(run["outputs"], plain, strict=True)):
-                    at = first_difference(out, ref)
-                    if at is not None:
-                        differences.append((i, at))
-            differences = sorted(set(differences))
+            # each round's ratio (its engines ran one after another, under the same load), then the median
+            speedups = {clock: [p[clock] / run[clock] for p, run in zip(plain_rounds, rounds, strict=True)]
+                        for clock in ("seconds", "cpu")}
+            wall = statistics.median(speedups["seconds"])
+            differences = sorted({(i, at) for run in rounds
+                                  for i, (out, ref) in enumerate(zip(run["outputs"], plain, strict=True))
+                                  if (at := first_difference(out, ref)) is not None})
             equal = f"no: {len(differences)} (prompt, token) {differences}" if differences else "yes"
             counts = rounds[0]["spec_decode"]
-            if side:
-                drafts = counts["drafts"]
-                per_position = " / ".join(f"{n / drafts:.3f}" for n in counts["accepted per position"][:side])
-                length = f"{1 + counts['accepted tokens'] / drafts:.3f}"
-                step[side, batch] = statistics.median(run["seconds"] / run["spec_decode"]["drafts"] for run in rounds)
-            else:
-                per_position, length = "", ""
-                step[side, batch] = seconds / tokens
-            print(f"| {batch} | {name[side]} | {tokens / seconds:.1f} | {speedup} | {per_position} | {length} |"
-                  f" {equal} |", flush=True)
+            steps = counts["drafts"] if side else tokens
+            cost[side, batch] = statistics.median(run["cpu"] for run in rounds) / steps
+            per_position = " / ".join(f"{n / steps:.3f}" for n in counts.get("accepted per position", [])[:side])
+            length = f"{1 + counts['accepted tokens'] / steps:.3f}" if side else ""
+            print(f"| {batch} | {name[side]} | {tokens / statistics.median(run['seconds'] for run in rounds):.1f} |"
+                  f" {wall:.3f} ({min(speedups['seconds']):.3f}-{max(speedups['seconds']):.3f}) |"
+                  f" {statistics.median(speedups['cpu']):.3f} | {per_position} | {length} | {equal} |", flush=True)
     if 1 in args.batch_sizes:
-        target = step[0, 1]
-        verify = {d: step[d, 1] for d in DEPTHS}
+        target, verify = cost[0, 1], {d: cost[d, 1] for d in DEPTHS}
         draft = verify[2] - verify[1]
-        print(f"batch 1, one engine step: plain (one target step) {target * 1000:.2f} ms; verify step with D = 1 "
-              f"{verify[1] * 1000:.2f} ms, D = 2 {verify[2] * 1000:.2f} ms; hence one draft step (D = 2 - D = 1) "
-              f"about {draft * 1000:.2f} ms = {draft / target:.2f} of a target step")
+        print(f"batch 1, the engine's CPU time per step: plain (one target step) {target * 1000:.2f} ms; verify step "
+              f"(the target over 1 + D positions and D draft steps) D = 1 {verify[1] * 1000:.2f} ms, D = 2 "
+              f"{verify[2] * 1000:.2f} ms; their difference, one draft step and one more position in the target's "
+              f"forward: {draft * 1000:.2f} ms = {draft / target:.2f} of a target step")
 
 
 if __name__ == "__main__":
