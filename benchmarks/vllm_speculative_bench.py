@@ -3,25 +3,28 @@
 """vLLM's speculative decoding with the project's MTP heads against vLLM's plain decoding, side by side.
 
     MEGATRON_MTP_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python -m benchmarks.vllm_speculative_bench \\
-        [--checkpoint CKPT] [--work DIR] [--train-iters 300] [--prompts 16] [--new-tokens 96] [--rounds 3]
+        [--checkpoint CKPT] [--work DIR] [--train-iters 600] [--prompts 16] [--new-tokens 96] [--rounds 4]
 
 Without --checkpoint it trains a Qwen2-shaped model deep enough that a draft step (one MTP layer)
 costs less than a target step (MODEL: 8 layers, hidden 256, heads of 64, one repeated MTP layer at
 D = 2, as vLLM serves it) on the embedded byte corpus (`pretrain_gpt_mtp.py`, torchrun, one thread
 per rank), then exports it with `--architecture mimo`. vLLM's CPU build (engines.vllm_engine, its
-defaults: fp32, eager) decodes the same prompts (the first --prompt-length bytes of documents of the
-corpus) greedily, plain and with D = 1 and 2 MTP drafts: one engine at a time, each started afresh in
-every round (the rounds alternate the three), a warm-up request first, then every prompt at every
---batch-sizes (the prompts in consecutive batches). Each side's outputs are compared with plain's at
-the same batch size; a difference is printed (where the greedy choice is a near tie, fp32 round-off
-in a different batch shape can flip it), never hidden.
+defaults: fp32, eager; one torch thread, Intel OpenMP preloaded as vLLM's CPU guide says unless
+--no-iomp) decodes the same prompts (--prompt-length bytes from byte --prompt-offset of documents of
+the corpus, past the topics' titles) greedily, plain and with D = 1 and 2 MTP drafts: one engine at
+a time, each started afresh in every round (the rounds alternate the three), a warm-up request
+first, then every prompt at every --batch-sizes (the prompts in consecutive batches). Each side's
+outputs are compared with plain's at the same batch size; a difference is printed (where the greedy
+choice is a near tie, fp32 round-off in a different batch shape can flip it), never hidden.
 
-Printed: per batch size and side, generated tokens per second (medians over rounds), the speed-up
-over plain measured in the same rounds, vLLM's acceptance per draft position (accepted / drafts)
-and its mean acceptance length (1 + accepted / drafts); at batch size 1, the time of one engine step
-(plain: seconds per token; speculative: seconds per verify step, i.e. per draft) and what it implies
-for one draft step (the verify step at D = 2 minus that at D = 1: one more draft step and one more
-position in the target's forward) against one target step.
+Printed: per batch size and side, generated tokens per second (wall, medians over rounds), the
+speed-up over plain in wall time and in the engine process's CPU time (its own work, whatever else
+the shared host runs), each the median of the rounds' ratios; vLLM's acceptance per draft position
+(accepted / drafts) and mean acceptance length (1 + accepted / drafts); at batch size 1, the
+engine's CPU time per step (plain: per token, one target step; speculative: per verify step) and
+what it implies for one draft step (the verify step at D = 2 minus that at D = 1); and how much of
+the plain output repeats itself (greedy decoding of a small model falls into loops, which drafts
+predict easily), with one prompt's continuation.
 """
 
 import argparse
@@ -57,9 +60,11 @@ def train(directory: Path, iterations: int, ranks: int) -> None:
                  "--lr-warmup-iters", str(iterations // 10), "--save", str(directory),
                  "--save-interval", str(iterations), timeout=3600)
     last = result.iterations[max(result.iterations)]
-    losses = ", ".join(f"{name} {value:.3f}" for name, value in last.items() if "loss" in name)
+    # the losses, and the heads' teacher-forced acceptance of greedy drafts on the training batch
+    shown = ", ".join(f"{name} {value:.3f}" for name, value in last.items()
+                      if name.endswith(" loss") or "greedy" in name)
     print(f"trained {iterations} iterations on {ranks} ranks in {time.perf_counter() - started:.0f} s; "
-          f"iteration {max(result.iterations)}: {losses}", flush=True)
+          f"iteration {max(result.iterations)}: {shown}", flush=True)
 
 
 def export(checkpoint: Path, directory: Path) -> None:
