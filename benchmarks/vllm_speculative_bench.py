@@ -68,9 +68,11 @@ def train(directory: Path, iterations: int, ranks: int) -> None:
 
 
 def export(checkpoint: Path, directory: Path) -> None:
-    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", str(checkpoint), str(directory),
-                    "--architecture", "mimo"], check=True, capture_output=True, timeout=600,
-                   cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", str(checkpoint), str(directory),
+                           "--architecture", "mimo"], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    if done.returncode:
+        raise SystemExit(f"export of {checkpoint} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
 def cpu_seconds(process) -> float:
@@ -135,6 +137,11 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.batch_sizes) < 1 or max(args.batch_sizes) > 8:
         parser.error("--batch-sizes: 1 to 8 (the engine's max_num_seqs)")
+    if min(args.prompts, args.prompt_length, args.new_tokens, args.rounds, args.train_iters, args.train_ranks) < 1 \
+            or args.prompt_offset < 0:
+        parser.error("counts must be positive and --prompt-offset not negative")
+    if args.checkpoint and not Path(args.checkpoint).is_dir():
+        parser.error(f"--checkpoint {args.checkpoint}: no such directory")
     warnings.filterwarnings("ignore")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine process inherits it
