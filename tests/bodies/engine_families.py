@@ -53,11 +53,12 @@ FAMILIES = {
     # DeepSeek-V3's layout (the default): vLLM's Qwen3-MoE loader refuses `layers.2` (no module), as above
     "qwen3_moe": ("Qwen3MoeConfig", dict(_DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True), "fp32", None, {}, _NO_DEPTHS),
-    # the reference CPU MLA backend, which runs fp32 (AMX's takes bf16 only)
+    # bf16: in fp32 (the reference CPU_MLA backend) the engine stopped at start with `expect weight to be
+    # bfloat16, float16, int8, fp8_e4m3 or uint8`
     "deepseek_v3": ("DeepseekV3Config", dict(_DENSE, **_SIGMOID, q_lora_rank=64, kv_lora_rank=512,
                                              qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
                                              num_key_value_heads=2),
-                    "fp32", "DeepSeekMTP", {"attention_config": {"backend": "CPU_MLA"}}, ()),
+                    "bf16", "DeepSeekMTP", {}, ()),
     "glm4_moe": ("Glm4MoeConfig", dict(_DENSE, **_SIGMOID, attention_bias=True, use_qk_norm=True,
                                        partial_rotary_factor=0.5), "fp32", "Glm4MoeMTP", {}, ()),
     # Gated DeltaNet: no prefix caching, whose state copies with drafts are a Triton kernel the CPU
