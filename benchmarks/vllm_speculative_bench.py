@@ -38,14 +38,10 @@ import time
 import warnings
 from pathlib import Path
 
-# Qwen2's shape (what vLLM serves as MiMoForCausalLM): heads of 64 (the CPU attention's sizes start at 32),
-# one repeated MTP layer (vLLM runs the draft model's first layer at every draft step)
-MODEL = ("--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "4", "--kv-channels", "64",
-         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "704", "--seq-length", "128",
-         "--max-position-embeddings", "256", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
-         "--disable-bias-linear", "--add-qkv-bias", "--position-embedding-type", "rope", "--rotary-base", "1000000",
-         "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "1",
-         "--mtp-num-layers", "2", "--mtp-use-repeated-layer")
+from tests.harness.vllm_model import mimo_model
+
+# heads of 64, one repeated MTP layer at D = 2
+MODEL = mimo_model(layers=8, hidden=256, heads=4, query_groups=2, ffn=704, seq_length=128)
 TRAIN = ("--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "2e-3", "--min-lr", "2e-4",
          "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01",
          "--eval-iters", "0", "--log-interval", "50")

@@ -25,13 +25,9 @@ import pytest
 from megatron_mtp.serving.engines import vllm_engine
 from tests.harness.launcher import REPO_ROOT, launch
 from tests.harness.trainer import train
+from tests.harness.vllm_model import mimo_model
 
-MODEL = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--kv-channels", "32",
-         "--group-query-attention", "--num-query-groups", "1", "--ffn-hidden-size", "96", "--seq-length", "64",
-         "--max-position-embeddings", "128", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
-         "--disable-bias-linear", "--add-qkv-bias", "--position-embedding-type", "rope", "--rotary-base", "1000000",
-         "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by", "1",
-         "--mtp-num-layers", "2", "--mtp-use-repeated-layer")
+MODEL = mimo_model(layers=2, hidden=64, heads=2, query_groups=1, ffn=96, seq_length=64)
 TRAIN = ("--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "100", "--lr", "3e-3",
          "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "50")
 PROMPTS, PROMPT_LENGTH, NEW_TOKENS = 48, 24, 10
@@ -149,7 +145,7 @@ def updated(trained):
     checkpoint. vLLM runs the first depth at every draft step (VllmDrafter), so the distinct depths are
     also the engine tier's check of that."""
     root, prompts = trained, corpus_prompts()
-    distinct = [flag for flag in MODEL if flag != "--mtp-use-repeated-layer"]
+    distinct = mimo_model(layers=2, hidden=64, heads=2, query_groups=1, ffn=96, seq_length=64, repeated=False)
     train(1, *distinct, *TRAIN, "--seed", "7", "--save", str(root / "policy"), "--save-interval", "100", timeout=600)
     project = launch("tests.bodies.engine:decode", 1, {"checkpoint": str(root / "policy"), "prompts": prompts,
                                                        "new_tokens": NEW_TOKENS, "depths": [UPDATE_DEPTH]},
