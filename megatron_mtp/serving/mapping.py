@@ -312,31 +312,30 @@ def hf_parts(cfg: ModelConfig, mtp_layout: str | None) -> list:
     vocab = "embedding.word_embeddings.weight"
     head = vocab if cfg.tied else "output_layer.weight"
 
-    def shared(t):
-        out = {"model.embed_tokens.weight": _unpad(t[vocab], cfg)}
-        if not cfg.tied:
-            out["lm_head.weight"] = _unpad(t[head], cfg)
-        return out
+    def embedding(t):
+        return {"model.embed_tokens.weight": _unpad(t[vocab], cfg)}
+
+    def output_layer(t):  # none when tied: the embedding serves
+        return {} if cfg.tied else {"lm_head.weight": _unpad(t[head], cfg)}
 
     def layer(t, i, sparse, linear):
         return {f"model.layers.{i}.{k}": v.contiguous()
                 for k, v in layer_to_hf(_inner(t, f"decoder.layers.{i}."), cfg, sparse, linear).items()}
 
     def final(t):
-        out = {"model.norm.weight": t["decoder.final_layernorm.weight"]}
-        return out if cfg.tied else {**out, "lm_head.weight": _unpad(t[head], cfg)}
+        return {"model.norm.weight": t["decoder.final_layernorm.weight"], **output_layer(t)}
 
     def depth(t, d):
         source, prefix = f"mtp.layers.{0 if cfg.mtp_repeated else d}.", layout.prefix(cfg, d)
         # a layout that copies the embedding or the head into a depth reads them from these
-        copied = shared(t) if layout.copies_shared else {}
+        copied = {**embedding(t), **output_layer(t)} if layout.copies_shared else {}
         out = dict(copied)
         inner = _inner(t, source + "mtp_model_layer.")
         out.update({prefix + k: v for k, v in layer_to_hf(inner, cfg, mtp_sparse(cfg)).items()})
         layout.to_hf(t, source, prefix, d, cfg, out)
         return {k: v for k, v in out.items() if k not in copied}
 
-    parts = [(False, (vocab,), lambda t: {"model.embed_tokens.weight": _unpad(t[vocab], cfg)})]
+    parts = [(False, (vocab,), embedding)]
     for i, (sparse, linear) in enumerate(layer_kinds(cfg)):
         parts.append((False, (f"decoder.layers.{i}.",), functools.partial(layer, i=i, sparse=sparse, linear=linear)))
     parts.append((False, ("decoder.final_layernorm.",) + (() if cfg.tied else (head,)), final))
@@ -347,14 +346,19 @@ def hf_parts(cfg: ModelConfig, mtp_layout: str | None) -> list:
     return parts
 
 
+def depths_differ(what: str, name: str) -> ServingError:
+    """The refusal of a layout that holds one tensor for every MTP depth (Qwen3-Next's shared norms and
+    fc) where the depths' tensors differ: the export's (join) and the weight stream's."""
+    return ServingError(f"{what}: the MTP layout holds one {name} for all depths, and the depths' differ: use "
+                        "--mtp-layout none (the backbone only), or train the depths as one --mtp-use-repeated-layer")
+
+
 def join(out: dict, part: dict, what: str) -> None:
     """A part's tensors into `out`: a name an earlier part wrote (a layout that holds one tensor for
     every MTP depth) must come again with the same value."""
     for name, value in part.items():
         if name in out and not torch.equal(out[name], value):
-            raise ServingError(f"{what}: the MTP layout holds one {name} for all depths, and the depths' differ: "
-                               "export with --mtp-layout none (the backbone only), or train the depths as one "
-                               "--mtp-use-repeated-layer")
+            raise depths_differ(what, name)
         out.setdefault(name, value)
 
 

@@ -131,10 +131,8 @@ def weights(chunks, args, mtp_layout: str | None = None, architecture: str | Non
         for name, value in export.cast(experts.stack(hf, cfg.adapter.published_experts, plan.expert_layout,
                                                      cfg.num_layers), dtype):
             if name in streamed:  # a layout that holds one tensor for every depth: sent once, the same each time
-                if repeated.get(name) != _digest(value):
-                    raise ServingError(f"the live model: the MTP layout holds one {name} for all depths, and the "
-                                       "depths' differ: stream with --mtp-layout none, or train the depths as one "
-                                       "--mtp-use-repeated-layer")
+                if repeated.get(name) != _digest(value):  # mapping.join's check, without holding the first
+                    raise mapping.depths_differ("the live model", name)
                 continue
             streamed.add(name)
             if is_mtp:

@@ -56,7 +56,6 @@ class Engine:
             raise ServingError(f"no vLLM interpreter at {python()}: run `bash tools/bootstrap --engine vllm`")
         self.request_timeout = request_timeout
         self.options = {**DEFAULTS, "model": str(model), **options}
-        self.drafts = bool((self.options.get("speculative_config") or {}).get("num_speculative_tokens"))
         # where weight batches pass to the engine: memory (tmpfs) where the system has it
         self.transfer = tempfile.mkdtemp(prefix="megatron-mtp-weights-",
                                          dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

@@ -10,26 +10,20 @@ Runs in the engine's interpreter (vllm_server.py's `probe_drafts` op), on the wo
 kept here until read.
 """
 
-RECORDED: dict = {"drafter": [], "target": []}
+RECORDED: list = []
 
 
-def _model(worker, which: str):
-    return worker.model_runner.drafter.model if which == "drafter" else worker.model_runner.model
-
-
-def record(worker, on: bool, which: str = "drafter") -> None:
-    """Starts (on) or stops recording the drafter's (or the target's) logits; starting empties what was
-    recorded."""
-    model = _model(worker, which)
+def record(worker, on: bool) -> None:
+    """Starts (on) or stops recording the drafter's logits; starting empties what was recorded."""
+    model = worker.model_runner.drafter.model
     if on:
-        RECORDED[which].clear()
+        RECORDED.clear()
         if not hasattr(model, "_unprobed_compute_logits"):
             model._unprobed_compute_logits = model.compute_logits
 
             def compute_logits(*args, **kwargs):
                 logits = model._unprobed_compute_logits(*args, **kwargs)
-                if logits is not None:
-                    RECORDED[which].append(logits.detach().float().cpu().tolist())
+                RECORDED.append(logits.detach().float().cpu().tolist())
                 return logits
 
             model.compute_logits = compute_logits
@@ -38,6 +32,6 @@ def record(worker, on: bool, which: str = "drafter") -> None:
         del model._unprobed_compute_logits
 
 
-def recorded(worker, which: str = "drafter") -> list:
-    """The rows recorded since recording started: one list per call, one row per request."""
-    return list(RECORDED[which])
+def recorded(worker) -> list:
+    """The rows recorded since recording started: one list per drafter call, one row per request."""
+    return list(RECORDED)

@@ -99,12 +99,11 @@ def weight_update(llm, request: dict) -> dict:
 def probe_drafts(llm, request: dict) -> dict:
     import vllm_probe
 
-    which = request.get("which", "drafter")
     if request.get("on"):
-        llm.collective_rpc(vllm_probe.record, args=(True, which))
+        llm.collective_rpc(vllm_probe.record, args=(True,))
         return {"done": True}
-    [logits] = llm.collective_rpc(vllm_probe.recorded, args=(which,))
-    llm.collective_rpc(vllm_probe.record, args=(False, which))
+    [logits] = llm.collective_rpc(vllm_probe.recorded)
+    llm.collective_rpc(vllm_probe.record, args=(False,))
     return {"logits": logits}
 
 

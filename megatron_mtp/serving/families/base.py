@@ -52,6 +52,15 @@ class MtpLayout:
         megatron-core trained them."""
         return []
 
+    def first_depth_only(self, cfg, depths: int, engine: str, why: str) -> list[str]:
+        """The warning for an engine that runs the first depth's layer at every draft step (`why`: how
+        that is known), where distinct depths were trained."""
+        if cfg.mtp_repeated or depths < 2:
+            return []
+        return [f"{engine} run {self.prefix(cfg, 0).rstrip('.')} at every draft step ({why}), so the {depths - 1} "
+                "deeper trained depths are loaded and never run there; train one --mtp-use-repeated-layer for "
+                "what vLLM runs"]
+
 
 class Family:
     name: str  # the registry's key

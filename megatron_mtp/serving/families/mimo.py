@@ -58,11 +58,8 @@ class MimoLayout(MtpLayout):
                   "returns them so and normalizes in compute_logits), megatron-core trains the depths on them "
                   "after it: the drafts there are not the trained ones (eval_speculative --draft-chain vllm "
                   "reproduces vLLM's)"]
-        if depths >= 2 and not cfg.mtp_repeated:
-            warned.append(f"vLLM's MiMo MTP runs model.mtp_layers.0 at every draft step (the proposer passes no "
-                          f"step index), so the {depths - 1} deeper trained depths are loaded and never run there; "
-                          "train one --mtp-use-repeated-layer for what vLLM runs")
-        return warned
+        return warned + self.first_depth_only(cfg, depths, "vLLM's MiMo MTP models",
+                                              "the proposer passes no step index")
 
     def check(self, cfg) -> None:
         if cfg.moe:

@@ -51,11 +51,8 @@ class Qwen3NextLayout(MtpLayout):
         return {target + ours: t[name] for ours, name in SHARED_MTP}
 
     def engine_warnings(self, cfg, depths: int) -> list[str]:
-        if cfg.mtp_repeated or depths < 2:
-            return []
-        return [f"vLLM's Qwen3-Next and Qwen3.5 MTP models run mtp.layers.0 at every draft step (no draft-step index "
-                f"reaches them: vllm-project/vllm#52688), so the {depths - 1} deeper trained depths are loaded and "
-                "never run there; train one --mtp-use-repeated-layer for what vLLM runs"]
+        return self.first_depth_only(cfg, depths, "vLLM's Qwen3-Next and Qwen3.5 MTP models",
+                                     "no draft-step index reaches them: vllm-project/vllm#52688")
 
 
 class GatedDeltaNet(Family):
