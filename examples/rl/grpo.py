@@ -509,6 +509,15 @@ def decoder_greedy_acceptance(runner, prompts: list, task, depths: int) -> list:
     return [stats.drafts, *stats.accepted_per_position]
 
 
+def acceptance_values(values: dict, counts: list, per_depth: str, length: str) -> None:
+    """counts = [verify steps, accepted per position...] (vLLM's counting) -> each depth's per-position
+    rate (`per_depth` with its {k}) and the mean acceptance length with the bonus token (`length`)."""
+    drafts, accepted = counts[0], counts[1:]
+    for k, count in enumerate(accepted, 1):
+        values[per_depth.format(k=k)] = count / max(drafts, 1)
+    values[length] = 1 + sum(accepted) / max(drafts, 1)
+
+
 def advantages_of(rewards: list[float], group: int) -> list[float]:
     out = []
     for i in range(0, len(rewards), group):
@@ -640,31 +649,26 @@ def main(argv=None) -> int:
                 greedy = vllm.acceptance(every_prompt, task) + decoder_greedy_acceptance(runner, prompts, task, depths)
             totals = all_sum([sum(rewards), len(rewards), sum(r == 1.0 for r in rewards), stats.drafts,
                               *stats.accepted_per_position, *engine_counts, *greedy, rollout_seconds])
-            reward, solved, drafts = totals[0] / totals[1], totals[2] / totals[1], totals[3]
+            reward, solved = totals[0] / totals[1], totals[2] / totals[1]
             rewards_per_step.append(reward)
             values = {"consumed samples": step * args.prompts_per_step * args.group_size, "reward": reward,
                       "solved": solved}
-            for k in range(1, depths + 1 if vllm is None else 1):  # vLLM's rollouts are plain sampling
-                values[f"mtp_{k} rollout acceptance"] = totals[3 + k] / max(drafts, 1)
-            if depths and vllm is None:
-                values["rollout mean acceptance length (incl. bonus)"] = 1 + sum(totals[4:4 + depths]) / max(drafts, 1)
+            # [verify steps, accepted per position...] blocks: the rollouts', each draft mode's engine decode,
+            # then vLLM's greedy decode and the decoder's beside it
+            span, counted = 1 + depths, totals[3:-1]
+            blocks = [counted[i:i + span] for i in range(0, len(counted), span)]
+            if depths and vllm is None:  # vLLM's rollouts are plain sampling: nothing drafted
+                acceptance_values(values, blocks[0], "mtp_{k} rollout acceptance",
+                                  "rollout mean acceptance length (incl. bonus)")
             if depths:
-                for mode, method in enumerate(speculative.DRAFT_SAMPLE_METHODS):
-                    first = 4 + depths + mode * (1 + depths)
-                    engine_drafts, engine_accepted = totals[first], totals[first + 1:first + 1 + depths]
+                for method, block in zip(speculative.DRAFT_SAMPLE_METHODS, blocks[1:3], strict=True):
                     named = ENGINE_NAMES[method]
-                    for k in range(1, depths + 1):
-                        values[f"mtp_{k} engine acceptance{named}"] = engine_accepted[k - 1] / max(engine_drafts, 1)
-                    values[f"engine mean acceptance length (incl. bonus){named}"] = \
-                        1 + sum(engine_accepted) / max(engine_drafts, 1)
+                    acceptance_values(values, block, "mtp_{k} engine acceptance" + named,
+                                      "engine mean acceptance length (incl. bonus)" + named)
             if greedy:
-                first = 4 + depths + len(speculative.DRAFT_SAMPLE_METHODS) * (1 + depths)
-                for side, offset in (("vllm", first), ("decoder", first + 1 + depths)):
-                    side_drafts, side_accepted = totals[offset], totals[offset + 1:offset + 1 + depths]
-                    for k in range(1, depths + 1):
-                        values[f"mtp_{k} {side} greedy acceptance"] = side_accepted[k - 1] / max(side_drafts, 1)
-                    values[f"{side} greedy mean acceptance length (incl. bonus)"] = \
-                        1 + sum(side_accepted) / max(side_drafts, 1)
+                for side, block in zip(("vllm", "decoder"), blocks[3:], strict=True):
+                    acceptance_values(values, block, f"mtp_{{k}} {side} greedy acceptance",
+                                      f"{side} greedy mean acceptance length (incl. bonus)")
             values["policy-gradient loss"] = metrics["lm loss"]  # the step's main loss
             for k in range(1, depths + 1):
                 values[f"mtp_{k} loss"] = metrics[f"mtp_{k} loss"]
