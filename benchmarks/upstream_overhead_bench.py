@@ -3,7 +3,7 @@
 """The fork's MTP step against pristine upstream, side by side in one run (isolation off).
 
     .venv/bin/python -m benchmarks.upstream_overhead_bench [--version 0.19.2] [--rounds 10] [--vocab 8192]
-        [--moe | --architecture mla_moe|delta_net] [--threads N] [--mtp-loss-type kl|tv|e2e_tv]
+        [--moe | --architecture mla_moe|delta_net] [--threads N] [--mtp-loss-type ce kl tv e2e_tv]
 
 Three sides build the same GPT (SDPA layer spec, same weights and data):
 - fork: this checkout's patched build of VERSION (default: `current`), its default MTP
@@ -30,8 +30,11 @@ layers and the MTP layer; seq_aux_loss and z-loss), D = 0 and 1, peak memory at 
 step-time vocabulary only. The fork's MoE MTP layer keeps its dense last-depth MLP
 (megatron/core/fork/mtp/last_depth.py): what it saves at 30% valid is the sparse loss.
 
---mtp-loss-type: the fork sides train that draft objective (spec section 12; with isolation,
-which it needs), upstream its ce as always: the draft objective's step against upstream's.
+--mtp-loss-type: the objectives the fork sides train (default ce): ce gives the two sides
+above; each draft objective (spec section 12; with isolation, which it needs) one side more,
+"fork, OBJECTIVE", whose every step measures the metrics (a draft objective trains on the main
+head at t + k). Upstream trains its ce as always, so one run prints each draft objective's step
+beside the fork's ce step as users get it and beside upstream's.
 
 --architecture: likewise (D = 0 and 1) on an architecture of benchmarks.common.ARCHITECTURES:
 mla_moe (DeepSeek-V3's multi-latent attention with YaRN and q/k norms, the MoE layers of
@@ -55,7 +58,18 @@ from benchmarks.common import ARCHITECTURES, MOE, SHAPE, build, peak_step_memory
 
 VARIANTS = {"dense": {}, "moe": MOE, **ARCHITECTURES}  # the model's TransformerConfig fields beside SHAPE
 
-FORK_SIDES = {"fork": False, "fork, logged": True}  # side -> whether its steps measure the metrics
+FORK_SIDES = {"fork": False, "fork, logged": True}  # ce: side -> whether its steps measure the metrics
+
+
+def fork_sides(objectives) -> dict:
+    """side -> (whether its steps measure the metrics, the objective it trains)."""
+    sides = {}
+    for objective in objectives:
+        if objective == "ce":
+            sides.update({side: (metrics, "ce") for side, metrics in FORK_SIDES.items()})
+        else:
+            sides[f"fork, {objective}"] = (True, objective)
+    return sides
 
 
 def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads: int, metrics: bool,
@@ -104,12 +118,12 @@ def side_env(tree: Path) -> dict:
 
 
 def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: int, rounds: int,
-                      variant: str = "dense", threads: int = 0, objective: str = "ce") -> tuple:
+                      variant: str = "dense", threads: int = 0, objectives=("ce",)) -> tuple:
     """({D: {side: median wall seconds}}, {D: {side: median CPU seconds}}): one process per
     side and D, all taking turns one step at a time, so that step(D) - step(0) subtracts steps
     measured under the same load. CPU seconds (the process's, all its threads) depend less
     on what else runs on the machine; with one thread (--threads 1) they are the step's work."""
-    sides = {side: (trees["fork"], metrics, objective) for side, metrics in FORK_SIDES.items()}
+    sides = {side: (trees["fork"], metrics, objective) for side, (metrics, objective) in fork_sides(objectives).items()}
     sides["upstream"] = (trees["upstream"], True, "ce")
     procs = {(d, side): subprocess.Popen([sys.executable, __file__, "--worker", str(d), str(valid_fraction),
                                           str(vocab), variant, str(threads), str(int(metrics)), loss],
@@ -161,8 +175,8 @@ def main() -> None:
                         help="an architecture of benchmarks.common.ARCHITECTURES, D = 0 and 1")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of each step-time process (default: torch's own)")
-    parser.add_argument("--mtp-loss-type", default="ce", choices=("ce", "kl", "tv", "e2e_tv"),
-                        help="the fork sides' draft objective (isolation on); upstream trains ce")
+    parser.add_argument("--mtp-loss-type", nargs="+", default=["ce"], choices=("ce", "kl", "tv", "e2e_tv"),
+                        help="the objectives of the fork sides (draft objectives with isolation); upstream trains ce")
     parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     parser.add_argument("--peak-memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,8 +197,8 @@ def main() -> None:
     memory_vocabs = (SHAPE["vocab"], 4 * SHAPE["vocab"]) if variant == "dense" else (args.vocab,)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"fork": build_tree(version), "upstream": make_upstream_tree(version, Path(tmp))}
-        fork_loss = ("isolation off" if args.mtp_loss_type == "ce"
-                     else f"the fork sides {args.mtp_loss_type} with isolation, upstream ce without")
+        drafts = [objective for objective in args.mtp_loss_type if objective != "ce"]
+        fork_loss = "isolation off" + (f" (ce), with isolation ({', '.join(drafts)}), upstream ce" if drafts else "")
         print(f"megatron-core {version}, {fork_loss}; shape {SHAPE}, vocab {args.vocab} in the step-time runs"
               + (f"; {variant} {VARIANTS[variant]}" if VARIANTS[variant] else "")
               + (f"; {args.threads} torch thread(s)" if args.threads else ""))
@@ -192,11 +206,11 @@ def main() -> None:
             print(f"step time, {valid_fraction:.0%} of positions valid (median of {args.rounds} alternating steps):")
             for kind, seconds in zip(("wall", "CPU"), compare_step_time(
                     trees, depths, valid_fraction, args.vocab, args.rounds, variant, args.threads,
-                    args.mtp_loss_type)):
+                    dict.fromkeys(args.mtp_loss_type))):
                 print(f" {kind} time:")
                 report("", {d: {side: t * 1000 for side, t in by_side.items()} for d, by_side in seconds.items()},
                        "ms", "MTP overhead step(D) - step(0)")
-        if args.mtp_loss_type != "ce":
+        if "ce" not in args.mtp_loss_type:
             return  # the objectives' memory: benchmarks.draft_objectives_bench
         print("peak live tensor memory of a step, all positions valid:")
         for vocab in memory_vocabs:
@@ -210,7 +224,7 @@ def report(label: str, by_depth: dict, unit: str, mtp_part: str) -> None:
     MTP adds to D = 0."""
     for depths, value in by_depth.items():
         for side in (name for name in value if name != "upstream"):
-            line = (f"  {label}D={depths}: {side + ' ' * (12 - len(side))} {value[side]:7.1f} {unit}, upstream "
+            line = (f"  {label}D={depths}: {side:<12} {value[side]:7.1f} {unit}, upstream "
                     f"{value['upstream']:7.1f} {unit} -> ratio {value[side] / value['upstream']:.3f}")
             if depths:
                 added = {name: value[name] - by_depth[0][name] for name in (side, "upstream")}

@@ -78,7 +78,7 @@ def packed_delta_net(dtype: str = "bfloat16") -> dict:
                   loss_mask=mask.to(device), packed_seq_params=packed)
             want, _ = ref(input_ids, segments)
             unseparated, _ = ref(input_ids, torch.zeros_like(segments))
-    got = capture.logits[0].float().cpu()
+    got = capture.split()[0].float().cpu()
     scale = float(want.abs().max())
     return {"device": "cuda" if torch.cuda.is_available() else "cpu",
             "fla": importlib.util.find_spec("fla") is not None,

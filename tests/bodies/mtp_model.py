@@ -80,11 +80,15 @@ def packed_params(segments):
 
 
 class Capture:
-    """Records MTP per-position weighted losses and output-layer logits during a forward."""
+    """Records MTP per-position weighted losses and output-layer logits during a forward, and
+    which logits are the main head's (the MTP branch computes them first where it reads p^k_t
+    from them: megatron.core.fork.mtp.heads.main_head_output; else they are the last)."""
 
     def __init__(self, model):
-        self.mtp_terms, self.logits = [], []
-        self.original_apply = multi_token_prediction.MTPLossAutoScaler.apply
+        self.mtp_terms, self.logits, self.main_at = [], [], -1
+        from megatron.core.fork.mtp import heads
+
+        self.heads, self.scaler, self.main_head_output = heads, heads._LossScaler, heads.main_head_output
         self.model = model
 
     def __enter__(self):
@@ -92,20 +96,29 @@ class Capture:
 
         def apply(hidden, loss):
             capture.mtp_terms.append(loss.detach().clone())
-            return capture.original_apply(hidden, loss)
+            return capture.scaler.apply(hidden, loss)
 
-        from megatron.core.fork.mtp import heads
+        def main_head_output(*args, **kwargs):
+            output = capture.main_head_output(*args, **kwargs)
+            if output is not None:
+                capture.main_at = len(capture.logits) - 1
+            return output
 
-        self.heads = heads
-        heads.MTPLossAutoScaler = type("Recording", (), {"apply": staticmethod(apply)})
+        self.heads._LossScaler = type("Recording", (), {"apply": staticmethod(apply)})
+        self.heads.main_head_output = main_head_output
         self.hook = self.model.output_layer.register_forward_hook(
             lambda module, args, out: capture.logits.append(out[0].detach().transpose(0, 1).clone())
         )
         return self
 
     def __exit__(self, *exc):
-        self.heads.MTPLossAutoScaler = multi_token_prediction.MTPLossAutoScaler
+        self.heads._LossScaler, self.heads.main_head_output = self.scaler, self.main_head_output
         self.hook.remove()
+
+    def split(self):
+        """(the main head's logits, or None under sparse_lm_loss; the MTP depths' logits in depth order)."""
+        logits = list(self.logits)
+        return (logits.pop(self.main_at) if logits else None), logits
 
 
 def run_megatron(model, input_ids, labels, mask, segments):
@@ -119,7 +132,8 @@ def run_megatron(model, input_ids, labels, mask, segments):
         per_token = model(input_ids, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed)
     (per_token * mask).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return {"main_ce": per_token.detach(), "mtp_terms": capture.mtp_terms, "logits": capture.logits,
+    main_logits, logits = capture.split()
+    return {"main_ce": per_token.detach(), "mtp_terms": capture.mtp_terms, "main_logits": main_logits, "logits": logits,
             "grads": grads, "sums": STEP_STATISTICS.local_sums()}
 
 
@@ -194,13 +208,13 @@ def compare_case(depths, repeated, tied, detach, recompute, layout, sparse, arch
     got, (logits, main_ce, per_depth), ref_grads, _ = against_reference(config, 1000 + depths, tied, layout, arch,
                                                                         model_options)
     errors = {
-        "main_logits": max_rel(got["logits"][-1], logits.detach()),
+        "main_logits": max_rel(got["main_logits"], logits.detach()),
         "main_ce": max_rel(got["main_ce"], main_ce.detach()),
         "grad_names": sorted(got["grads"]) == sorted(ref_grads),
     }
     if sparse:  # no MTP logits exist beyond one chunk; one loss term for all depths
         want = sum((ce * mask_k).sum() for ce, mask_k, _, _ in per_depth) * (LAMBDA / depths)
-        errors["mtp_logits_never_dense"] = len(got["logits"]) == 1
+        errors["mtp_logits_never_dense"] = len(got["logits"]) == 0
         errors["mtp_loss"] = max_rel(got["mtp_terms"][0], want.detach())
     for k, (ce, mask_k, _, lg) in enumerate(per_depth if not sparse else ()):
         errors[f"mtp{k + 1}_logits"] = max_rel(got["logits"][k], lg.detach())

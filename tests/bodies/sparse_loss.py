@@ -198,7 +198,7 @@ def vocab_parallel_ties() -> dict:
             multi_token_prediction.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
             positions = torch.arange(SEQ).unsqueeze(0).expand_as(input_ids)
             model(input_ids, positions, None, labels=labels, loss_mask=mask)
-        lowest = capture.logits[0].argmax(dim=-1)  # [b, s], indices < 24
+        lowest = capture.split()[1][0].argmax(dim=-1)  # depth 1's [b, s], indices < 24
         # Depth 1 at position t predicts labels[t + 1].
         parity = (torch.arange(SEQ - 1) % 2).expand(4, -1)
         labels[:, 1:] = lowest[:, :-1] + shard * parity

@@ -67,6 +67,17 @@ def capture(out_file: str, weights_file: str, ours: bool, depths: int, tied: boo
         model.compute_language_model_loss = recording_loss
         hook = model.output_layer.register_forward_hook(
             lambda m, a, out: logits.append(out[0].detach().transpose(0, 1).tolist()))
+        main_first = []  # ours: whether the MTP branch computed the main head's logits (it reads p^k_t there)
+        if ours:
+            from megatron.core.fork.mtp import heads
+
+            computed = heads.main_head_output
+
+            def recording_head(*args, **kwargs):
+                main_first.append(computed(*args, **kwargs))
+                return main_first[-1]
+
+            heads.main_head_output = recording_head
         # Upstream's loss tracker keeps a tensor sized for the first D it saw in this process.
         multi_token_prediction.MTPLossLoggingHelper.tracker.clear()
         input_ids, labels, mask = _batch()
@@ -75,6 +86,10 @@ def capture(out_file: str, weights_file: str, ours: bool, depths: int, tied: boo
             main = model(input_ids, positions, None, labels=labels, loss_mask=mask)
         finally:
             hook.remove()
+            if ours:
+                heads.main_head_output = computed
+        if main_first and main_first[0] is not None:
+            logits.append(logits.pop(0))  # upstream's order: the depths', then the main head's
         terms = cross_entropies[:depths]
         result = {"mtp_losses": terms, "logits": logits, "main": main.detach().tolist(), "mask": mask.tolist()}
         if ours:

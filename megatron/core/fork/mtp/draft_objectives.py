@@ -10,15 +10,20 @@ For depth k at position t (``mtp_loss_type``, ``mtp_draft_temperature`` tau):
     alpha^k_t = sum_v min(p, q)        what a rejection sampler accepts (drafts sampled from q)
     beta^k_t = p(argmax_v q)           what it accepts of greedy drafts (spec section 12.1)
 
-z^0_{t+k} is computed from h^0 rolled left by k inside its sequence
-(megatron.core.fork.mtp.supervision.rolled_main_hidden: upstream's ``roll_tensor``, which
-this series makes exact across context-parallel ranks and packed segments) and the detached
-output weight, at the same rows as z^k_t, in the same
-chunks of the sparse cross-entropy (megatron.core.fork.mtp.sparse_cross_entropy): no
-[tokens, vocab] tensor outlives its chunk. Under tensor parallelism each rank holds a
-vocabulary shard; the maxima, exponential sums and the sums over the vocabulary of
-min(p, q), of q where q < p, and of p log(p / q) are all-reduced, so every value is the
-full vocabulary's. beta reads p at the draft's argmax over the full vocabulary (the
+z^0_{t+k} is the main head's own logit row at t + k: the main loss projects every position,
+and GPTModel's postprocess hands those logits to the MTP branch
+(megatron.core.fork.mtp.heads.main_head_logits), which reads each chunk's rows from them
+at positions rolled by k inside their sequence (upstream's ``roll_tensor``, which respects
+packed segments). Where the main loss does not project every position (``sparse_lm_loss``,
+an output processor) or the rows at t + k sit on another context-parallel rank, z^0_{t+k} is
+projected again from h^0 rolled by k (megatron.core.fork.mtp.supervision.rolled_by_depth,
+which this series makes exact across context-parallel ranks) with the detached output
+weight, at the same rows as z^k_t. Either way each chunk gathers or projects its own rows: no
+[tokens, vocab] tensor outlives its chunk beyond the main loss's own logits.
+
+Under tensor parallelism each rank holds a vocabulary shard; the maxima, exponential sums
+and the sums over the vocabulary of min(p, q), of q where q < p, and of p log(p / q) are
+all-reduced, so every value is the full vocabulary's. beta reads p at the draft's argmax over the full vocabulary (the
 chunk's argmax, vocab_parallel_max: lowest id on ties) on the rank whose shard holds it, summed
 in the same all-reduce.
 
@@ -37,6 +42,7 @@ objectives are ``ce | kl | tv | e2e_tv`` and every one is normalized by the step
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -53,12 +59,22 @@ def objective_of(config) -> str:
 
 @dataclass
 class DraftTargets:
-    """What the chunked projection needs beside the draft rows: the main head's rows at
-    t + k (h^0 rolled by k, detached, in the same order), tau and the objective."""
+    """What the chunked projection needs beside the draft rows: tau, the objective, and the
+    main head's logits at t + k for each draft row, in the same order. Either ``logits`` (the
+    main head's unscaled logits [positions, vocabulary shard], detached) read at ``index`` (each
+    row's position t + k), or ``rows`` (h^0 at t + k, detached) projected in the chunk."""
 
-    rows: torch.Tensor
     temperature: float
     objective: str
+    rows: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    index: Optional[torch.Tensor] = None
+
+    def target_logits(self, chunk: slice, weight: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows of z^0_{t+k} (unscaled, over this rank's vocabulary shard)."""
+        if self.logits is not None:
+            return self.logits.index_select(0, self.index[chunk])
+        return torch.matmul(self.rows[chunk], weight.t())
 
 
 def _all_reduce(tensor: torch.Tensor, tp_group, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -11,17 +11,19 @@ section 4; upstream 0.19 rescales each depth by its local count, issue #7452).
 By default (``mtp_sparse_loss``) the logits, losses and statistics of all depths come from
 megatron.core.fork.mtp.sparse_loss: only the positions that count are projected, in
 chunks. Without it the cross-entropy loop below projects every position, as upstream does,
-and the statistics (the sampled acceptance needs the main head at t + k) come from the
-chunked projection at every row; a draft objective (kl, tv, e2e_tv) takes the chunked
-projection at every row.
+and the statistics come from the chunked projection at every row; a draft objective (kl,
+tv, e2e_tv) takes the chunked projection at every row. Where the branch reads the main head
+at t + k (a draft objective, or a step that reports the acceptances) it reads it from the
+main head's own logits, which it then computes for the caller (``main_head_output``).
 """
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from megatron.core.fork.mtp import isolation, last_depth, step_loss, step_scope
 from megatron.core.fork.mtp.draft_objectives import objective_of
-from megatron.core.fork.mtp.sparse_loss import every_row, rows_needed, sparse_depth_losses
+from megatron.core.fork.mtp.sparse_loss import every_row, main_head_needed, rows_needed, sparse_depth_losses
 from megatron.core.fork.mtp.supervision import depth_targets, labels_and_mask
 from megatron.core.fork.runtime import compat
 
@@ -58,14 +60,27 @@ def rows_of_last_depth(model, input_ids, labels, loss_mask, packed_seq_params=No
     return last_depth.taking_rows(rows)
 
 
+class _LossScaler(MTPLossAutoScaler):
+    """Upstream's MTPLossAutoScaler (the schedule's scale in the backward), whose output is a new
+    tensor over the carrier's storage rather than the carrier returned as it is: when the
+    carrier is the main head's logits, the main loss's cross-entropy works on them in place,
+    which autograd forbids on an input a custom Function returns."""
+
+    @staticmethod
+    def forward(ctx, output, mtp_loss):
+        ctx.save_for_backward(mtp_loss)
+        return output.detach()
+
+
 class _SeededLoss(torch.autograd.Function):
     """Attaches a loss to a tensor with the backward seed 1: its weight already holds the whole
-    seed (a framework's step), not MTPLossAutoScaler's scale, which the framework's schedule sets."""
+    seed (a framework's step), not MTPLossAutoScaler's scale, which the framework's schedule sets.
+    A new tensor over the carrier's storage, as _LossScaler's."""
 
     @staticmethod
     def forward(ctx, output, loss):
         ctx.save_for_backward(loss)
-        return output
+        return output.detach()
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -77,7 +92,7 @@ def _attach(output, weighted_loss):
     step = step_loss.active()
     if step is not None and step.seeds_mtp:
         return _SeededLoss.apply(output, weighted_loss)
-    return MTPLossAutoScaler.apply(output, weighted_loss)
+    return _LossScaler.apply(output, weighted_loss)
 
 
 def refuse_missing_mask(loss_mask) -> None:
@@ -90,13 +105,34 @@ def refuse_missing_mask(loss_mask) -> None:
             "prompt included, would be trained and counted): pass loss_mask=... to the model's forward")
 
 
+def main_head_output(model, main_hidden, shared_output_weight, runtime_gather_output, reusable: bool):
+    """The main head's output layer at every position, (logits, bias), computed here when the MTP
+    branch reads p^k_t from its logits (megatron.core.fork.mtp.draft_objectives) instead of
+    projecting h^0 at t + k again; the caller's loss then takes these logits. None (the caller
+    projects as upstream does, and the branch projects h^0 at t + k) when the branch does not
+    read p^k_t, or the main loss does not project every position (``sparse_lm_loss``;
+    ``reusable`` False: an output processor), or the logits would not be the vocabulary shard
+    the MTP logits are (gathered at run time), or the rows at t + k may sit on another
+    context-parallel rank."""
+    config, layer = model.config, model.output_layer
+    gathers = runtime_gather_output if runtime_gather_output is not None else getattr(layer, "gather_output", False)
+    sharded = gathers and dist.get_world_size(model.pg_collection.tp) > 1
+    split_sequence = model.cp_group is not None and dist.get_world_size(model.cp_group) > 1
+    if not reusable or config.sparse_lm_loss or sharded or split_sequence or not main_head_needed(config):
+        return None
+    return layer(main_hidden, weight=shared_output_weight, runtime_gather_output=runtime_gather_output)
+
+
 def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared_output_weight,
-                      packed_seq_params=None, runtime_gather_output=None):
-    """Split [h^0; h^1..h^D], attach every depth's loss to h^0, return h^0 for the main head."""
+                      packed_seq_params=None, runtime_gather_output=None, reuse_main_logits=True):
+    """Split [h^0; h^1..h^D] and attach every depth's loss. Returns (h^0, the main head's output
+    or None): where the MTP branch read p^k_t from the main head's logits (``main_head_output``)
+    the losses are attached to those logits, which the caller's main loss must take, else to h^0,
+    which the caller projects."""
     config = model.config
     depths = config.mtp_num_layers or 0
     if depths == 0:
-        return hidden_states  # mtp_num_layers=0: no MTP, as upstream
+        return hidden_states, None  # mtp_num_layers=0: no MTP, as upstream
     try:
         isolation.refuse_trainable_output_bias(model)
     except ValueError as refusal:  # found on the MTP stage alone: refused on every rank (step_scope)
@@ -105,24 +141,32 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
     main_hidden = per_depth_hidden[0]
     supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
     if supervised is None:
-        return main_hidden  # generation: nothing to supervise
+        return main_hidden, None  # generation: nothing to supervise
     refuse_missing_mask(loss_mask)
     labels, loss_mask = supervised
     weight = isolation.output_weight(model, shared_output_weight)
     loss_weight = mtp_loss_weight(config, loss_mask.sum())
     targets = list(depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group))
+    head = main_head_output(model, main_hidden, shared_output_weight, runtime_gather_output, reuse_main_logits)
+    main_logits = None if head is None else head[0]
+    carrier = main_hidden if head is None else main_logits  # what the losses attach to
+
+    def result(carried):
+        return (carried, None) if head is None else (main_hidden, (carried, head[1]))
+
     if config.mtp_sparse_loss or objective_of(config) != "ce":
         rows_of = rows_needed if config.mtp_sparse_loss else every_row
         loss_sum = sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params,
-                                       rows_of)
-        return _attach(main_hidden, loss_weight * loss_sum)
+                                       rows_of, main_logits)
+        return result(_attach(carrier, loss_weight * loss_sum))
     with torch.no_grad():  # the statistics, recorded as the sparse loss records them, at every row
-        sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params, every_row)
+        sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params, every_row,
+                            main_logits)
     for k, labels_k, mask_k in targets:
         logits, _ = model.output_layer(per_depth_hidden[k], weight=weight,
                                        runtime_gather_output=runtime_gather_output)
         logits = compat.scale_logits(model, logits)
         per_token = model.compute_language_model_loss(labels_k, logits) * mask_k
         del logits  # one depth's logits alive at a time
-        main_hidden = _attach(main_hidden, loss_weight * per_token)
-    return main_hidden
+        carrier = _attach(carrier, loss_weight * per_token)
+    return result(carrier)

@@ -55,7 +55,7 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     beta [n]; the last three without gradient).
 
     With ``draft`` (MTP rows; megatron.core.fork.mtp.draft_objectives) each chunk also
-    projects the main head's rows at t + k and gives the sampled acceptance alpha and the
+    reads (or projects) the main head's logits at t + k and gives the sampled acceptance alpha and the
     greedy-draft acceptance beta (p at the argmax the chunk already takes); for a
     draft objective other than ``ce`` the first output is that objective's per-row value
     (KL, or alpha) with its own gradient, exact for any incoming per-row gradient (the
@@ -93,7 +93,7 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
                 logits.mul_(logit_scale)
             best, predicted[chunk] = vocab_parallel_max(logits, tp_group)
             if draft is not None:
-                target_logits = torch.matmul(draft.rows[chunk], weight.t()).to(precision)
+                target_logits = draft.target_logits(chunk, weight).to(precision)
                 if logit_scale != 1.0:
                     target_logits.mul_(logit_scale)
                 value, alpha[chunk], beta[chunk], grad_logits = chunk_terms(

@@ -21,7 +21,7 @@ from megatron.core.fork.mtp.sparse_cross_entropy import (
     vocab_parallel_rows,
 )
 from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metric_projections
-from megatron.core.fork.mtp.supervision import rolled_main_hidden
+from megatron.core.fork.mtp.supervision import rolled_by_depth
 
 
 def rows_needed(masks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -40,13 +40,19 @@ def every_row(masks: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.arange(mask.numel(), device=mask.device) for mask in masks]
 
 
+def main_head_needed(config) -> bool:
+    """Whether this forward reads the main head at t + k (p^k_t): a draft objective trains on it,
+    or the step reports the sampled and greedy-draft acceptances (statistics.metric_projections)."""
+    return objective_of(config) != "ce" or metric_projections(config)
+
+
 def flat(tensor: torch.Tensor) -> torch.Tensor:
     """[b, s] -> the flat [s, b] order of the hidden states' rows."""
     return tensor.t().reshape(-1)
 
 
 def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, packed_seq_params=None,
-                        rows_of=rows_needed) -> torch.Tensor:
+                        rows_of=rows_needed, main_logits=None) -> torch.Tensor:
     """sum_k S_k over all depths (the caller weights it by lambda / D and the normalization)
     for the config's objective (megatron.core.fork.mtp.draft_objectives), computed at the
     rows ``rows_of`` picks (by default the needed ones); records every depth's statistics,
@@ -54,18 +60,24 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
 
     main_hidden: h^0 [s, b, h], hidden_by_depth: h^1..h^D, each a sequence shard under
     sequence parallelism; targets: (k, labels_k [b, s], mask_k [b, s]) for k = 1..D; weight:
-    the output weight the MTP logits use (detached under isolation; None: the output layer's).
+    the output weight the MTP logits use (detached under isolation; None: the output layer's);
+    main_logits: the main head's unscaled logits [s, b, vocabulary shard] over the whole
+    sequence, from which p^k_t is read (None: projected again from h^0 at t + k).
     """
     config, tp_group = model.config, model.pg_collection.tp
     refuse_output_bias(model)
     objective = objective_of(config)
     masks = [mask for _, _, mask in targets]
     positions = rows_of(masks)
-    sampled = objective != "ce" or metric_projections(config)  # the main head at t + k is needed
+    sampled = main_head_needed(config)
     main_rows = [None] * len(targets)
-    if sampled:
+    if sampled and main_logits is not None:  # each row's position t + k in the main head's logits
+        seq, batch = main_logits.shape[:2]
+        grid = torch.arange(seq * batch, device=main_logits.device).view(seq, batch, 1)
+        main_rows = rolled_by_depth(grid, len(targets), packed_seq_params)
+    elif sampled:  # h^0 at t + k, projected in the chunks
         main_full = full_sequence(main_hidden.detach(), config, tp_group)
-        main_rows = rolled_main_hidden(main_full, len(targets), packed_seq_params, model.cp_group)
+        main_rows = rolled_by_depth(main_full, len(targets), packed_seq_params, model.cp_group)
     rows, target_rows, labels, row_weights = [], [], [], []
     for hidden, rolled, (_, labels_k, mask_k), where in zip(hidden_by_depth, main_rows, targets, positions,
                                                             strict=True):
@@ -76,8 +88,13 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
         labels.append(flat(labels_k).index_select(0, where))
         row_weights.append(flat(mask_k).index_select(0, where).float())
     draft_rows = vocab_parallel_rows(torch.cat(rows), config, tp_group)
-    draft = DraftTargets(torch.cat(target_rows).to(draft_rows.dtype), config.mtp_draft_temperature,
-                         objective) if sampled else None
+    draft = None
+    if sampled and main_logits is not None:
+        draft = DraftTargets(config.mtp_draft_temperature, objective,
+                             logits=main_logits.detach().reshape(-1, main_logits.size(-1)),
+                             index=torch.cat(target_rows).squeeze(1))
+    elif sampled:
+        draft = DraftTargets(config.mtp_draft_temperature, objective, rows=torch.cat(target_rows).to(draft_rows.dtype))
     value, predicted, alpha, beta = chunked_cross_entropy(model, draft_rows, weight, torch.cat(labels),
                                                           torch.cat(row_weights), draft)
     values = list(value.split([where.numel() for where in positions]))

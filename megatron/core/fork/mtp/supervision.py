@@ -73,12 +73,13 @@ def depth_targets(labels: torch.Tensor, loss_mask: torch.Tensor, depths: int,
         yield k, labels, loss_mask
 
 
-def rolled_main_hidden(main_hidden: torch.Tensor, depths: int, packed_seq_params=None, cp_group=None):
-    """h^0 at t + k for k = 1..depths, each [s, b, h] (the whole sequence; detached): the rows
-    the main head's distribution p^k_t is computed from. Each roll builds on the previous one;
-    a position whose t + k leaves its sequence gets zeros (it is masked at depth k)."""
-    rolled, hidden = [], main_hidden.detach().permute(1, 2, 0)  # [b, h, s]: 0.16.1 rolls packed rows on the last dim
+def rolled_by_depth(rows: torch.Tensor, depths: int, packed_seq_params=None, cp_group=None):
+    """``rows`` [s, b, n] (the whole sequence) at t + k for k = 1..depths, each [s, b, n], detached:
+    h^0's rows, from which the main head's distribution p^k_t is projected, or the positions
+    whose main-head logits it reads. Each roll builds on the previous one; a position whose
+    t + k leaves its sequence gets zeros (it is masked at depth k)."""
+    rolled, rows = [], rows.detach().permute(1, 2, 0)  # [b, n, s]: 0.16.1 rolls packed rows on the last dim
     for _ in range(depths):
-        hidden, _ = roll_tensor(hidden, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
-        rolled.append(hidden.permute(2, 0, 1))
+        rows, _ = roll_tensor(rows, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+        rolled.append(rows.permute(2, 0, 1))
     return rolled
