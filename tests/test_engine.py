@@ -23,6 +23,7 @@ import sys
 import pytest
 
 from megatron_mtp.serving.engines import vllm_engine
+from tests.harness import corpora
 from tests.harness.launcher import REPO_ROOT, launch
 from tests.harness.trainer import train
 from tests.harness.vllm_model import mimo_model
@@ -52,12 +53,7 @@ def trained(tmp_path_factory):
 
 
 def corpus_prompts() -> list:
-    from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
-    from megatron_mtp.serving import prompts as serving_prompts
-
-    pairs = serving_prompts.dataset_prompts(str(corpus_prefix(default_cache_dir())), PROMPTS, PROMPT_LENGTH,
-                                            NEW_TOKENS)
-    return [[int(t) for t in prompt] for prompt, _ in pairs]
+    return corpora.corpus_prompts(PROMPTS, PROMPT_LENGTH, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

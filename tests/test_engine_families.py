@@ -3,7 +3,8 @@
 """Every family's export in vLLM's CPU build (megatron_mtp.serving.engines.vllm_engine), against the
 project's decoder: a tiny random model of the family (tests/bodies/engine_families.py: transformers'
 model imported with one new MTP depth, exported as the family as written, in the dtype the CPU kernels
-take), decoded greedily by the project (tests.bodies.engine) and by vLLM, one request per prompt.
+take; DeepSeek-V3's trained by the project's trainer on the embedded corpus instead, and prompted from
+it), decoded greedily by the project (tests.bodies.engine) and by vLLM, one request per prompt.
 vLLM's plain tokens = the project's; where vLLM has an MTP model for the family's layout, its
 speculative tokens at D = 1 = its plain ones, and its verify steps and accepted drafts = the
 project's with vLLM's draft chain (at D = 1 both chains are one), prompt by prompt, where the
@@ -18,6 +19,7 @@ import pytest
 
 from megatron_mtp.serving.engines import vllm_engine
 from tests.bodies import engine_families
+from tests.harness import corpora
 from tests.harness.launcher import launch
 
 PROMPTS, PROMPT_LENGTH, NEW_TOKENS = 16, 12, 8
@@ -29,7 +31,10 @@ KEPT = {"fp32": PROMPTS // 4, "bf16": PROMPTS // 4}
 ENGINE_TIMEOUT = 300
 
 
-def prompts() -> list:
+def prompts(trained: bool) -> list:
+    """A trained model's from its corpus, a random model's random."""
+    if trained:
+        return corpora.corpus_prompts(PROMPTS, PROMPT_LENGTH, NEW_TOKENS)
     draw = random.Random(11)
     return [[draw.randrange(engine_families.VOCAB) for _ in range(PROMPT_LENGTH)] for _ in range(PROMPTS)]
 
@@ -42,25 +47,27 @@ CHAIN = {"MiMoMTP": "vllm"}
 # Not run (docs/serving.md's families table): Qwen3.5's vLLM models import transformers' Qwen2-VL image
 # processor, which needs the torchvision that tools/bootstrap --engine vllm removes (the package index
 # has only its CUDA build, which fails against the CPU torch): `ModuleNotFoundError: No module named
-# 'torchvision'`. DeepSeek-V3 runs in bf16 (in fp32 it stops at start), but on this random model its
-# greedy decisions (margins up to 0.04) are within bf16's round-off: no prompt was clear of it, and
-# vLLM's own speculative tokens differed from its plain ones on 15 of 16 prompts; parity is open.
-NOT_RUN = ("qwen3_5", "qwen3_5_moe", "deepseek_v3")
+# 'torchvision'`.
+NOT_RUN = ("qwen3_5", "qwen3_5_moe")
 
 
-# matrix: each family costs 50-150 s here (an import, an export, a decode, one or two engine starts)
+# matrix: each family costs 50-150 s here (an import or a training run, an export, a decode, one or two engine starts)
 @pytest.fixture(scope="module", params=[pytest.param(family, marks=pytest.mark.matrix)
                                         for family in engine_families.FAMILIES if family not in NOT_RUN])
 def runs(request, tmp_path_factory):
     family = request.param
     if not vllm_engine.available():
         pytest.fail(f"no vLLM at {vllm_engine.python()}: run `bash tools/bootstrap --engine vllm`")
-    _, _, dtype, drafter, options, _ = engine_families.FAMILIES[family]
+    source, _, dtype, drafter, options, _ = engine_families.FAMILIES[family]
+    trained = source == engine_families.TRAINED
     root = tmp_path_factory.mktemp(family)
     engine_families.export(str(root), family)
     depths = [1] if drafter else []
-    project = launch("tests.bodies.engine:decode", 1, {"checkpoint": str(root / "checkpoint"), "prompts": prompts(),
-                                                       "new_tokens": NEW_TOKENS, "depths": depths}, timeout=600)[0]
+    # a trained checkpoint's weights rounded to the engine's dtype (a random model's were before its import)
+    project = launch("tests.bodies.engine:decode", 1, {"checkpoint": str(root / "checkpoint"),
+                                                       "prompts": prompts(trained), "new_tokens": NEW_TOKENS,
+                                                       "depths": depths, "rounded_to": dtype if trained else None},
+                     timeout=600)[0]
     engine = {}
     with open(root / "engine.log", "w") as log:
         for depth in (0, *depths):
@@ -68,7 +75,7 @@ def runs(request, tmp_path_factory):
             with vllm_engine.Engine(root / "hf", start_timeout=ENGINE_TIMEOUT, request_timeout=ENGINE_TIMEOUT,
                                     log=log, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
                                     **options, **spec) as running:
-                engine[depth] = [running.generate([prompt], NEW_TOKENS) for prompt in prompts()]
+                engine[depth] = [running.generate([prompt], NEW_TOKENS) for prompt in prompts(trained)]
     (root / "results.json").write_text(json.dumps({"project": project, "engine": engine}))
     return family, dtype, depths, CHAIN.get(drafter, "trained"), project, engine
 

@@ -32,7 +32,7 @@ import torch
 from megatron_mtp.serving import speculative
 from megatron_mtp.serving.config import ModelConfig
 from tests.harness.launcher import REPO_ROOT, launch
-from tests.harness.trainer import TINY, train
+from tests.harness.trainer import TINY, example_flags, train
 
 PARITY = 1e-5  # relative, fp32
 KV_CACHE = 1e-5  # relative, a draft's logits over the cache against the recompute (measured <= 5e-7)
@@ -600,13 +600,6 @@ def test_gumbel_sampling_draws_from_the_softmax_by_position_and_drafts_change_no
             assert stopped == (output[: output.index(7) + 1] if 7 in output else output), (drafts, sequence)
     assert len({tuple(speculative.greedy(NoisyMain([]), [0], 12, choose=speculative.GumbelSampler(3, s)))
                 for s in range(5)}) > 1  # the keys do sample different texts
-
-
-def example_flags(name: str) -> list[str]:
-    """An example config's MTP_ARGS, as the example scripts source them."""
-    script = f'source examples/configs/{name}.sh && printf "%s\\n" "${{MTP_ARGS[@]}}"'
-    return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
-                          check=True).stdout.splitlines()
 
 
 # the README's flag set that makes the main command's model Llama-shaped (RMSNorm, SwiGLU, no biases)

@@ -12,12 +12,21 @@ from megatron_mtp.serving import files, speculative
 from megatron_mtp.serving import model as serving_model
 
 
-def decode(checkpoint: str, prompts: list, new_tokens: int, depths: list) -> dict:
+def decode(checkpoint: str, prompts: list, new_tokens: int, depths: list, rounded_to: str | None = None) -> dict:
+    """`rounded_to` ("bf16", "fp32"): the checkpoint's weights rounded to that dtype before decoding in
+    fp32, so that they are the values an export in that dtype holds (what differs from a bf16 engine is
+    its arithmetic alone)."""
     torch.set_grad_enabled(False)
     run_args, directory = files.read_arguments(checkpoint)
     serving_model.setup()
     model = serving_model.build(run_args)
     serving_model.load(model, str(directory))
+    if rounded_to is not None:
+        # the state dict's tensors share the model's storage: parameters and the persistent buffers the
+        # export writes (the routers' expert bias), not the rotary tables it computes
+        for value in model.state_dict().values():
+            if torch.is_tensor(value) and value.is_floating_point():
+                value.copy_(value.to({"bf16": torch.bfloat16, "fp32": torch.float32}[rounded_to]))
     runner = serving_model.Runner(model, int(run_args.vocab_size or run_args.padded_vocab_size))
     margins = []
 

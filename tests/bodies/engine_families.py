@@ -3,7 +3,9 @@
 """Every Hugging Face family in vLLM's CPU build (tests/test_engine_families.py): a tiny random model of
 the family made by `transformers` in dimensions the CPU kernels accept, imported with one new MTP depth
 (tools/convert_checkpoint.py import --mtp-num-layers 1) and exported as the family
-(tools/convert_checkpoint.py export --architecture FAMILY), as a user would.
+(tools/convert_checkpoint.py export --architecture FAMILY), as a user would; DeepSeek-V3's is trained
+by the project's trainer instead (TRAINED: pretrain_gpt_mtp.py on the embedded corpus, its own MTP
+depth), so that its greedy decisions stand clear of bf16's round-off, and exported alike.
 
 The kernels' constraints, read in vLLM 0.32.0's CPU build: the CPU attention takes head sizes
 32, 64, 80, ... (v1/attention/backends/cpu_attn.py, get_supported_head_sizes); both CPU MLA backends
@@ -12,9 +14,10 @@ take only the latent head of DeepSeek-V2/V3, kv_lora_rank + qk_rope_head_dim = 5
 CPU_MLA in fp32 too; the CPU Gated DeltaNet asserts bf16 (mamba/ops/cpu/gdn_attention.py) and its
 kernels take key / value heads of 128 (measured: 32 stops at `Unexpected head dim size, 32`).
 
-The weights are rounded to bf16 before the import for the families the engine runs in bf16, so that
-the engine's bf16 export and the project's fp32 checkpoint hold the same values: what differs is
-the arithmetic alone (the test's margin filter is the dtype's).
+The weights are rounded to bf16 before the import for the families the engine runs in bf16 (a trained
+model's by the project's decoder as it loads them: tests.bodies.engine.decode's rounded_to), so that
+the engine's bf16 export and the project's fp32 decoder hold the same values: what differs is the
+arithmetic alone (the test's margin filter is the dtype's).
 """
 
 import subprocess
@@ -22,6 +25,9 @@ import sys
 from pathlib import Path
 
 import torch
+
+from tests.harness.launcher import REPO_ROOT
+from tests.harness.trainer import example_flags, train
 
 VOCAB = 512
 _DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
@@ -40,8 +46,32 @@ _GDN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "par
                                  "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
 _EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
-# family: (transformers config class, its values, the dtype the engine runs it in, vLLM's MTP drafter
-# for the family's layout (None: vLLM has none), options to vLLM, export flags)
+# DeepSeek-V3 is trained by the project instead: on a random one (kv-LoRA rank 512, as the CPU MLA backends
+# take) the greedy decisions (margins <= 0.04) were within bf16's round-off, no prompt clear of it. The run:
+# the embedded corpus, long enough that most decisions stand clear and the text is not one token (after
+# 100 iterations 48 corpus prompts had 3 distinct greedy continuations, nearly all spaces; after 400, 14)
+TRAINED = "pretrain_gpt_mtp.py"
+_TRAIN_ITERS = 400
+_TRAIN = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64",
+          "--max-position-embeddings", "128", "--make-vocab-size-divisible-by", "1",
+          "--untie-embeddings-and-output-weights", "--micro-batch-size", "8", "--global-batch-size", "8",
+          "--train-iters", str(_TRAIN_ITERS), "--lr", "3e-3", "--lr-warmup-iters", "0", "--eval-iters", "0")
+
+
+def _deepseek_v3_flags() -> list:
+    """examples/configs/deepseek_v3_tiny.sh on two layers (the first dense, the second MoE), its MLA at
+    the CPU MLA backends' latent head: kv-LoRA rank 512 + RoPE dim 64, no-RoPE query / key and value
+    heads of 32."""
+    flags = example_flags("deepseek_v3_tiny")
+    for flag, value in (("--moe-layer-freq", "[0,1]"), ("--kv-lora-rank", "512"), ("--qk-pos-emb-head-dim", "64"),
+                        ("--qk-head-dim", "32"), ("--v-head-dim", "32")):
+        flags[flags.index(flag) + 1] = value
+    return flags
+
+
+# family: (transformers config class and its values, or TRAINED and a function of the trainer's flags,
+# the dtype the engine runs it in, vLLM's MTP drafter for the family's layout (None: vLLM has none),
+# options to vLLM, export flags)
 # MiMo's layout (Llama's, Qwen2's and Qwen3's default) is refused by vLLM's Llama / Qwen2 / Qwen3
 # loaders (`There is no module or parameter named 'mtp_layers' in LlamaModel`: AutoWeightsLoader,
 # model_executor/models/utils.py), which have no MTP model to take it: exported without the depths
@@ -53,12 +83,9 @@ FAMILIES = {
     # DeepSeek-V3's layout (the default): vLLM's Qwen3-MoE loader refuses `layers.2` (no module), as above
     "qwen3_moe": ("Qwen3MoeConfig", dict(_DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True), "fp32", None, {}, _NO_DEPTHS),
-    # bf16: in fp32 (the reference CPU_MLA backend) the engine stopped at start with `expect weight to be
-    # bfloat16, float16, int8, fp8_e4m3 or uint8`
-    "deepseek_v3": ("DeepseekV3Config", dict(_DENSE, **_SIGMOID, q_lora_rank=64, kv_lora_rank=512,
-                                             qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
-                                             num_key_value_heads=2),
-                    "bf16", "DeepSeekMTP", {}, ()),
+    # trained (TRAINED), bf16: in fp32 (the reference CPU_MLA backend) the engine stopped at start with
+    # `expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8`
+    "deepseek_v3": (TRAINED, _deepseek_v3_flags, "bf16", "DeepSeekMTP", {}, ()),
     "glm4_moe": ("Glm4MoeConfig", dict(_DENSE, **_SIGMOID, attention_bias=True, use_qk_norm=True,
                                        partial_rotary_factor=0.5), "fp32", "Glm4MoeMTP", {}, ()),
     # Gated DeltaNet: no prefix caching, whose state copies with drafts are a Triton kernel the CPU
@@ -87,29 +114,39 @@ def _randomize(model) -> None:
                 tensor.normal_(0, 1.0 / tensor.shape[-1] ** 0.5)
 
 
-def export(root: str, family: str, seed: int = 3) -> dict:
-    """The family's tiny model: transformers' (root/source), imported with one new MTP depth
-    (root/checkpoint; every family, so that each export is loaded with its MTP layout as written,
-    drafted from or not) and exported as the family (root/hf) in the engine's dtype."""
+def _random_source(directory: Path, config_name: str, values: dict, dtype: str, seed: int) -> None:
     import transformers
 
-    config_name, values, dtype, _, _, flags = FAMILIES[family]
-    root = Path(root)
     torch.manual_seed(seed)
     config = getattr(transformers, config_name)(**values)
     model = transformers.AutoModelForCausalLM.from_config(config)
     _randomize(model)
     if dtype == "bf16":
         model.to(torch.bfloat16).to(torch.float32)
-    model.save_pretrained(root / "source")
+    model.save_pretrained(directory)
+
+
+def export(root: str, family: str, seed: int = 3) -> dict:
+    """The family's tiny model (root/checkpoint), exported as the family (root/hf) in the engine's dtype.
+    The model: transformers' (root/source) imported with one new MTP depth (every family, so that each
+    export is loaded with its MTP layout as written, drafted from or not), or, for TRAINED, the project's
+    trainer's run (one MTP depth of its own)."""
+    source, values, dtype, _, _, flags = FAMILIES[family]
+    root = Path(root)
+    steps = []
+    if source == TRAINED:
+        train(1, *_TRAIN, *values(), "--seed", str(seed), "--save", str(root / "checkpoint"), "--save-interval",
+              str(_TRAIN_ITERS), timeout=1200)
+    else:
+        _random_source(root / "source", source, values, dtype, seed)
+        steps.append(("import", ["import", str(root / "source"), str(root / "checkpoint"), "--mtp-num-layers", "1",
+                                 "--make-vocab-size-divisible-by", "1"]))
+    steps.append(("export", ["export", str(root / "checkpoint"), str(root / "hf"), "--architecture", family,
+                             "--dtype", dtype, *flags]))
     tool = [sys.executable, "tools/convert_checkpoint.py"]
-    repo = Path(__file__).resolve().parents[2]
     out = {}
-    for step, argv in (("import", ["import", str(root / "source"), str(root / "checkpoint"), "--mtp-num-layers", "1",
-                                   "--make-vocab-size-divisible-by", "1"]),
-                       ("export", ["export", str(root / "checkpoint"), str(root / "hf"), "--architecture", family,
-                                   "--dtype", dtype, *flags])):
-        done = subprocess.run(tool + argv, cwd=repo, capture_output=True, text=True, timeout=600)
+    for step, argv in steps:
+        done = subprocess.run(tool + argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise RuntimeError(f"{step}: {done.stderr.strip()[-2000:]}")
         out[step] = done.stdout.strip().splitlines()[-1:]

@@ -37,3 +37,13 @@ def preprocess(jsonl: Path, prefix: Path, tokenizer: str = "bytes", *extra: str)
     code = main(["--input", str(jsonl), "--output-prefix", str(prefix), "--tokenizer", tokenizer, *extra])
     assert code == 0, f"preprocess_data exited with {code}"
     return prefix
+
+
+def corpus_prompts(count: int, length: int, new_tokens: int) -> list:
+    """`count` prompts of `length` tokens from the embedded corpus (megatron_mtp.serving.prompts, as
+    tools/eval_speculative.py takes them), each followed there by `new_tokens` more."""
+    from megatron_mtp.data.embedded import corpus_prefix, default_cache_dir
+    from megatron_mtp.serving import prompts
+
+    pairs = prompts.dataset_prompts(str(corpus_prefix(default_cache_dir())), count, length, new_tokens)
+    return [[int(t) for t in prompt] for prompt, _ in pairs]

@@ -193,6 +193,13 @@ def train(nproc: int, *args: str, timeout: float = 300, check: bool = True, env:
     return run
 
 
+def example_flags(name: str) -> list[str]:
+    """An example config's MTP_ARGS, as the example scripts source them."""
+    script = f'source examples/configs/{name}.sh && printf "%s\\n" "${{MTP_ARGS[@]}}"'
+    return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+
+
 def checkpoint_tensors(directory: Path) -> dict:
     """Every tensor of a torch_dist checkpoint directory (iter_NNNNNNN), by key."""
     import torch
