@@ -17,6 +17,7 @@ import random
 
 import pytest
 
+from megatron_mtp.serving import families
 from megatron_mtp.serving.engines import vllm_engine
 from tests.bodies import engine_families
 from tests.harness import corpora
@@ -58,7 +59,8 @@ def runs(request, tmp_path_factory):
     family = request.param
     if not vllm_engine.available():
         pytest.fail(f"no vLLM at {vllm_engine.python()}: run `bash tools/bootstrap --engine vllm`")
-    source, _, dtype, drafter, options, _ = engine_families.FAMILIES[family]
+    source, _, dtype, options = engine_families.FAMILIES[family]
+    drafter = families.FAMILIES[family].drafter
     trained = source == engine_families.TRAINED
     root = tmp_path_factory.mktemp(family)
     engine_families.export(str(root), family)

@@ -139,3 +139,30 @@ def test_a_family_registered_from_its_own_file_is_read_written_and_offered(monke
     from tools import convert_checkpoint
 
     assert convert_checkpoint.parse(["export", "in", "out", "--architecture", "toy"]).architecture == "toy"
+
+
+# What a trained run with MTP depths exports as by default: (family written, MTP layout written); None:
+# the backbone alone (no vLLM model drafts for the family's class, and vLLM's loader refuses tensors its
+# model lacks: `There is no module or parameter named 'mtp_layers' in LlamaModel`, run here)
+DRAFTED = {"llama": ("llama", None), "qwen2": ("mimo", "mimo"), "qwen3": ("qwen3", None),
+           "qwen3_moe": ("qwen3_moe", None), "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
+           "glm4_moe": ("glm4_moe", "deepseek_v3"), "qwen3_next": ("qwen3_next", "qwen3_next"),
+           "qwen3_5": ("qwen3_5", "qwen3_next")}
+
+
+@pytest.mark.parametrize("name", list(DRAFTED))
+def test_an_export_with_mtp_depths_loads_in_vllm_as_written(name):
+    assert sorted(DRAFTED) == sorted(n for n, f in families.FAMILIES.items() if not f.same_shape_as)
+    args = ModelConfig.from_hf(_config_json(name)).megatron_args()
+    args.serving_family, args.mtp_num_layers = None, 2  # a trained run of the family's shape
+    planned = export.plan(args)
+    assert (planned.cfg.family, planned.layout) == DRAFTED[name], planned
+    own = families.FAMILIES[name]
+    if planned.layout is None:  # said, with the way to write them anyway
+        assert f"--mtp-layout {own.mtp_layout} writes them anyway" in planned.note
+        assert export.plan(args, mtp_layout=own.mtp_layout).layout == own.mtp_layout
+    elif planned.cfg.family != name:  # said, with the way to write the shape's own class
+        assert f"--architecture {name} writes {own.architecture} without them" in planned.note
+        assert export.plan(args, architecture=name).layout is None
+    else:
+        assert planned.note is None and planned.cfg.adapter.drafter

@@ -665,8 +665,10 @@ def test_the_main_command_with_the_readme_s_llama_flags_exports_as_llama(tmp_pat
     assert result["logits"] < 1e-5, result
     # what a user then meets in transformers and the engines is said at export (issue 41)
     assert "no tokenizer files written: give --tokenizer DIR" in result["printed"], result["printed"]
-    assert "transformers' LlamaForCausalLM runs no MTP: it loads the backbone and leaves the MTP depths' tensors " \
-        "unused" in result["printed"], result["printed"]
+    # no engine drafts with Llama's MTP depths and vLLM's loader refuses them: left out, saying how to keep them
+    assert "the backbone only (2 MTP depths left out)" in result["printed"], result["printed"]
+    assert "no engine drafts with LlamaForCausalLM's and vLLM's loader refuses them; --mtp-layout mimo writes " \
+        "them anyway" in result["printed"], result["printed"]
 
 
 def test_a_hybridmodel_checkpoint_s_export_is_refused_naming_the_gptmodel_form(pipeline, tmp_path):

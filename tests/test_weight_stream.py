@@ -13,13 +13,16 @@ from megatron_mtp.serving.config import ModelConfig
 from megatron_mtp.serving.export import engine_warnings
 from tests.harness import launch
 
+# Llama and Qwen3-MoE have no engine drafter: by default their export leaves the depths out
+# (serving.export.plan), so these name the layout to write them in
+MIMO, DEEPSEEK = ("--mtp-layout", "mimo"), ("--mtp-layout", "deepseek_v3")
 LAYOUTS = {
-    "llama-tp2": ("llama", dict(tp=2), ()),
-    "llama-pp2-mimo-bf16": ("llama", dict(pp=2), ("--dtype", "bf16")),
-    "qwen3_moe-ep2": ("qwen3_moe", dict(ep=2), ()),
-    "qwen3_moe-tp2-ep2-stacked": ("qwen3_moe", dict(tp=2, ep=2), ("--expert-layout", "stacked")),
-    "llama-tp2-pp2-deepseek_v3": ("llama", dict(tp=2, pp=2), ("--mtp-layout", "deepseek_v3")),
-    "llama-pp2-vpp2": ("llama", dict(pp=2, vpp=2), ()),
+    "llama-tp2": ("llama", dict(tp=2), MIMO),
+    "llama-pp2-mimo-bf16": ("llama", dict(pp=2), (*MIMO, "--dtype", "bf16")),
+    "qwen3_moe-ep2": ("qwen3_moe", dict(ep=2), DEEPSEEK),
+    "qwen3_moe-tp2-ep2-stacked": ("qwen3_moe", dict(tp=2, ep=2), (*DEEPSEEK, "--expert-layout", "stacked")),
+    "llama-tp2-pp2-deepseek_v3": ("llama", dict(tp=2, pp=2), DEEPSEEK),
+    "llama-pp2-vpp2": ("llama", dict(pp=2, vpp=2), MIMO),
 }
 # The default tier runs one launch per parallelism kind; the 4-rank layouts are the matrix's.
 DEFAULT = ("llama-tp2", "llama-pp2-mimo-bf16", "qwen3_moe-ep2")
@@ -39,8 +42,8 @@ def test_the_stream_of_a_live_model_is_the_export_bit_for_bit(case, tmp_path):
     assert result["dtypes"] == (["torch.bfloat16"] if "bf16" in options else ["torch.float32"]), result
     if family == "qwen3_moe":
         assert result["expert names"] > 0, result
-    # DeepSeek-V3's layout (the MoE families' default) with 2 depths: vLLM's carried hidden state; MiMo's
-    # (Llama's default) with 2 distinct depths: the pre-norm states, and the first depth at every step
+    # DeepSeek-V3's layout with 2 depths: vLLM's carried hidden state; MiMo's with 2 distinct depths: the
+    # pre-norm states, and the first depth at every step
     expected = ["vllm-project/vllm#45895"] if family == "qwen3_moe" or "deepseek_v3" in options else \
         ["before its final norm", "mtp_layers.0 at every draft step"]
     warned = result["warnings"]

@@ -197,6 +197,8 @@ def run_export(args) -> int:
     print(f"{PROG}: exported {directory} as {config['architectures'][0]} ({args.dtype}), {mtp}"
           f"{', ' + stored if stored else ''}"
           f"{', tokenizer files ' + ', '.join(copied) if copied else ''} into {out}{warned}")
+    if plan.note:
+        print(f"{PROG}: {plan.note}")
     if not copied:  # what the engines (and transformers' pipelines) read beside the weights
         print(f"{PROG}: no tokenizer files written: give --tokenizer DIR (the run's tokenizer.json or its "
               "directory) for the engines; a run tokenized as bytes has none of Hugging Face's")

@@ -255,8 +255,11 @@ def refresh(rollout_model, chunks, policy_args) -> bool:
     `largest_difference`.)"""
     from megatron_mtp.serving import export, mapping, stream
 
-    plan = export.plan(policy_args)
-    hf = dict(stream.weights(chunks, policy_args))
+    # the decoder drafts with every trained depth, whatever the family: its own layout (an export
+    # leaves out the depths of a family no engine drafts for)
+    layout = mapping.default_mtp_layout(export.plan(policy_args, "none").cfg) if policy_args.mtp_num_layers else "none"
+    plan = export.plan(policy_args, layout)
+    hf = dict(stream.weights(chunks, policy_args, mtp_layout=layout))
     depths = plan.cfg.mtp_num_layers if plan.layout else 0
     own = mapping.hf_to_megatron(hf, plan.cfg, plan.layout, depths)
     if plan.cfg.mtp_repeated:  # the one layer the engine runs at every depth, as the import holds it

@@ -25,6 +25,7 @@ class Plan:
     cfg: ModelConfig
     layout: str | None  # the MTP layout written (None: the backbone only)
     expert_layout: str  # published, per_expert or stacked
+    note: str | None = None  # why the default family or layout is not the model's shape's own
 
 
 def plan(run_args, mtp_layout: str | None = None, architecture: str | None = None,
@@ -32,9 +33,15 @@ def plan(run_args, mtp_layout: str | None = None, architecture: str | None = Non
     """The export of a model trained with `run_args` (the trainer's arguments; a checkpoint holds them).
     mtp_layout: a layout of serving.families.MTP_LAYOUTS, none, or None for the family's default."""
     cfg = ModelConfig.from_megatron_args(run_args)
+    note = None
     if architecture:
         cfg.as_architecture(architecture)
+    elif mtp_layout is None and cfg.mtp_num_layers and not cfg.adapter.drafter:
+        note = as_drafted_family(cfg)
     default = mapping.default_mtp_layout(cfg)
+    if mtp_layout is None and cfg.mtp_num_layers and not cfg.adapter.drafter:
+        mtp_layout, note = "none", (f"the MTP depths are left out: no engine drafts with {cfg.adapter.architecture}'s "
+                                    f"and vLLM's loader refuses them; --mtp-layout {default} writes them anyway")
     layout = None if mtp_layout == "none" else mtp_layout or (default if cfg.mtp_num_layers else None)
     mapping.check_mtp_layout(cfg, layout)
     if layout:
@@ -46,7 +53,21 @@ def plan(run_args, mtp_layout: str | None = None, architecture: str | None = Non
     mapping.check_mtp_layer(cfg, cfg.mtp_num_layers if layout else 0)
     if expert_layout and not cfg.moe:
         raise ServingError(f"--expert-layout {expert_layout}: the model has no experts")
-    return Plan(cfg, layout, expert_layout or "published")
+    return Plan(cfg, layout, expert_layout or "published", note)
+
+
+def as_drafted_family(cfg: ModelConfig) -> str | None:
+    """An export must load in the engines as written, with its MTP depths where an engine drafts with
+    them: a model whose family no engine drafts for is written as the family of the same shape that
+    one does, if any (Qwen2's as MiMo's; otherwise plan leaves the depths out, as vLLM's loaders
+    refuse tensors their model lacks). `cfg` becomes that family; the sentence says so, or None."""
+    own = cfg.adapter
+    served = [name for name in families.same_shape(cfg.family) if families.FAMILIES[name].drafter]
+    if not served:
+        return None
+    cfg.as_architecture(served[0])
+    return (f"written as {cfg.adapter.architecture}, {own.title}'s model with its MTP depths, which vLLM drafts "
+            f"with ({cfg.adapter.drafter}); --architecture {own.name} writes {own.architecture} without them")
 
 
 def hf_tensors(export: Plan, global_tensors: dict, source: str) -> dict:

@@ -70,34 +70,31 @@ def _deepseek_v3_flags() -> list:
 
 
 # family: (transformers config class and its values, or TRAINED and a function of the trainer's flags,
-# the dtype the engine runs it in, vLLM's MTP drafter for the family's layout (None: vLLM has none),
-# options to vLLM, export flags)
-# MiMo's layout (Llama's, Qwen2's and Qwen3's default) is refused by vLLM's Llama / Qwen2 / Qwen3
-# loaders (`There is no module or parameter named 'mtp_layers' in LlamaModel`: AutoWeightsLoader,
-# model_executor/models/utils.py), which have no MTP model to take it: exported without the depths
-_NO_DEPTHS = ("--mtp-layout", "none")
+# the dtype the engine runs it in, options to vLLM). vLLM's MTP drafter for the family is
+# its adapter's (megatron_mtp.serving.families: `drafter`); a family without one (Llama, Qwen2, Qwen3,
+# Qwen3-MoE) is exported as written all the same: the export leaves its depths out by default, since
+# vLLM's loader refuses them (`There is no module or parameter named 'mtp_layers' in LlamaModel`:
+# AutoWeightsLoader, model_executor/models/utils.py)
 FAMILIES = {
-    "llama": ("LlamaConfig", _DENSE, "fp32", None, {}, _NO_DEPTHS),
-    "qwen2": ("Qwen2Config", _DENSE, "fp32", None, {}, _NO_DEPTHS),
-    "qwen3": ("Qwen3Config", _DENSE, "fp32", None, {}, _NO_DEPTHS),
-    # DeepSeek-V3's layout (the default): vLLM's Qwen3-MoE loader refuses `layers.2` (no module), as above
+    "llama": ("LlamaConfig", _DENSE, "fp32", {}),
+    "qwen2": ("Qwen2Config", _DENSE, "fp32", {}),
+    "qwen3": ("Qwen3Config", _DENSE, "fp32", {}),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         norm_topk_prob=True), "fp32", None, {}, _NO_DEPTHS),
+                                         norm_topk_prob=True), "fp32", {}),
     # trained (TRAINED), bf16: in fp32 (the reference CPU_MLA backend) the engine stopped at start with
     # `expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8`
-    "deepseek_v3": (TRAINED, _deepseek_v3_flags, "bf16", "DeepSeekMTP", {}, ()),
+    "deepseek_v3": (TRAINED, _deepseek_v3_flags, "bf16", {}),
     "glm4_moe": ("Glm4MoeConfig", dict(_DENSE, **_SIGMOID, attention_bias=True, use_qk_norm=True,
-                                       partial_rotary_factor=0.5), "fp32", "Glm4MoeMTP", {}, ()),
+                                       partial_rotary_factor=0.5), "fp32", {}),
     # Gated DeltaNet: no prefix caching, whose state copies with drafts are a Triton kernel the CPU
     # build does not override (v1/worker/mamba_utils.py, run_fused_precopy)
     "qwen3_next": ("Qwen3NextConfig", dict(_GDN, **_EXPERTS, norm_topk_prob=True, partial_rotary_factor=0.25,
                                            rope_theta=1e6),
-                   "bf16", "Qwen3NextMTP", {"enable_prefix_caching": False}, ()),
-    "qwen3_5": ("Qwen3_5TextConfig", dict(_GDN, **_GDN_ROPE), "bf16", "Qwen3_5MTP",
-                {"enable_prefix_caching": False}, ()),
+                   "bf16", {"enable_prefix_caching": False}),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_GDN, **_GDN_ROPE), "bf16", {"enable_prefix_caching": False}),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict({k: v for k, v in _GDN.items() if k != "intermediate_size"},
                                                  **_EXPERTS, **_GDN_ROPE),
-                    "bf16", "Qwen3_5MoeMTP", {"enable_prefix_caching": False}, ()),
+                    "bf16", {"enable_prefix_caching": False}),
 }
 
 
@@ -129,9 +126,10 @@ def _random_source(directory: Path, config_name: str, values: dict, dtype: str, 
 def export(root: str, family: str, seed: int = 3) -> dict:
     """The family's tiny model (root/checkpoint), exported as the family (root/hf) in the engine's dtype.
     The model: transformers' (root/source) imported with one new MTP depth (every family, so that each
-    export is loaded with its MTP layout as written, drafted from or not), or, for TRAINED, the project's
-    trainer's run (one MTP depth of its own)."""
-    source, values, dtype, _, _, flags = FAMILIES[family]
+    export is loaded as written: its depths in the family's layout where vLLM drafts with them, left
+    out by the export's default where it does not), or, for TRAINED, the project's trainer's run (one
+    MTP depth of its own)."""
+    source, values, dtype, _ = FAMILIES[family]
     root = Path(root)
     steps = []
     if source == TRAINED:
@@ -142,7 +140,7 @@ def export(root: str, family: str, seed: int = 3) -> dict:
         steps.append(("import", ["import", str(root / "source"), str(root / "checkpoint"), "--mtp-num-layers", "1",
                                  "--make-vocab-size-divisible-by", "1"]))
     steps.append(("export", ["export", str(root / "checkpoint"), str(root / "hf"), "--architecture", family,
-                             "--dtype", dtype, *flags]))
+                             "--dtype", dtype]))
     tool = [sys.executable, "tools/convert_checkpoint.py"]
     out = {}
     for step, argv in steps:

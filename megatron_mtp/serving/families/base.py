@@ -71,6 +71,9 @@ class Family:
     same_shape_as: str | None = None  # a family of the same trained model (what --architecture may exchange)
     mtp_layout: str  # the MtpLayout its engines read the MTP depths in (the export's default)
     own_mtp_layout: MtpLayout | None = None  # the layout the family defines (the registry collects them)
+    # vLLM's model that drafts with the family's MTP depths (its registry, vLLM 0.32.0); None: no engine
+    # does, its loader refuses them, and the export leaves them out unless --mtp-layout names a layout
+    drafter: str | None = None
     qkv_bias = False  # what config.json implies where it does not say (read_hf may read it)
     qk_norm = False  # an RMSNorm of each head's query and key (megatron-core's --qk-layernorm)
     experts = False

@@ -135,6 +135,7 @@ class DeepseekV3(SigmoidRouted):
     title = "DeepSeek-V3"
     yarn = True
     own_mtp_layout = DeepseekV3Layout()
+    drafter = "DeepSeekMTP"
 
     def claims(self, cfg) -> bool:
         return bool(cfg.moe) and bool(cfg.mla)

@@ -11,6 +11,7 @@ class Glm4Moe(SigmoidRouted):
     name = "glm4_moe"
     architecture = "Glm4MoeForCausalLM"
     title = "GLM-4.5"
+    drafter = "Glm4MoeMTP"
     accepts_biases = True
     partial_rotary = True
 

@@ -74,6 +74,7 @@ class Mimo(Qwen2):
     model_type = "qwen2"
     same_shape_as = "qwen2"
     own_mtp_layout = MimoLayout()
+    drafter = "MiMoMTP"
 
     def check_mtp_layout(self, layout: str | None) -> None:
         if layout == "deepseek_v3":

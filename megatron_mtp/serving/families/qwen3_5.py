@@ -12,6 +12,7 @@ from megatron_mtp.serving.families.qwen3_next import GatedDeltaNet
 class Qwen3_5(GatedDeltaNet):
     name = "qwen3_5"
     title = "Qwen3.5"
+    drafter = "Qwen3_5MTP"
     architecture = "Qwen3_5ForCausalLM"
     model_type = "qwen3_5_text"  # config.json's model_type "qwen3_5" is the VLM's
     vlm_wrapper = "Qwen3_5ForConditionalGeneration"

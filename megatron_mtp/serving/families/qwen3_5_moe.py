@@ -16,6 +16,7 @@ from megatron_mtp.serving.families.qwen3_next import Qwen3NextExperts
 class Qwen3_5Moe(Qwen3NextExperts, Qwen3_5):
     name = "qwen3_5_moe"
     title = "Qwen3.5-MoE"
+    drafter = "Qwen3_5MoeMTP"
     architecture = "Qwen3_5MoeForCausalLM"
     model_type = "qwen3_5_moe_text"
     vlm_wrapper = "Qwen3_5MoeForConditionalGeneration"

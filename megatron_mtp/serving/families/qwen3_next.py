@@ -130,6 +130,7 @@ class Qwen3Next(Qwen3NextExperts, GatedDeltaNet):
     title = "Qwen3-Next"
     architecture = "Qwen3NextForCausalLM"
     own_mtp_layout = Qwen3NextLayout()
+    drafter = "Qwen3NextMTP"
     in_proj_parts = [("linear_attn.in_proj_qkvz.weight", (0, 1, 2, 3)), ("linear_attn.in_proj_ba.weight", (4, 5))]
     in_proj_per_key_head = True
 
