@@ -83,15 +83,25 @@ def _all_reduce(tensor: torch.Tensor, tp_group, op=dist.ReduceOp.SUM) -> torch.T
     return tensor
 
 
-def _log_softmaxes(z_q: torch.Tensor, z_p: torch.Tensor, tp_group):
-    """log q and log p over the full vocabulary, each [n, shard]: torch's fused log_softmax on
-    one rank; over TP shards the maxima and the exponential sums are all-reduced."""
+def _softmaxes(z_q: torch.Tensor, z_p: torch.Tensor, tp_group, logs: bool):
+    """(q, p, log q, log p) over the full vocabulary, each [n, shard]; the logs only when asked
+    (``kl``), else None: torch's fused softmax on one rank (a pass fewer than exp(log_softmax));
+    over TP shards the maxima and the exponential sums are all-reduced."""
     if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return torch.log_softmax(z_q, dim=1), torch.log_softmax(z_p, dim=1)
+        if not logs:
+            return torch.softmax(z_q, dim=1), torch.softmax(z_p, dim=1), None, None
+        log_q, log_p = torch.log_softmax(z_q, dim=1), torch.log_softmax(z_p, dim=1)
+        return log_q.exp(), log_p.exp(), log_q, log_p
     maxima = _all_reduce(torch.stack([z_q.max(dim=1).values, z_p.max(dim=1).values]), tp_group, dist.ReduceOp.MAX)
     z_q, z_p = z_q - maxima[0].unsqueeze(1), z_p - maxima[1].unsqueeze(1)
-    log_sums = _all_reduce(torch.stack([z_q.exp().sum(dim=1), z_p.exp().sum(dim=1)]), tp_group).log()
-    return z_q.sub_(log_sums[0].unsqueeze(1)), z_p.sub_(log_sums[1].unsqueeze(1))
+    q, p = z_q.exp(), z_p.exp()
+    sums = _all_reduce(torch.stack([q.sum(dim=1), p.sum(dim=1)]), tp_group)
+    q.div_(sums[0].unsqueeze(1))
+    p.div_(sums[1].unsqueeze(1))
+    if not logs:
+        return q, p, None, None
+    log_sums = sums.log()
+    return q, p, z_q.sub_(log_sums[0].unsqueeze(1)), z_p.sub_(log_sums[1].unsqueeze(1))
 
 
 def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float, objective: str,
@@ -106,8 +116,7 @@ def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, tempera
     inverse = 1.0 / temperature
     if temperature != 1.0:
         draft_logits, target_logits = draft_logits * inverse, target_logits * inverse
-    log_q, log_p = _log_softmaxes(draft_logits, target_logits, tp_group)
-    q, p = log_q.exp(), log_p.exp()
+    q, p, log_q, log_p = _softmaxes(draft_logits, target_logits, tp_group, logs=objective == "kl")
     parts = []
     if objective == "kl":  # p log(p / q), in log p's buffer
         parts.append(log_p.sub_(log_q).mul_(p).sum(dim=1))
