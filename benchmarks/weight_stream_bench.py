@@ -19,6 +19,9 @@ the model.
 import argparse
 import os
 
+# the depths in MiMo's layout, named: a Llama export leaves them out by default (no engine drafts for it)
+LAYOUT = "mimo"
+
 
 def _resident_kib(field: str) -> int:
     with open("/proc/self/status") as status:
@@ -56,11 +59,11 @@ def measure(tp: int, bucket_bytes: int | None) -> dict:
         before = _resident_kib("VmRSS")
         streamed = 0
         if bucket_bytes is None:
-            held = dict(stream.weights(chunks, args))
+            held = dict(stream.weights(chunks, args, mtp_layout=LAYOUT))
             streamed = sum(t.numel() * t.element_size() for t in held.values())
             del held
         else:
-            for batch in stream.buckets(stream.weights(chunks, args), bucket_bytes):
+            for batch in stream.buckets(stream.weights(chunks, args, mtp_layout=LAYOUT), bucket_bytes):
                 streamed += sum(t.numel() * t.element_size() for _, t in batch)
         peak = _resident_kib("VmHWM") - before
         model_bytes_all = [None] * dist.get_world_size()
@@ -76,7 +79,7 @@ def _largest_part(cfg) -> int:
     from megatron_mtp.serving import mapping
 
     parts = {}
-    for name, shape in mapping.hf_shapes(cfg, mapping.default_mtp_layout(cfg), cfg.mtp_num_layers).items():
+    for name, shape in mapping.hf_shapes(cfg, LAYOUT, cfg.mtp_num_layers).items():
         layer = re.match(r"(model\.(?:mtp_)?layers\.\d+)\.", name)
         key = layer.group(1) if layer else name
         numel = 1

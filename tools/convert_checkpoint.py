@@ -105,10 +105,12 @@ def parse(argv):
                                     "or an iter_NNNNNNN / release directory")
     exp.add_argument("output", help="new (or empty) directory for the Hugging Face checkpoint")
     exp.add_argument("--mtp-layout", choices=[*families.MTP_LAYOUTS, "none"], default=None,
-                     help="how the MTP depths are written (default: the layout the family's engines read, "
-                          "megatron_mtp.serving.families; none: the backbone only)")
+                     help="how the MTP depths are written (default: the layout the family's vLLM drafter reads, "
+                          "megatron_mtp.serving.families, or none for a family no engine drafts for; none: the "
+                          "backbone only)")
     exp.add_argument("--architecture", choices=list(families.FAMILIES), default=None,
                      help="config.json's family (default: the imported one, else the family of the model's shape, "
+                          "or, with MTP depths, the family of the same shape that vLLM drafts for, if any, "
                           f"megatron_mtp.serving.families); the same model stored otherwise: {same_shape} (and back; "
                           "mimo makes vLLM and SGLang serve the MTP depths as MiMo's)")
     exp.add_argument("--expert-layout", choices=["per_expert", "stacked"], default=None,
