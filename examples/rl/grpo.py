@@ -254,10 +254,12 @@ def refresh(rollout_model, chunks, policy_args) -> bool:
     bit where the family stores a norm as 1 + w: Qwen3.5's Gated DeltaNet output norm; see
     `largest_difference`.)"""
     from megatron_mtp.serving import export, mapping, stream
+    from megatron_mtp.serving.config import ModelConfig
 
     # the decoder drafts with every trained depth, whatever the family: its own layout (an export
     # leaves out the depths of a family no engine drafts for)
-    layout = mapping.default_mtp_layout(export.plan(policy_args, "none").cfg) if policy_args.mtp_num_layers else "none"
+    layout = mapping.default_mtp_layout(ModelConfig.from_megatron_args(policy_args)) if policy_args.mtp_num_layers \
+        else "none"
     plan = export.plan(policy_args, layout)
     hf = dict(stream.weights(chunks, policy_args, mtp_layout=layout))
     depths = plan.cfg.mtp_num_layers if plan.layout else 0

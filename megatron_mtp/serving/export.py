@@ -36,12 +36,13 @@ def plan(run_args, mtp_layout: str | None = None, architecture: str | None = Non
     note = None
     if architecture:
         cfg.as_architecture(architecture)
-    elif mtp_layout is None and cfg.mtp_num_layers and not cfg.adapter.drafter:
-        note = as_drafted_family(cfg)
-    default = mapping.default_mtp_layout(cfg)
     if mtp_layout is None and cfg.mtp_num_layers and not cfg.adapter.drafter:
-        mtp_layout, note = "none", (f"the MTP depths are left out: no engine drafts with {cfg.adapter.architecture}'s "
-                                    f"and vLLM's loader refuses them; --mtp-layout {default} writes them anyway")
+        note = None if architecture else as_drafted_family(cfg)
+        if not cfg.adapter.drafter:  # no family of the model's shape that an engine drafts for
+            mtp_layout, note = "none", (f"the MTP depths are left out: no engine drafts with "
+                                        f"{cfg.adapter.architecture}'s and vLLM's loader refuses them; "
+                                        f"--mtp-layout {mapping.default_mtp_layout(cfg)} writes them anyway")
+    default = mapping.default_mtp_layout(cfg)
     layout = None if mtp_layout == "none" else mtp_layout or (default if cfg.mtp_num_layers else None)
     mapping.check_mtp_layout(cfg, layout)
     if layout:
@@ -60,7 +61,7 @@ def as_drafted_family(cfg: ModelConfig) -> str | None:
     """An export must load in the engines as written, with its MTP depths where an engine drafts with
     them: a model whose family no engine drafts for is written as the family of the same shape that
     one does, if any (Qwen2's as MiMo's; otherwise plan leaves the depths out, as vLLM's loaders
-    refuse tensors their model lacks). `cfg` becomes that family; the sentence says so, or None."""
+    refuse tensors their model lacks). `cfg` becomes that family; the sentence says so (None: none)."""
     own = cfg.adapter
     served = [name for name in families.same_shape(cfg.family) if families.FAMILIES[name].drafter]
     if not served:

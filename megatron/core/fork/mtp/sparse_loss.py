@@ -69,39 +69,44 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
     objective = objective_of(config)
     masks = [mask for _, _, mask in targets]
     positions = rows_of(masks)
-    sampled = main_head_needed(config)
-    main_rows = [None] * len(targets)
-    if sampled and main_logits is not None:  # each row's position t + k in the main head's logits
-        seq, batch = main_logits.shape[:2]
-        grid = torch.arange(seq * batch, device=main_logits.device).view(seq, batch, 1)
-        main_rows = rolled_by_depth(grid, len(targets), packed_seq_params)
-    elif sampled:  # h^0 at t + k, projected in the chunks
-        main_full = full_sequence(main_hidden.detach(), config, tp_group)
-        main_rows = rolled_by_depth(main_full, len(targets), packed_seq_params, model.cp_group)
-    rows, target_rows, labels, row_weights = [], [], [], []
-    for hidden, rolled, (_, labels_k, mask_k), where in zip(hidden_by_depth, main_rows, targets, positions,
-                                                            strict=True):
+    rows, labels, row_weights = [], [], []
+    for hidden, (_, labels_k, mask_k), where in zip(hidden_by_depth, targets, positions, strict=True):
         full = full_sequence(hidden, config, tp_group)
         rows.append(full.reshape(-1, full.size(-1)).index_select(0, where))
-        if rolled is not None:
-            target_rows.append(rolled.reshape(-1, rolled.size(-1)).index_select(0, where))
         labels.append(flat(labels_k).index_select(0, where))
         row_weights.append(flat(mask_k).index_select(0, where).float())
     draft_rows = vocab_parallel_rows(torch.cat(rows), config, tp_group)
-    draft = None
-    if sampled and main_logits is not None:
-        draft = DraftTargets(config.mtp_draft_temperature, objective,
-                             logits=main_logits.detach().reshape(-1, main_logits.size(-1)),
-                             index=torch.cat(target_rows).squeeze(1))
-    elif sampled:
-        draft = DraftTargets(config.mtp_draft_temperature, objective, rows=torch.cat(target_rows).to(draft_rows.dtype))
+    draft = draft_targets(model, objective, main_hidden, main_logits, positions, packed_seq_params, draft_rows.dtype)
     value, predicted, alpha, beta = chunked_cross_entropy(model, draft_rows, weight, torch.cat(labels),
                                                           torch.cat(row_weights), draft)
     values = list(value.split([where.numel() for where in positions]))
     chain = torch.stack([flat(mask) != 0 for mask in masks]).all(dim=0)
-    record_statistics(objective, targets, positions, values, predicted, (alpha, beta) if sampled else None,
+    record_statistics(objective, targets, positions, values, predicted, (alpha, beta) if draft is not None else None,
                       labels, row_weights)
     return objective_sum(objective, values, row_weights, positions, chain)
+
+
+def draft_targets(model, objective, main_hidden, main_logits, positions, packed_seq_params, dtype):
+    """The main head at t + k for every draft row, depth by depth in ``positions``' order
+    (DraftTargets), or None where this forward does not read it (main_head_needed). From the main
+    head's logits where given: each row's position t + k, rolled inside its sequence; else h^0's
+    rows at t + k (exact across context-parallel ranks), projected in the chunks."""
+    config = model.config
+    if not main_head_needed(config):
+        return None
+    if main_logits is not None:
+        seq, batch = main_logits.shape[:2]
+        grid = torch.arange(seq * batch, device=main_logits.device).view(seq, batch, 1)
+        rolled = rolled_by_depth(grid, len(positions), packed_seq_params)
+    else:
+        main_full = full_sequence(main_hidden.detach(), config, model.pg_collection.tp)
+        rolled = rolled_by_depth(main_full, len(positions), packed_seq_params, model.cp_group)
+    picked = torch.cat([at_k.reshape(-1, at_k.size(-1)).index_select(0, where)
+                        for at_k, where in zip(rolled, positions, strict=True)])
+    if main_logits is not None:
+        return DraftTargets(config.mtp_draft_temperature, objective,
+                            logits=main_logits.detach().reshape(-1, main_logits.size(-1)), index=picked.squeeze(1))
+    return DraftTargets(config.mtp_draft_temperature, objective, rows=picked.to(dtype))
 
 
 @torch.no_grad()
