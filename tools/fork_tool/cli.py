@@ -6,9 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_mtp.patched_core import PatchedCoreError, carried_versions, current_upstream_version, series_patches
+from megatron_mtp.patched_core import (
+    REPO_ROOT,
+    PatchedCoreError,
+    carried_versions,
+    current_upstream_version,
+    series_patches,
+)
 
-from . import callers, check, install, rebase, series
+from . import callers, check, engine, install, rebase, series
 from .errors import ForkError
 
 
@@ -84,6 +90,12 @@ def cmd_callers(args) -> int:
     return 1 if errors else 0
 
 
+def cmd_engine(args) -> int:
+    ok, lines = engine.apply(args.python, check_only=args.check)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="tools/fork",
@@ -157,13 +169,22 @@ def parser() -> argparse.ArgumentParser:
 
     add("callers", cmd_callers, "Print the table of the fork functions each patch's hunks call (docs/series.md "
         "holds it); exits 1 if a patch or a fork module calls a folder of a later part than its own.")
+    p = sub.add_parser("engine", help=(text := "Apply the serving engine's series (patches/upstream.toml's [engine], "
+                       "patches/PACKAGE-VERSION/) to its installed files in PYTHON's environment, pristine "
+                       "files verified against the wheel first; a no-op when applied. Exits 1 if a patch fails."),
+                       description=text)
+    p.add_argument("--python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"),
+                   help="the engine environment's interpreter (default: this checkout's .venv-vllm)")
+    p.add_argument("--check", action="store_true", help="only report whether every patch applies; change nothing")
+    p.set_defaults(func=cmd_engine, version=None)
     return top
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        args.version = args.version or current_upstream_version()
+        if args.command != "engine":
+            args.version = args.version or current_upstream_version()
         return args.func(args)
     except (ForkError, PatchedCoreError) as error:
         print(f"tools/fork {args.command}: error: {error}", file=sys.stderr)
