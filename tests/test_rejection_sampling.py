@@ -13,6 +13,7 @@ import torch
 
 from megatron_mtp.serving import speculative
 from tests.harness import chi_square
+from tests.harness.drafted import drafted_acceptance
 
 LEVEL = 0.001  # significance level of every chi-square test here
 
@@ -231,7 +232,7 @@ CONTEXT_DRAFTS = [torch.tensor([[0.0, 2.0, 0.0], [2.0, 0.0, -1.0], [0.0, 2.0, 0.
 @pytest.mark.parametrize("method", speculative.DRAFT_SAMPLE_METHODS)
 def test_live_conditional_acceptance_matches_the_teacher_forced_acceptance_where_drafted(method):
     """300 rejection-sampling decodes of 16 tokens at temperature 0.8 from CONTEXT_MAIN drafted by
-    CONTEXT_DRAFTS, each followed by speculative.drafted_acceptance on its own output: at each depth
+    CONTEXT_DRAFTS, each followed by drafted_acceptance (tests/harness/drafted.py) on its own output: at each depth
     the accepted count lies within 4 standard errors of the teacher-forced sum of sum_v min(p, q)
     (greedy drafts: of p(argmax q)) over the verify steps that reached it (probabilistic: about
     2,300 and 1,200 steps; z 1.8 and 0.0 measured).
@@ -246,10 +247,10 @@ def test_live_conditional_acceptance_matches_the_teacher_forced_acceptance_where
         runner = TableRunner(CONTEXT_MAIN, CONTEXT_DRAFTS)
         stats = speculative.Stats(depths=2)
         for s in range(300):
-            trace = []
+            steps = []
             sampler = sampler_class(seed=5, sequence=s, temperature=TEMPERATURE, draft_sample_method=method)
-            text = [0] + speculative.speculative(runner, [0], 16, stats, choose=sampler, trace=trace)
-            speculative.drafted_acceptance(runner, text, trace, stats, TEMPERATURE, compared)
+            output = speculative.speculative(runner, [0], 16, stats, choose=sampler, steps=steps)
+            drafted_acceptance(runner, [0], output, steps, stats, TEMPERATURE, compared)
         return stats
 
     stats = decode(speculative.RejectionSampler)

@@ -7,6 +7,7 @@
     tools/eval_speculative.py RUN_DIR --prompts prompts.txt --tokenizer bytes --new-tokens 64
     tools/eval_speculative.py RUN_DIR --sampler rejection --temperature 1.0 --seed 1
     tools/eval_speculative.py RUN_DIR --sampler rejection --draft-sample-method greedy   # vLLM's default
+    tools/eval_speculative.py RUN_DIR --engine-tokens engine.json   # predict what an engine accepted
 
 Decoding where depth k drafts token t+k+1 from the accepted prefix (the chain the depths were
 trained on) and the main head verifies every draft (megatron_mtp.serving.speculative), with
@@ -45,12 +46,24 @@ so its output is not compared ("lossless": null). Reported, with the definitions
   sum_v min(p, q), what probabilistic drafts are accepted with); and for both, the expected
   accepted length of the chained drafts, 1 + sum_j mean_t prod_{i<=j} (incl. bonus): both modes'
   predictions, whichever mode decodes;
-- with --sampler rejection, the expected conditional acceptance per depth: that sampled (with
-  greedy drafts: greedy-draft) acceptance at the positions the decode drafted at (on its own
-  output), each depth over the
-  verify steps that reached it, and the conditional acceptance's distance from it in standard
-  errors (`conditional acceptance z per depth`; |z| beyond about 4 says the live verifier does not
-  accept what the heads were measured to draft).
+- with --sampler rejection, the expected conditional acceptance per depth: the probability each
+  verify step had to accept the draft of each depth it reached, sum_v min(p, q) (with greedy drafts:
+  p(argmax q)), p and q the main head's and the drafter's distributions along --draft-chain, summed
+  over the steps that reached it (megatron_mtp.serving.engine_replay replays the decode's steps),
+  and the conditional acceptance's distance from it in standard errors (`conditional acceptance z
+  per depth`; |z| beyond about 4 says the verifier does not accept what the heads draft).
+
+--engine-tokens FILE predicts an engine's counts from its own tokens: FILE is JSON, {"prompts":
+[[ids], ...], "steps": [...], "temperature": T, "draft_sample_method": "greedy" or "probabilistic",
+"spec_decode": {...}}, as vllm_engine.Engine.generate(..., steps=True) answers with the request's
+prompts, temperature and the engine's draft_sample_method added ("steps": every sampling step of
+each response, [drafts verified, [tokens]]; "spec_decode", optional: the engine's counters). The
+engine's verify steps are replayed along --draft-chain (default here: vllm, the chain vLLM's MiMo
+MTP runs) and each depth's expected accepted count and its z are reported beside the engine's own
+count; the counts the steps hold must equal the engine's counters. Reported beside them, the
+teacher-forced acceptances on corpus text (--num-prompts documents of the dataset, prompt and the
+data's continuation), which predict another thing: what drafts of data text would be accepted,
+not what the engine accepted on its own samples (docs/serving.md).
 
 Prompts: --data-path PREFIX (a megatron-core indexed dataset; default: the run's first dataset,
 a blend's weights skipped, else the embedded corpus): the first --prompt-length tokens of
@@ -114,12 +127,40 @@ def parse(argv):
                              "the depth's softmax (probabilistic, the default here) or its argmax (greedy, vLLM's "
                              "default)")
     parser.add_argument("--seed", type=int, default=1, help="the samplers' random streams (with the prompt's index)")
-    parser.add_argument("--draft-chain", choices=tuple(CHAINS), default="trained",
+    parser.add_argument("--draft-chain", choices=tuple(CHAINS),
                         help="how the depths chain their drafts: as trained (depth k runs at draft step k over "
                              "its own states), or as vLLM runs them (depth 1's layer at every step, over one KV "
-                             "cache; megatron_mtp.serving.speculative.VllmDrafter) (default: trained)")
+                             "cache; megatron_mtp.serving.speculative.VllmDrafter) (default: trained; with "
+                             "--engine-tokens, vllm)")
+    parser.add_argument("--engine-tokens", metavar="FILE",
+                        help="an engine's responses with their sampling steps (JSON): predict its counts")
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args(argv)
+
+
+def read_engine_tokens(path: str) -> dict:
+    """--engine-tokens' file, checked: prompts and steps of equal count, a temperature > 0, a draft mode."""
+    from megatron_mtp.serving import ServingError
+    from megatron_mtp.serving.speculative import DRAFT_SAMPLE_METHODS
+
+    try:
+        with open(path) as file:
+            record = json.load(file)
+    except (OSError, ValueError) as error:
+        raise ServingError(f"--engine-tokens {path}: {error}") from None
+    missing = [name for name in ("prompts", "steps", "temperature", "draft_sample_method") if name not in record]
+    if missing:
+        raise ServingError(f"--engine-tokens {path} holds no {', '.join(missing)}")
+    if len(record["prompts"]) != len(record["steps"]) or not record["prompts"]:
+        raise ServingError(f"--engine-tokens {path}: {len(record['prompts'])} prompts, {len(record['steps'])} "
+                           f"responses' steps")
+    if not isinstance(record["temperature"], (int, float)) or not record["temperature"] > 0:
+        raise ServingError(f"--engine-tokens {path}: temperature {record['temperature']!r} (one number > 0: a "
+                           f"greedy engine's counts are the greedy decoder's, --sampler greedy)")
+    if record["draft_sample_method"] not in DRAFT_SAMPLE_METHODS:
+        raise ServingError(f"--engine-tokens {path}: draft_sample_method {record['draft_sample_method']!r} is not "
+                           f"one of {', '.join(DRAFT_SAMPLE_METHODS)}")
+    return record
 
 
 def main(argv=None) -> int:
@@ -128,20 +169,32 @@ def main(argv=None) -> int:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     import torch
 
-    from megatron_mtp.serving import ServingError, files, prompts, speculative
+    from megatron_mtp.serving import ServingError, engine_replay, files, prompts, speculative
     from megatron_mtp.serving import model as serving_model
 
     torch.set_grad_enabled(False)
+    engine = None
     try:
         for name in ("num_prompts", "prompt_length", "new_tokens"):
             if getattr(args, name) < 1:
                 raise ServingError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.engine_tokens:
+            given = [flag for flag, value in (("--sampler", args.sampler != "greedy"),
+                                              ("--temperature", args.temperature is not None),
+                                              ("--draft-sample-method", args.draft_sample_method is not None),
+                                              ("--prompts", args.prompts is not None),
+                                              ("--depths", args.depths is not None)) if value]
+            if given:
+                raise ServingError(f"--engine-tokens: the engine's file gives the prompts, temperature, draft mode "
+                                   f"and depths ({', '.join(given)} given)")
+            engine = read_engine_tokens(args.engine_tokens)
         if args.sampler == "greedy" and args.temperature is not None:
             raise ServingError("--temperature applies to --sampler gumbel or rejection; greedy takes the argmax")
         if args.draft_sample_method is not None and args.sampler != "rejection":
             raise ServingError("--draft-sample-method applies to --sampler rejection")
-        draft_sample_method = args.draft_sample_method or "probabilistic"
-        temperature = 1.0 if args.temperature is None else args.temperature
+        draft_sample_method = engine["draft_sample_method"] if engine else args.draft_sample_method or "probabilistic"
+        temperature = engine["temperature"] if engine else 1.0 if args.temperature is None else args.temperature
+        chain = args.draft_chain or ("vllm" if engine else "trained")
         if args.sampler != "greedy" and not temperature > 0:
             raise ServingError(f"--temperature {args.temperature} must be > 0")
         if args.tokenizer is not None and not args.prompts:
@@ -154,6 +207,11 @@ def main(argv=None) -> int:
         if not depths:
             raise ServingError(f"{directory}: the model has no MTP depths to draft with")
         use = depths if args.depths is None else args.depths
+        if engine:
+            use = max((verified for steps in engine["steps"] for verified, _ in steps), default=0)
+            if not 1 <= use <= depths:
+                raise ServingError(f"--engine-tokens: the engine verified {use} drafts a step, the model has {depths} "
+                                   f"MTP depths")
         if not 1 <= use <= depths:
             raise ServingError(f"--depths {args.depths}: the model has {depths} MTP depths")
         if args.prompts:
@@ -168,7 +226,7 @@ def main(argv=None) -> int:
             pairs = prompts.dataset_prompts(prefix, args.num_prompts, args.prompt_length, args.new_tokens)
             source = prefix
         vocab = int(getattr(run_args, "vocab_size", None) or run_args.padded_vocab_size)
-        for prompt, _ in pairs:
+        for prompt in [p for p, _ in pairs] + (engine["prompts"] if engine else []):
             if not prompt or max(prompt) >= vocab:
                 raise ServingError(f"a prompt is empty or holds a token id >= the vocabulary {vocab}")
         longest = max(len(p) for p, _ in pairs) + args.new_tokens + use
@@ -185,6 +243,33 @@ def main(argv=None) -> int:
     serving_model.load(model, str(directory))
     runner = serving_model.Runner(model, vocab)
     stats = speculative.Stats(depths=use)
+    if engine:
+        print(f"{PROG}: {directory}, the engine's {len(engine['prompts'])} responses at temperature {temperature}, "
+              f"{draft_sample_method} drafts, {use} of {depths} MTP depths, replayed along the {chain} chain",
+              file=sys.stderr, flush=True)
+        mismatches = 0
+        for prompt, steps in zip(engine["prompts"], engine["steps"], strict=True):
+            try:
+                replayed = engine_replay.replay(runner, prompt, steps, stats, temperature, draft_sample_method, chain)
+            except ValueError as error:
+                return fail(f"--engine-tokens: a response's steps do not replay: {error}", 1)
+            mismatches += replayed.greedy_mismatches
+            stats.add_counts(replayed.counts)
+        counted = engine.get("spec_decode")
+        if counted and (counted.get("drafts"), counted.get("accepted per position")) != \
+                (stats.drafts, stats.accepted_per_position):
+            return fail(f"--engine-tokens: the steps hold {stats.drafts} verify steps and "
+                        f"{stats.accepted_per_position} accepted per position, the engine counted "
+                        f"{counted.get('drafts')} and {counted.get('accepted per position')}", 1)
+        for _, reference in pairs:  # the teacher-forced acceptances on corpus text (prompt and data), beside them
+            speculative.teacher_forced(runner, reference, stats, temperature)
+        summary = stats.summary()
+        summary.update({"engine responses": len(engine["prompts"]), "depths": use, "checkpoint": str(directory),
+                        "temperature": temperature, "draft sample method": draft_sample_method, "draft chain": chain,
+                        "greedy drafts accepted that are not this chain's argmax": mismatches,
+                        "teacher-forced text": f"{len(pairs)} prompts of {source} + the data's continuation"})
+        return report(summary, args.json)
+
     mismatches = []
     sampled = args.sampler != "greedy"
     print(f"{PROG}: {directory}, {len(pairs)} prompts from {source}, {args.new_tokens} new tokens, "
@@ -195,11 +280,11 @@ def main(argv=None) -> int:
                 "gumbel": lambda key: speculative.GumbelSampler(args.seed, key, temperature),
                 "rejection": lambda key: speculative.RejectionSampler(args.seed, key, temperature, draft_sample_method)}
     for i, (prompt, reference) in enumerate(pairs):
-        trace = []
+        steps = []
         output = speculative.speculative(runner, prompt, args.new_tokens, stats, depths=use,
-                                         choose=samplers[args.sampler](i), trace=trace, chain=args.draft_chain)
-        if args.sampler == "rejection":
-            speculative.drafted_acceptance(runner, prompt + output, trace, stats, temperature, draft_sample_method)
+                                         choose=samplers[args.sampler](i), steps=steps, chain=chain)
+        if args.sampler == "rejection":  # what its verify steps should have accepted, along the same chain
+            engine_replay.replay(runner, prompt, steps, stats, temperature, draft_sample_method, chain)
         # a rejection sampler's plain decoding draws from a stream of its own (the outputs agree in
         # distribution only); Gumbel's uses the same key, whose noise gives the same tokens
         plain = speculative.greedy(runner, prompt, args.new_tokens,
@@ -218,18 +303,23 @@ def main(argv=None) -> int:
                     "new tokens per prompt": args.new_tokens, "depths": use, "checkpoint": str(directory),
                     "sampler": args.sampler, "temperature": temperature if sampled else None,
                     "draft sample method": draft_sample_method if args.sampler == "rejection" else None,
-                    "draft chain": args.draft_chain,
+                    "draft chain": chain,
                     "teacher-forced text": "prompt + plain decoding's output" if args.prompts
                     else "prompt + the data's continuation"})
+    status = report(summary, args.json)
+    if mismatches:
+        return fail("speculative output differs from plain decoding: " + "; ".join(mismatches[:3]), 1)
+    return status
+
+
+def report(summary: dict, path: str | None) -> int:
     for key, value in summary.items():
         shown = [round(v, 4) if isinstance(v, float) else v for v in value] if isinstance(value, list) else \
             round(value, 4) if isinstance(value, float) else value
         print(f"{key}: {shown}")
-    if args.json:
-        with open(args.json, "w") as file:
+    if path:
+        with open(path, "w") as file:
             json.dump(summary, file, indent=2)
-    if mismatches:
-        return fail("speculative output differs from plain decoding: " + "; ".join(mismatches[:3]), 1)
     return 0
 
 

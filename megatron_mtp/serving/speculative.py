@@ -66,8 +66,9 @@ class Stats:
     teacher_forced_overlap_chain: list = field(default_factory=list)
     teacher_forced_greedy_chain: list = field(default_factory=list)
     sampled: bool = False  # teacher_forced measured sum_v min(p, q) (a temperature given)
-    # drafted_acceptance's sums over the verify steps that reached depth k: those steps, their
-    # drafts accepted at k, and sum_v min(p, q) and its Bernoulli variance alpha (1 - alpha) there
+    # sums over the verify steps that reached depth k (`drafted`): those steps, their drafts accepted
+    # at k, and the probability each had to be accepted there (sum_v min(p, q); greedy drafts:
+    # p(argmax q)) with its Bernoulli variance rate (1 - rate)
     drafted_reached: list = field(default_factory=list)
     drafted_accepted: list = field(default_factory=list)
     drafted_overlap: list = field(default_factory=list)
@@ -82,6 +83,22 @@ class Stats:
             setattr(self, name, getattr(self, name) or [0.0] * self.depths)
         for name in ("drafted_reached", "drafted_accepted", "drafted_overlap", "drafted_variance"):
             setattr(self, name, getattr(self, name) or [0] * self.depths)
+
+    def drafted(self, depth: int, rate: float, accepted: bool) -> None:
+        """A verify step reached `depth` (0-based: its drafts before it accepted), whose draft it accepted
+        with probability `rate`, and `accepted` it or not."""
+        self.drafted_reached[depth] += 1
+        self.drafted_accepted[depth] += int(accepted)
+        self.drafted_overlap[depth] += rate
+        self.drafted_variance[depth] += rate * (1 - rate)
+
+    def add_counts(self, other: "Stats") -> None:
+        """Another decode's counts (verify steps, accepted per position, forwards, tokens) added to these."""
+        self.drafts += other.drafts
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position,
+                                                            strict=True)]
+        self.forwards += other.forwards
+        self.generated += other.generated
 
     def summary(self) -> dict:
         accepted = sum(self.accepted_per_position)
@@ -120,10 +137,12 @@ class Stats:
             "teacher-forced expected accepted length (greedy drafts)":
                 1 + sum(a / t for a, t in zip(self.teacher_forced_greedy_chain, self.teacher_forced_total,
                                               strict=True) if t),
-            # drafted_acceptance: the mean of sum_v min(p, q) (greedy drafts: of p(argmax q)) at the
+            # `drafted`'s sums: the mean of sum_v min(p, q) (greedy drafts: of p(argmax q)) at the
             # positions the verify steps drafted at, each depth over the steps that reached it (what its
             # conditional acceptance estimates there), and how many standard errors the accepted count
             # lies from it
+            "accepted per position": list(self.accepted_per_position),
+            "expected accepted per position": list(self.drafted_overlap) if any(self.drafted_reached) else None,
             "expected conditional acceptance per depth": [
                 o / n if n else None for o, n in zip(self.drafted_overlap, self.drafted_reached, strict=True)],
             "conditional acceptance z per depth": [
@@ -329,14 +348,16 @@ CHAINS = {"trained": Drafter, "vllm": VllmDrafter}
 
 
 def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths: int | None = None,
-                choose=greedy_choice, stop: int | None = None, trace: list | None = None,
+                choose=greedy_choice, stop: int | None = None, steps: list | None = None,
                 chain: str = "trained", draft_logits: list | None = None) -> list[int]:
     """Decoding with MTP drafts; returns the tokens of `greedy(..., choose, stop)` (with a
     RejectionSampler: tokens of their distribution): `new_tokens` of them, or fewer ending with the
     first `stop` token. A verify step's tokens after a stop token or beyond `new_tokens` are
     dropped: `generated` counts what is returned, the acceptance counters the verifier's verdict
-    on every draft it checked (vLLM's counting). A `trace` list receives each verify step's
-    (t, drafts accepted), t the position whose depths drafted (`drafted_acceptance` reads it).
+    on every draft it checked (vLLM's counting). A `steps` list receives every sampling step as an
+    engine records it (engines/vllm_probe.record_steps): [drafts verified, [tokens emitted]], the
+    prefill's [0, [token]] first, each verify step's tokens before `new_tokens` or `stop` cut them
+    (engine_replay.replay reads them).
     `chain`: how the drafts are chained (CHAINS): as trained (Drafter), or as vLLM runs them (VllmDrafter).
     A `draft_logits` list receives each drafting's logits [depths, V] (the rows the drafts were chosen from)."""
     if new_tokens < 1:
@@ -350,6 +371,8 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
     stats.forwards += 1
     seq = list(prompt) + choose(logits[0, -1:], len(prompt))
     stats.generated += 1
+    if steps is not None:
+        steps.append([0, seq[-1:]])
     if seq[-1] == stop or new_tokens == 1:
         return seq[len(prompt):]
     drafter.accept(hidden)
@@ -371,8 +394,8 @@ def speculative(runner, prompt: list[int], new_tokens: int, stats: Stats, depths
         accepted = len(emitted) - 1
         for j in range(accepted):  # the verifier's verdict on each draft, as vLLM counts it
             stats.accepted_per_position[j] += 1
-        if trace is not None and drafts:
-            trace.append((base - 1, accepted))  # Drafter.draft's t: the token before the verified one
+        if steps is not None:
+            steps.append([len(drafts), list(emitted)])
         emitted = emitted[: new_tokens - (len(seq) - len(prompt))]  # the last step: what is asked for
         if stop in emitted:  # the sequence ends there
             emitted = emitted[: emitted.index(stop) + 1]
@@ -433,33 +456,3 @@ def teacher_forced(runner, text: list[int], stats: Stats, temperature: float | N
             sampled_chain = sampled if sampled_chain is None else sampled_chain[: sampled.shape[0]] * sampled
             stats.teacher_forced_overlap[k - 1] += float(sampled.sum())
             stats.teacher_forced_overlap_chain[k - 1] += float(sampled_chain.sum())
-
-
-def drafted_acceptance(runner, text: list[int], trace: list, stats: Stats, temperature: float,
-                       draft_sample_method: str = "probabilistic") -> None:
-    """What a rejection-sampling decode's conditional acceptance should be, from the teacher-forced
-    sampled acceptance (greedy drafts: greedy-draft acceptance) of the text it decoded (prompt +
-    output) at the positions it drafted at.
-
-    A verify step drafting at t that reached depth k (its drafts 1 .. k - 1 accepted, so the text
-    holds them) accepts depth k's draft with probability alpha = sum_v min(p, q) (greedy drafts:
-    p(argmax q)), p and q the main head's and depth k's distributions there: exactly the
-    teacher-forced ones at t on the text (the decoder's logits are the whole-sequence recompute's).
-    Summed over such steps, accepted - alpha has mean 0 and variance sum alpha (1 - alpha) (a
-    martingale: each step's alpha is fixed by what came before it), so the live count and the
-    teacher-forced sum agree within a few standard errors whatever prefixes the decode visited. A
-    step counts at depth k only where the text holds x_{t+k+1}, which depends on t alone (the
-    text's length is fixed before decoding)."""
-    check_draft_sample_method(draft_sample_method)
-    rate = greedy_draft_acceptance if draft_sample_method == "greedy" else sampled_overlap
-    main, per_depth = runner.teacher_forced(torch.tensor([text]), depths=stats.depths)
-    overlaps = [rate(main, logits, k, temperature) for k, logits in enumerate(per_depth, start=1)]
-    for t, accepted in trace:
-        for k in range(1, min(accepted + 1, stats.depths) + 1):  # the depths this step reached
-            if k > len(overlaps) or t >= overlaps[k - 1].shape[0]:
-                break
-            alpha = float(overlaps[k - 1][t])
-            stats.drafted_reached[k - 1] += 1
-            stats.drafted_accepted[k - 1] += int(accepted >= k)
-            stats.drafted_overlap[k - 1] += alpha
-            stats.drafted_variance[k - 1] += alpha * (1 - alpha)

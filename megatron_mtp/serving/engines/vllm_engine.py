@@ -98,13 +98,15 @@ class Engine:
             raise RuntimeError(f"vLLM engine: {reply['error']}")
         return reply
 
-    def generate(self, prompts: list, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
-                 seeds: list | None = None, stop_token_ids: list | None = None) -> dict:
-        """Responses to `prompts` (token ids); `seeds`: one per prompt, in place of `seed`; a response ends
-        with the first of `stop_token_ids` (included)."""
+    def generate(self, prompts: list, max_tokens: int, temperature: float | list = 0.0, seed: int | None = None,
+                 seeds: list | None = None, stop_token_ids: list | None = None, top_p: float | list = 1.0,
+                 steps: bool = False) -> dict:
+        """Responses to `prompts` (token ids); `temperature` and `top_p`: one value, or one per prompt;
+        `seeds`: one per prompt, in place of `seed`; a response ends with the first of `stop_token_ids`
+        (included); `steps`: also every sampling step's [drafts verified, [tokens sampled]] per prompt."""
         return self.request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                             "temperature": temperature, "seed": seed, "seeds": seeds,
-                             "stop_token_ids": stop_token_ids})
+                             "temperature": temperature, "top_p": top_p, "seed": seed, "seeds": seeds,
+                             "stop_token_ids": stop_token_ids, "steps": steps})
 
     def update_weights(self, batches, draft: bool = False) -> int:
         """One weight update of the target (draft: the speculative drafter) in place, no restart:

@@ -9,11 +9,13 @@ megatron_mtp.serving.engines.vllm with the engine's own interpreter (`.venv-vllm
 Its argument is LLM(...)'s keywords as JSON. Requests are JSON lines on stdin, each answered by one
 JSON line on stdout (the engine's own output goes to stderr):
 
-    {"op": "generate", "prompts": [[ids], ...], "max_tokens": N, "temperature": T, "seed": S,
-     "seeds": [S, ...], "stop_token_ids": [ids]}
+    {"op": "generate", "prompts": [[ids], ...], "max_tokens": N, "temperature": T, "top_p": P, "seed": S,
+     "seeds": [S, ...], "stop_token_ids": [ids], "steps": false}
         -> {"outputs": [[ids], ...], "spec_decode": {...}}  (this request's spec-decode counters)
-        seeds: one per prompt (a per-request generator each: sampling independent of the batch), in
-        place of seed; stop_token_ids: a response ends with the first of them (included)
+        temperature, top_p: one value, or a list of one per prompt (mixed in one batch); seeds: one per
+        prompt (a per-request generator each: sampling independent of the batch), in place of seed;
+        stop_token_ids: a response ends with the first of them (included); steps: also "steps", per
+        prompt every sampling step's [drafts verified, [tokens sampled]] (vllm_probe.record_steps)
     {"op": "start_weight_update", "draft": false}  -> {"done": true}  (draft: the speculative drafter)
     {"op": "update_weights", "path": FILE}  -> {"done": true}  (one bucket: a safetensors file)
     {"op": "finish_weight_update"}  -> {"done": true}  (and the prefix cache emptied: its blocks hold
@@ -64,6 +66,15 @@ def difference(after: dict, before: dict) -> dict:
     return out
 
 
+def per_prompt(value, count: int, name: str) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{len(value)} values of {name} for {count} prompts")
+    return value
+
+
 def generate(llm, request: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -72,15 +83,29 @@ def generate(llm, request: dict) -> dict:
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise ValueError("prompts must be non-empty lists of token ids")
     seeds = request.get("seeds") or [request.get("seed")] * len(prompts)
+    temperatures, top_ps = (per_prompt(request.get(name, default), len(prompts), name)
+                            for name, default in (("temperature", 0.0), ("top_p", 1.0)))
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    params = [SamplingParams(max_tokens=int(request["max_tokens"]), temperature=float(request.get("temperature", 0)),
-                             seed=seed, ignore_eos=True, stop_token_ids=request.get("stop_token_ids"),
-                             detokenize=False) for seed in seeds]
+    params = [SamplingParams(max_tokens=int(request["max_tokens"]), temperature=float(temperature),
+                             top_p=float(top_p), seed=seed, ignore_eos=True,
+                             stop_token_ids=request.get("stop_token_ids"), detokenize=False)
+              for seed, temperature, top_p in zip(seeds, temperatures, top_ps, strict=True)]
+    if request.get("steps"):
+        import vllm_probe
+
+        llm.collective_rpc(vllm_probe.record_steps, args=(True,))
     before = counters(llm)
     results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return {"outputs": [list(r.outputs[0].token_ids) for r in results],
-            "spec_decode": difference(counters(llm), before)}
+    reply = {"outputs": [list(r.outputs[0].token_ids) for r in results],
+             "spec_decode": difference(counters(llm), before)}
+    if request.get("steps"):
+        [steps] = llm.collective_rpc(vllm_probe.recorded_steps)
+        llm.collective_rpc(vllm_probe.record_steps, args=(False,))
+        # the engine core's request ids are the caller's with a random suffix ("3-b57e2aa3")
+        steps = {internal.rsplit("-", 1)[0]: recorded for internal, recorded in steps.items()}
+        reply["steps"] = [steps[r.request_id] for r in results]
+    return reply
 
 
 def weight_update(llm, request: dict) -> dict:
