@@ -160,6 +160,15 @@ def read_engine_tokens(path: str) -> dict:
     if record["draft_sample_method"] not in DRAFT_SAMPLE_METHODS:
         raise ServingError(f"--engine-tokens {path}: draft_sample_method {record['draft_sample_method']!r} is not "
                            f"one of {', '.join(DRAFT_SAMPLE_METHODS)}")
+    counted = record.get("spec_decode")
+    if counted:  # the steps must hold what the engine counted
+        accepted = [len(tokens) - 1 for response in record["steps"] for verified, tokens in response if verified]
+        depths = len(counted.get("accepted per position") or [])
+        held = (len(accepted), [sum(a > k for a in accepted) for k in range(depths)])
+        if held != (counted.get("drafts"), counted.get("accepted per position")):
+            raise ServingError(f"--engine-tokens {path}: the steps hold {held[0]} verify steps and {held[1]} accepted "
+                               f"per position, the engine counted {counted.get('drafts')} and "
+                               f"{counted.get('accepted per position')}")
     return record
 
 
@@ -255,12 +264,6 @@ def main(argv=None) -> int:
                 return fail(f"--engine-tokens: a response's steps do not replay: {error}", 1)
             mismatches += replayed.greedy_mismatches
             stats.add_counts(replayed.counts)
-        counted = engine.get("spec_decode")
-        if counted and (counted.get("drafts"), counted.get("accepted per position")) != \
-                (stats.drafts, stats.accepted_per_position):
-            return fail(f"--engine-tokens: the steps hold {stats.drafts} verify steps and "
-                        f"{stats.accepted_per_position} accepted per position, the engine counted "
-                        f"{counted.get('drafts')} and {counted.get('accepted per position')}", 1)
         for _, reference in pairs:  # the teacher-forced acceptances on corpus text (prompt and data), beside them
             speculative.teacher_forced(runner, reference, stats, temperature)
         summary = stats.summary()

@@ -94,3 +94,49 @@ def update(old_export: str, checkpoint: str, pp: int, prompts: list, new_tokens:
             if engine is not None:
                 engine.close()
     return out
+
+
+def score(checkpoint: str, records: dict) -> dict:
+    """The engine's sampled responses scored by the project's model on `checkpoint`, per record (one engine:
+    its depth, its draft mode): the responses sampled at temperature 1 replayed along vLLM's draft chain
+    (serving.engine_replay: the steps' own counts, and per depth the steps that reached it, the drafts it
+    accepted there and the sum and variance of the probabilities it had to), and every group of responses
+    (one temperature and top-p) scored token by token against p (tests/harness/sampling.py: the
+    Kolmogorov-Smirnov p-value of the randomized PIT, the calibration z)."""
+    from megatron_mtp.serving import engine_replay
+    from tests.harness import sampling
+
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(1)  # small matrices: threads cost more than they give
+    run_args, directory = files.read_arguments(checkpoint)
+    serving_model.setup()
+    model = serving_model.build(run_args)
+    serving_model.load(model, str(directory))
+    runner = serving_model.Runner(model, int(run_args.vocab_size or run_args.padded_vocab_size))
+    out = {}
+    for name, record in records.items():
+        stats, counts, mismatches = speculative.Stats(depths=record["depth"]), speculative.Stats(record["depth"]), 0
+        replayed = record["replayed"]
+        for prompt, steps in zip(replayed["prompts"], replayed["steps"], strict=True):
+            sampler = engine_replay.replay(runner, prompt, steps, stats, replayed["temperature"],
+                                           record["draft_sample_method"])
+            counts.add_counts(sampler.counts)
+            mismatches += sampler.greedy_mismatches
+        groups = {}
+        generator = torch.Generator().manual_seed(0)
+        for part in record["scored"]:
+            for prompt, output, temperature, top_p in zip(part["prompts"], part["outputs"], part["temperatures"],
+                                                          part["top_ps"], strict=True):
+                group = groups.setdefault(f"temperature {temperature}, top_p {top_p}",
+                                          {"u": [], "dev": 0.0, "var": 0.0})
+                u, deviation, variance = sampling.scores(runner, prompt, output, temperature, top_p, generator)
+                group["u"] += u
+                group["dev"] += deviation
+                group["var"] += variance
+        out[name] = {"drafts": counts.drafts, "accepted per position": counts.accepted_per_position,
+                     "reached": stats.drafted_reached, "accepted": stats.drafted_accepted,
+                     "expected": stats.drafted_overlap, "variance": stats.drafted_variance,
+                     "greedy mismatches": mismatches,
+                     "groups": {key: {"tokens": len(g["u"]), "ks p": sampling.ks_p_value(g["u"]),
+                                      "z": g["dev"] / g["var"] ** 0.5} for key, g in groups.items()}}
+    return out
