@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_mtp.serving import ServingError, experts, families, mapping
+from megatron_mtp.serving import ServingError, experts, families, files, mapping
 from megatron_mtp.serving.config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,16 +89,9 @@ def hf_tensors(export: Plan, global_tensors: dict, source: str) -> dict:
 
 
 def cast(tensors: dict, dtype: str):
-    """(name, tensor) in `dtype`, contiguous, each with storage of its own: a repeated MTP layer is
-    written once per depth from the same tensors (safetensors refuses shared storage; a cast to
+    """(name, tensor) in `dtype`, contiguous, each with storage of its own (files.unshared; a cast to
     another dtype copies anyway)."""
-    seen = set()
-    for name, value in tensors.items():
-        value = value.to(DTYPES[dtype]).contiguous()
-        if value.data_ptr() in seen:
-            value = value.clone()
-        seen.add(value.data_ptr())
-        yield name, value
+    return files.unshared((name, value.to(DTYPES[dtype]).contiguous()) for name, value in tensors.items())
 
 
 def engine_warnings(cfg: ModelConfig, layout: str | None) -> list[str]:
