@@ -8,6 +8,7 @@ the trainer's flags, the arguments a checkpoint holds).
 """
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -223,16 +224,15 @@ class ModelConfig:
         config.family = families.home(config, get("serving_family"))
         return config
 
-    def as_architecture(self, name: str) -> None:
-        """Export as `name` instead of the family the model's shape (or its import) names: a dense
-        family of the same attention, or a family of the same shape stored otherwise."""
+    def as_architecture(self, name: str) -> "ModelConfig":
+        """The model as `name` instead of the family its shape (or its import) names, for an export: a
+        dense family of the same attention, or a family of the same shape stored otherwise."""
         target = families.get(name)
         if self.moe or self.gdn or target.experts or target.gated_delta_net:
             shape = self.adapter.same_shape_as or self.family
             if name not in (shape, *families.same_shape(shape)):
                 raise ServingError(f"--architecture {name}: the model is {self.adapter.architecture}-shaped")
-            self.family = name
-            return
+            return dataclasses.replace(self, family=name)
         if target.qk_norm != self.qk_layernorm:
             raise ServingError(f"--architecture {name}: {target.architecture} "
                                f"{'has' if target.qk_norm else 'has no'} q/k norms, the model "
@@ -241,7 +241,7 @@ class ModelConfig:
             raise ServingError(f"--architecture {name}: {target.architecture} "
                                f"{'has' if target.qkv_bias else 'has no'} QKV biases, the model "
                                f"{'has' if self.qkv_bias else 'has none'}")
-        self.family = name
+        return dataclasses.replace(self, family=name)
 
     def megatron_args(self) -> argparse.Namespace:
         """The model's arguments as megatron.training names them (what an imported checkpoint holds)."""
