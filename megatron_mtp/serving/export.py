@@ -57,16 +57,15 @@ def plan(run_args, mtp_layout: str | None = None, architecture: str | None = Non
     """The export of a model trained with `run_args` (the trainer's arguments; a checkpoint holds them),
     refused in one line where it cannot be written. mtp_layout: a layout of serving.families.MTP_LAYOUTS,
     none, or None for the family's default."""
-    cfg, note = ModelConfig.from_megatron_args(run_args), None
-    if architecture:
-        cfg = cfg.as_architecture(architecture)
-    if mtp_layout is None and cfg.mtp_num_layers and not cfg.adapter.drafter:
-        if not architecture:
-            cfg, note = _drafted_family(cfg)
-        if not cfg.adapter.drafter:  # no family of the model's shape that an engine drafts for
-            mtp_layout, note = "none", (f"the MTP depths are left out: no engine drafts with "
-                                        f"{cfg.adapter.architecture}'s and vLLM's loader refuses them; "
-                                        f"--mtp-layout {mapping.default_mtp_layout(cfg)} writes them anyway")
+    cfg, family, note = ModelConfig.from_megatron_args(run_args), architecture, None
+    if not architecture and mtp_layout is None and cfg.mtp_num_layers and not cfg.adapter.drafter:
+        family, note = _drafted_family(cfg)
+    if family:
+        cfg = cfg.as_architecture(family)
+    if mtp_layout is None and cfg.mtp_num_layers and not cfg.adapter.drafter:  # no engine drafts for the family
+        mtp_layout, note = "none", (f"the MTP depths are left out: no engine drafts with "
+                                    f"{cfg.adapter.architecture}'s and vLLM's loader refuses them; "
+                                    f"--mtp-layout {mapping.default_mtp_layout(cfg)} writes them anyway")
     layout = None if mtp_layout == "none" else mtp_layout or (
         mapping.default_mtp_layout(cfg) if cfg.mtp_num_layers else None)
     mapping.check_mtp(cfg, layout, cfg.mtp_num_layers if layout else 0, written=True)
@@ -78,20 +77,18 @@ def plan(run_args, mtp_layout: str | None = None, architecture: str | None = Non
     return Plan(cfg, layout, expert_layout or "published", note)
 
 
-def _drafted_family(cfg: ModelConfig) -> tuple[ModelConfig, str | None]:
+def _drafted_family(cfg: ModelConfig) -> tuple[str | None, str | None]:
     """An export must load in the engines as written, with its MTP depths where an engine drafts with
     them: a model whose family no engine drafts for is written as the family of the same shape that
     one does, if any (Qwen2's as MiMo's; otherwise plan leaves the depths out, as vLLM's loaders
-    refuse tensors their model lacks). The model as that family, and the sentence that says so (the
-    model as it is and None: no such family)."""
+    refuse tensors their model lacks). That family and the sentence that says so (None, None: none)."""
     own = cfg.adapter
-    served = [name for name in families.same_shape(cfg.family) if families.FAMILIES[name].drafter]
+    served = [families.FAMILIES[name] for name in families.same_shape(cfg.family) if families.FAMILIES[name].drafter]
     if not served:
-        return cfg, None
-    drafted = cfg.as_architecture(served[0])
-    return drafted, (f"written as {drafted.adapter.architecture}, {own.title}'s model with its MTP depths, which "
-                     f"vLLM drafts with ({drafted.adapter.drafter}); --architecture {own.name} writes "
-                     f"{own.architecture} without them")
+        return None, None
+    return served[0].name, (f"written as {served[0].architecture}, {own.title}'s model with its MTP depths, which vLLM "
+                            f"drafts with ({served[0].drafter}); --architecture {own.name} writes {own.architecture} "
+                            "without them")
 
 
 def hf_tensors(export: Plan, global_tensors: dict, source: str) -> dict:
