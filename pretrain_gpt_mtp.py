@@ -85,7 +85,7 @@ def count_parameters(args) -> int | str:
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron.core.fork.runtime.specs import SpecError
-    from megatron_mtp.arguments import layers_needing_te
+    from megatron_mtp.arguments.checks import layers_needing_te
     from megatron_mtp.library.initialize import initialize_model_parallel
     from megatron_mtp.serving.model import MOE_KERNELS, ONE_PROCESS
 
@@ -268,15 +268,17 @@ def main() -> int:
     if not last_rank:  # every rank would print the same upstream warnings: the last prints them, once
         warnings.simplefilter("ignore")
     from megatron_mtp import arguments
+    from megatron_mtp.arguments.checkpoints import finished
+    from megatron_mtp.arguments.dry_run import summary
 
     args = arguments.parse()
     if args is None:
         return 2
     if args.dry_run:
         if os.environ.get("RANK", "0") == "0":
-            print(arguments.summary(args, count_parameters(args)), flush=True)
+            print(summary(args, count_parameters(args)), flush=True)
         return 0
-    done = arguments.finished(args)
+    done = finished(args)
     if done:  # rerunning a finished run trains nothing and overwrites nothing
         if os.environ.get("RANK", "0") == "0":
             print(done, flush=True)
@@ -320,23 +322,23 @@ def _pretrain(args) -> int:
     from megatron.core.fork.fixes import checkpoint_files
     from megatron.core.fork.mtp.step_scope import StepRefused
     from megatron.core.fork.runtime.specs import SpecError
-    from megatron_mtp import arguments
+    from megatron_mtp.arguments.errors import fail
 
     try:
         pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
                  forward_step, model_provider=model_provider, get_embedding_ranks=get_embedding_ranks)
     except (checkpoint_files.CheckpointError, StepRefused) as error:  # raised alike on every rank: one line
-        arguments.fail(error)
+        fail(error)
         return 1
     except SpecError as error:  # a flag the selected layer specs do not build, refused before the model is
-        arguments.fail(error)
+        fail(error)
         return 2
     except AssertionError as error:
         if not str(error).startswith("OptimizerParamScheduler"):
             raise
-        arguments.fail(f"{error} (the checkpoint's learning-rate schedule differs from this run's: resume with "
-                    "its values, or add --override-opt_param-scheduler to take this run's, or "
-                    "--use-checkpoint-opt_param-scheduler to keep the checkpoint's)")
+        fail(f"{error} (the checkpoint's learning-rate schedule differs from this run's: resume with "
+             "its values, or add --override-opt_param-scheduler to take this run's, or "
+             "--use-checkpoint-opt_param-scheduler to keep the checkpoint's)")
         return 1
     return 0
 

@@ -122,12 +122,6 @@ def _text(multiplexer, run, tag: str) -> str | None:
     return tensor_util.make_ndarray(event.tensor_proto).item().decode()
 
 
-def tensorboard_scalars(logdir: Path) -> dict:
-    """{tag: {step: value}} of every scalar of the one run in a TensorBoard log directory (its event
-    files there, or in one subdirectory); a directory of several runs is refused."""
-    return _scalars(*_events(logdir))
-
-
 def _from_console(path: Path, name: str) -> Run:
     try:
         text = path.read_text(errors="replace")

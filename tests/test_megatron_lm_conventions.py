@@ -109,9 +109,10 @@ def test_a_nan_loss_is_caught_at_the_loss(tmp_path):
 UNUSABLE_CUDA = """
     import contextlib, io, os, sys
     from megatron_mtp import arguments
+    from megatron_mtp.arguments import gpus
     devices = {"none": [], "gpus": ["/dev/nvidia0", "/dev/nvidia1"]}
     for name, visible in (("none", None), ("gpus", None), ("gpus", ""), ("gpus", "-1")):
-        arguments._nvidia_devices = lambda: devices[name]  # the probe: what the kernel driver exposes
+        gpus.nvidia_devices = lambda: devices[name]  # the probe: what the kernel driver exposes
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         if visible is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -144,14 +145,16 @@ GPU_DEFAULTS = """
     import contextlib, io, sys
     from types import SimpleNamespace
     from megatron_mtp import arguments
+    from megatron_mtp.arguments import checks, errors, gpus
+    from megatron_mtp.arguments import defaults as run_defaults
     for installed in ((), ("transformer_engine",), ("transformer_engine", "fused_weight_gradient_mlp_cuda",
                                                     "fast_layer_norm")):
-        arguments._missing = lambda module: module not in installed
-        defaults = arguments._defaults(on_cpu=False, embedded=False)
+        gpus.missing = lambda module: module not in installed
+        defaults = run_defaults.initial(on_cpu=False, embedded=False)
         print("gpu", len(installed), {key: defaults.get(key) for key in
               ("transformer_impl", "apply_rope_fusion", "gradient_accumulation_fusion", "distributed_backend")})
-        print("norms", len(installed), [arguments.uses_torch_norms(SimpleNamespace(transformer_impl=impl,
-                                                                                   normalization=norm))
+        print("norms", len(installed), [run_defaults.uses_torch_norms(SimpleNamespace(transformer_impl=impl,
+                                                                                      normalization=norm))
                                         for impl in ("local", "transformer_engine")
                                         for norm in ("LayerNorm", "RMSNorm")])
     for on_gpu, pattern, variant, dry_run in ((True, "G*", None, False), (True, None, "gated_delta_net", False),
@@ -159,11 +162,11 @@ GPU_DEFAULTS = """
                                               (True, "**", None, False)):
         args = SimpleNamespace(hybrid_layer_pattern=pattern, experimental_attention_variant=variant, dry_run=dry_run)
         try:
-            arguments._check_gated_delta_net_kernels(args, on_gpu)
+            checks.check_gated_delta_net_kernels(args, on_gpu)
             print("gdn", on_gpu, pattern, variant, dry_run, "accepted")
-        except arguments.ArgumentError as error:
+        except errors.ArgumentError as error:
             print("gdn", on_gpu, pattern, variant, dry_run, "refused", "flash-linear-attention" in str(error))
-    arguments._missing = lambda module: True  # as on this machine, where a run asks for TE
+    gpus.missing = lambda module: True  # as on this machine, where a run asks for TE
     sys.argv = ["pretrain_gpt_mtp.py", *ARGS, "--transformer-impl", "transformer_engine"]
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):

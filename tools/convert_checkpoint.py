@@ -138,7 +138,7 @@ def run_import(args) -> int:
     wanted = depths if args.mtp_num_layers is None else args.mtp_num_layers
     if wanted < 0:
         raise ServingError("--mtp-num-layers must be >= 0")
-    mapping.check_mtp_layer(cfg, wanted)
+    mapping.check_mtp(cfg, layout, wanted, written=False)
     global_tensors = mapping.hf_to_megatron(tensors, cfg, layout, depths)
     if wanted < depths:  # drop the deeper depths
         global_tensors = {k: v for k, v in global_tensors.items()

@@ -5,7 +5,9 @@
 (tools/eval_speculative.py).
 
 - config: the model description both sides share (the families it names, with MTP depths), read
-  from a Hugging Face config.json or from a trainer checkpoint's arguments, written to both.
+  from a Hugging Face config.json or from a trainer checkpoint's arguments, written to both;
+  trainer_args: its Megatron side (a checkpoint's arguments read, the arguments and trainer flags
+  written).
 - mapping: tensor names and layouts between megatron-core's global checkpoint tensors and
   Hugging Face's (fused QKV per query group, [gate; up], Gated DeltaNet's in_proj sections, MTP in
   MiMo's, DeepSeek-V3's or Qwen3-Next's layout), and a Qwen3.5 VLM checkpoint's language model.

@@ -4,15 +4,16 @@
 attention, Gated DeltaNet layers among full-attention ones, RMSNorm, SwiGLU MLPs or routed experts,
 RoPE) with D MTP depths, read from a Hugging Face config.json (through its family's adapter,
 serving.families) or from a trainer checkpoint's arguments, and written back to either (config.json,
-the trainer's flags, the arguments a checkpoint holds).
+the trainer's flags, the arguments a checkpoint holds). The Hugging Face side is here; the Megatron
+side (the trainer's arguments and flags) is serving.trainer_args.
 """
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from megatron_mtp.serving import ServingError, families
-from megatron_mtp.serving.patterns import full_attention_interval, interval_pattern
 
 # megatron-core's MLA takes YaRN's original context and correction range from MLATransformerConfig's
 # defaults, which the trainer's flags do not set (DeepSeek-V3's own values).
@@ -21,21 +22,13 @@ MLA_YARN_CONSTANTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.
 LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _titles(which, suffix: str) -> str:
+def titles(which, suffix: str) -> str:
     """The registered families `which` accepts, for a message: "Llama-, Qwen2- or Qwen3-" (suffix
     "-"), "GLM-4.5's and Qwen3-Next's" (suffix "s": possessive)."""
     names = [f"{family.title}'s" if suffix == "s" else f"{family.title}{suffix}"
              for family in families.FAMILIES.values() if which(family)]
     joiner = " and " if suffix == "s" else " or "
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + joiner + names[-1]
-
-
-def hybrid_refusal(pattern: str, what: str) -> str:
-    """The one line for a HybridModel checkpoint where only GPTModel ones are read."""
-    return (f"the checkpoint's model is a HybridModel (--hybrid-layer-pattern {pattern}), which {what}: it reads "
-            "GPTModel checkpoints. Qwen3-Next's and Qwen3.5's layers train as a GPTModel with "
-            "--experimental-attention-variant gated_delta_net --linear-attention-freq N --qk-layernorm in place of "
-            "the pattern (docs/architectures.md)")
 
 
 @dataclass
@@ -135,7 +128,7 @@ class ModelConfig:
                                                                    family.default_rotary_percent)))
         if values["rotary_percent"] != 1.0 and not family.partial_rotary:
             raise ServingError(f"config.json: partial_rotary_factor {values['rotary_percent']} (only "
-                               f"{_titles(lambda f: f.partial_rotary, 's')} rotary is partial here)")
+                               f"{titles(lambda f: f.partial_rotary, 's')} rotary is partial here)")
         # Qwen3-Next's own key is mtp_num_hidden_layers (Megatron-Bridge reads it too); vLLM's num_nextn_predict_layers
         values["mtp_num_layers"] = int(config.get("num_nextn_predict_layers") or config.get("mtp_num_hidden_layers")
                                        or 0)
@@ -146,93 +139,15 @@ class ModelConfig:
     def to_hf(self, dtype: str, mtp_layout: str | None) -> dict:
         self.adapter.check_export(self)  # (after --architecture: the family the export writes)
         return self.adapter.hf_config(self, dtype, mtp_layout)
-
-    # ------------------------------------------------------------------ Megatron
-
-    @classmethod
-    def from_megatron_args(cls, args) -> "ModelConfig":
-        """A trainer checkpoint's arguments; refused (one line) unless the model has the trained
-        shape of a family (families.FAMILIES, those not `same_shape_as` another)."""
-        def get(name, default=None):
-            return getattr(args, name, default)
-
-        pattern = get("hybrid_layer_pattern")
-        if pattern:  # its layers' differences from a family would be beside the point
-            raise ServingError(hybrid_refusal(pattern, "export does not read"))
-        problems = []
-        if get("normalization") != "RMSNorm":
-            problems.append(f"--normalization {get('normalization')} (needs RMSNorm)")
-        if not get("swiglu"):
-            problems.append("no --swiglu (needs SwiGLU)")
-        if get("add_bias_linear", True):
-            problems.append("linear biases (needs --disable-bias-linear)")
-        gdn = _gdn_from_args(get, problems)
-        sigmoid_routed = bool(get("num_experts")) and get("moe_router_score_function") == "sigmoid"
-        partial = get("rotary_percent", 1.0) != 1.0 and (sigmoid_routed or gdn) and not get("multi_latent_attention")
-        if get("position_embedding_type") != "rope" or (get("rotary_percent", 1.0) != 1.0 and not partial) or \
-                get("rotary_interleaved"):
-            problems.append("positions other than full, non-interleaved RoPE (partial: "
-                            f"{_titles(lambda f: f.partial_rotary and not f.same_shape_as, 's')})")
-        if get("qk_layernorm") and get("add_qkv_bias") and not sigmoid_routed:
-            problems.append("--qk-layernorm with --add-qkv-bias (Qwen3 has q/k norms, Qwen2 QKV biases; both: "
-                            "GLM-4.5, with its experts)")
-        # (1 + w) norms and gated attention are Qwen3-Next's, beside its Gated DeltaNet layers
-        for field_name in ("qk_l2_norm", "apply_layernorm_1p", "squared_relu",
-                           *(() if gdn else ("layernorm_zero_centered_gamma", "attention_output_gate"))):
-            if get(field_name):  # (0.19.2's --apply-layernorm-1p sets layernorm_zero_centered_gamma)
-                problems.append({"layernorm_zero_centered_gamma": "--apply-layernorm-1p"}.get(
-                    field_name, f"--{field_name.replace('_', '-')}"))
-        mla = _mla_from_args(get, problems)
-        moe = _moe_from_args(get, problems, mla is not None, gdn is not None)
-        if problems:
-            raise ServingError(f"the checkpoint's model is not {_titles(lambda f: not f.same_shape_as, '-')}shaped, "
-                               "it has " + ", ".join(problems))
-        heads = get("num_attention_heads")
-        groups = get("num_query_groups") if get("group_query_attention") else heads
-        scaling = None
-        if mla is not None and _mla_rope_type(get) == "yarn":
-            scaling = dict(rope_type="yarn", factor=float(get("rotary_scaling_factor")), mscale=float(get("mscale")),
-                           mscale_all_dim=float(get("mscale_all_dim")), **MLA_YARN_CONSTANTS)
-        elif get("use_rope_scaling"):
-            scaling = dict(rope_type="llama3", factor=float(get("rope_scaling_factor")), **LLAMA3_CONSTANTS)
-        elif get("rotary_seq_len_interpolation_factor"):
-            scaling = dict(rope_type="linear", factor=float(get("rotary_seq_len_interpolation_factor")))
-        serving = dict(get("serving_extra") or {})
-        vocab_size = int(get("vocab_size") or get("padded_vocab_size"))
-        if get("tokenizer_type") == "NullTokenizer" and get("null_tokenizer_eod_id") is not None:
-            eod = int(get("null_tokenizer_eod_id"))
-            serving = serving or {"eos_token_id": eod}
-            # the end-of-document id may lie past --vocab-size's ids (Megatron-LM's NullTokenizer convention
-            # eod = vocab_size): its row is the tokenizer's too
-            vocab_size = max(vocab_size, min(eod + 1, int(get("padded_vocab_size"))))
-        config = cls(
-            family=None, vocab_size=vocab_size,
-            padded_vocab_size=int(get("padded_vocab_size")), hidden_size=int(get("hidden_size")),
-            ffn_hidden_size=int(get("ffn_hidden_size")), num_layers=int(get("num_layers")),
-            num_attention_heads=int(heads), num_query_groups=int(groups),
-            head_dim=int(mla["qk_nope_head_dim"] if mla else get("kv_channels") or get("hidden_size") // heads),
-            norm_epsilon=_norm_epsilon(get),
-            rope_theta=float(get("rotary_base", 10000)), max_position_embeddings=int(get("max_position_embeddings")),
-            tied=not get("untie_embeddings_and_output_weights"), qkv_bias=bool(get("add_qkv_bias")),
-            qk_layernorm=bool(get("qk_layernorm")), rotary_percent=float(get("rotary_percent", 1.0)),
-            rope_scaling=scaling, mtp_num_layers=int(get("mtp_num_layers") or 0),
-            mtp_repeated=bool(get("mtp_use_repeated_layer")), extra=serving,
-            attention_dropout=float(get("attention_dropout") or 0.0), moe=moe, mla=mla, gdn=gdn,
-        )
-        # the family whose shape it is, or the one an import recorded (e.g. imported from MiMo: exported as MiMo)
-        config.family = families.home(config, get("serving_family"))
-        return config
-
-    def as_architecture(self, name: str) -> None:
-        """Export as `name` instead of the family the model's shape (or its import) names: a dense
-        family of the same attention, or a family of the same shape stored otherwise."""
+    def as_architecture(self, name: str) -> "ModelConfig":
+        """The model as `name` instead of the family its shape (or its import) names, for an export: a
+        dense family of the same attention, or a family of the same shape stored otherwise."""
         target = families.get(name)
         if self.moe or self.gdn or target.experts or target.gated_delta_net:
             shape = self.adapter.same_shape_as or self.family
             if name not in (shape, *families.same_shape(shape)):
                 raise ServingError(f"--architecture {name}: the model is {self.adapter.architecture}-shaped")
-            self.family = name
-            return
+            return dataclasses.replace(self, family=name)
         if target.qk_norm != self.qk_layernorm:
             raise ServingError(f"--architecture {name}: {target.architecture} "
                                f"{'has' if target.qk_norm else 'has no'} q/k norms, the model "
@@ -241,149 +156,28 @@ class ModelConfig:
             raise ServingError(f"--architecture {name}: {target.architecture} "
                                f"{'has' if target.qkv_bias else 'has no'} QKV biases, the model "
                                f"{'has' if self.qkv_bias else 'has none'}")
-        self.family = name
+        return dataclasses.replace(self, family=name)
+
+    # ------------------------------------------------------------------ Megatron (serving.trainer_args)
+
+    @classmethod
+    def from_megatron_args(cls, args) -> "ModelConfig":
+        """A trainer checkpoint's arguments (trainer_args.model_config)."""
+        from megatron_mtp.serving import trainer_args
+
+        return trainer_args.model_config(args)
 
     def megatron_args(self) -> argparse.Namespace:
-        """The model's arguments as megatron.training names them (what an imported checkpoint holds)."""
-        scaling = self.rope_scaling or {}
-        return argparse.Namespace(
-            num_layers=self.num_layers, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
-            num_attention_heads=self.num_attention_heads, group_query_attention=not self.mla,
-            num_query_groups=self.num_query_groups,
-            # MLA's head sizes are its own flags; the trainer leaves kv_channels at hidden / heads there
-            kv_channels=self.hidden_size // self.num_attention_heads if self.mla else self.head_dim,
-            normalization="RMSNorm",
-            layernorm_epsilon=self.norm_epsilon, swiglu=True, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
-            qk_layernorm=self.qk_layernorm,
-            position_embedding_type="rope", rotary_base=self.rope_theta, rotary_percent=self.rotary_percent,
-            rotary_interleaved=False, use_rope_scaling=scaling.get("rope_type") == "llama3",
-            rope_scaling_factor=float(scaling.get("factor", 8.0)),
-            rotary_seq_len_interpolation_factor=(scaling["factor"] if scaling.get("rope_type") == "linear" else None),
-            max_position_embeddings=self.max_position_embeddings,
-            untie_embeddings_and_output_weights=not self.tied, vocab_size=self.vocab_size,
-            padded_vocab_size=self.padded_vocab_size, mtp_num_layers=self.mtp_num_layers or None,
-            mtp_use_repeated_layer=self.mtp_repeated, attention_dropout=self.attention_dropout, hidden_dropout=0.0,
-            tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1, world_size=1, data_parallel_size=1, serving_extra=dict(self.extra),
-            serving_family=self.family,
-            layernorm_zero_centered_gamma=self.layernorm_zero_centered_gamma,
-            attention_output_gate=self.attention_output_gate, **self._moe_mla_args(), **self._gdn_args(),
-        )
+        """The model's arguments as megatron.training names them (trainer_args.arguments)."""
+        from megatron_mtp.serving import trainer_args
 
-    def _gdn_args(self) -> dict:
-        """Gated DeltaNet's arguments, as megatron.training names them."""
-        if not self.gdn:
-            return {"experimental_attention_variant": None}
-        return {"experimental_attention_variant": "gated_delta_net",
-                "linear_attention_freq": full_attention_interval(self.gdn["layers"]) or list(self.gdn["layers"]),
-                **{k: v for k, v in self.gdn.items() if k != "layers"}}
-
-    def _moe_mla_args(self) -> dict:
-        """The experts' and multi-latent attention's arguments, as megatron.training names them."""
-        args = {"num_experts": None, "multi_latent_attention": bool(self.mla)}
-        if self.moe:
-            moe = self.moe
-            args.update(num_experts=moe["experts"], moe_router_topk=moe["topk"], moe_ffn_hidden_size=moe["ffn"],
-                        moe_shared_expert_intermediate_size=moe["shared_ffn"] or None,
-                        moe_layer_freq=list(moe["layers"]), moe_router_score_function=moe["score"],
-                        moe_router_pre_softmax=moe["score"] == "softmax" and not moe["normalize"],
-                        moe_shared_expert_gate=moe["shared_gate"],
-                        moe_router_enable_expert_bias=moe["expert_bias"], moe_router_num_groups=moe["groups"],
-                        moe_router_group_topk=moe["group_topk"], moe_router_topk_scaling_factor=moe["scaling"],
-                        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
-        if self.mla:
-            scaling = self.rope_scaling or {}
-            args.update(q_lora_rank=self.mla["q_lora_rank"], kv_lora_rank=self.mla["kv_lora_rank"],
-                        qk_head_dim=self.mla["qk_nope_head_dim"], qk_pos_emb_head_dim=self.mla["qk_rope_head_dim"],
-                        v_head_dim=self.mla["v_head_dim"], rope_type="yarn" if scaling else "rope",
-                        rotary_scaling_factor=float(scaling.get("factor", 1.0)),
-                        mscale=float(scaling.get("mscale", 1.0)),
-                        mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)))
-        return args
+        return trainer_args.arguments(self)
 
     def trainer_flags(self, pad_to: int) -> list[str]:
-        """The pretrain_gpt_mtp.py model flags that build exactly this model (its dropout too: Megatron's
-        default of 0.1 would fine-tune another model than the one imported). `pad_to` is the
-        --make-vocab-size-divisible-by that pads the vocabulary to `padded_vocab_size` at the
-        tensor-parallel size the import was made for."""
-        flags = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
-                 "--ffn-hidden-size", self.ffn_hidden_size, "--num-attention-heads", self.num_attention_heads,
-                 *([] if self.mla else ["--group-query-attention", "--num-query-groups", self.num_query_groups,
-                                        "--kv-channels", self.head_dim]),
-                 "--normalization", "RMSNorm", "--norm-epsilon", self.norm_epsilon,
-                 "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
-                 "--rotary-base", _number(self.rope_theta), "--max-position-embeddings", self.max_position_embeddings,
-                 "--make-vocab-size-divisible-by", pad_to, "--attention-dropout", _number(self.attention_dropout),
-                 "--hidden-dropout", "0"]
-        if self.qkv_bias:
-            flags.append("--add-qkv-bias")
-        if self.qk_layernorm:
-            flags.append("--qk-layernorm")
-        if self.attention_output_gate:
-            flags.append("--attention-output-gate")
-        if self.layernorm_zero_centered_gamma:
-            flags.append("--apply-layernorm-1p")
-        if self.gdn:
-            args = self._gdn_args()
-            pattern = args.pop("linear_attention_freq")
-            flags += ["--experimental-attention-variant", args.pop("experimental_attention_variant"),
-                      "--linear-attention-freq", pattern if isinstance(pattern, int) else _pattern(pattern)]
-            for name, value in args.items():
-                flags += ["--" + name.replace("_", "-"), value]
-        if self.rotary_percent != 1.0:
-            flags += ["--rotary-percent", _number(self.rotary_percent)]
-        if not self.tied:
-            flags.append("--untie-embeddings-and-output-weights")
-        if self.mla:
-            pass  # YaRN is MLA's (its flags below)
-        elif self.rope_scaling and self.rope_scaling["rope_type"] == "llama3":
-            flags += ["--use-rope-scaling", "--rope-scaling-factor", _number(self.rope_scaling["factor"])]
-        elif self.rope_scaling:
-            flags += ["--rotary-seq-len-interpolation-factor", _number(self.rope_scaling["factor"])]
-        flags += self._moe_mla_flags()
-        if self.mtp_num_layers:
-            flags += ["--mtp-num-layers", self.mtp_num_layers]
-            if self.mtp_repeated:
-                flags.append("--mtp-use-repeated-layer")
-        return [str(f) for f in flags]
+        """The pretrain_gpt_mtp.py model flags that build exactly this model (trainer_args.trainer_flags)."""
+        from megatron_mtp.serving import trainer_args
 
-    def _moe_mla_flags(self) -> list:
-        flags = []
-        if self.mla:
-            mla, scaling = self.mla, self.rope_scaling
-            flags += ["--multi-latent-attention", "--q-lora-rank", mla["q_lora_rank"], "--kv-lora-rank",
-                      mla["kv_lora_rank"], "--qk-head-dim", mla["qk_nope_head_dim"], "--qk-pos-emb-head-dim",
-                      mla["qk_rope_head_dim"], "--v-head-dim", mla["v_head_dim"]]
-            flags += (["--rope-type", "yarn", "--rotary-scaling-factor", _number(scaling["factor"]), "--mscale",
-                       _number(scaling["mscale"]), "--mscale-all-dim", _number(scaling["mscale_all_dim"])]
-                      if scaling else ["--rope-type", "rope"])
-        if self.moe:
-            moe = self.moe
-            flags += ["--num-experts", moe["experts"], "--moe-router-topk", moe["topk"], "--moe-ffn-hidden-size",
-                      moe["ffn"], "--moe-layer-freq", _pattern(moe["layers"]),
-                      "--moe-router-score-function", moe["score"], "--moe-router-load-balancing-type", "none"]
-            if moe["score"] == "softmax" and not moe["normalize"]:
-                flags.append("--moe-router-pre-softmax")
-            if moe["shared_ffn"]:
-                flags += ["--moe-shared-expert-intermediate-size", moe["shared_ffn"]]
-            if moe["shared_gate"]:
-                flags.append("--moe-shared-expert-gate")
-            if moe["expert_bias"]:
-                flags.append("--moe-router-enable-expert-bias")
-            if moe["groups"]:
-                flags += ["--moe-router-num-groups", moe["groups"], "--moe-router-group-topk", moe["group_topk"]]
-            if moe["scaling"] not in (None, 1.0):
-                flags += ["--moe-router-topk-scaling-factor", _number(moe["scaling"])]
-        return flags
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def _pattern(layers: list) -> str:
-    """A per-layer 0/1 list as Megatron-LM's --moe-layer-freq / --linear-attention-freq read it."""
-    return "[" + ",".join(str(x) for x in layers) + "]"
+        return trainer_args.trainer_flags(self, pad_to)
 
 
 def _rope_scaling(scaling: dict | None, yarn: bool = False) -> dict | None:
@@ -423,112 +217,3 @@ def _mla_yarn(scaling: dict) -> dict:
         raise ServingError(f"config.json: yarn rope_scaling with mscale {mscale} and no mscale_all_dim")
     return {"rope_type": "yarn", "factor": float(scaling["factor"]), "mscale": float(mscale or 1.0),
             "mscale_all_dim": float(mscale_all_dim or 0.0), **MLA_YARN_CONSTANTS}
-
-
-def _norm_epsilon(get) -> float:
-    """The norms' epsilon of a trainer checkpoint's arguments: --norm-epsilon's destination."""
-    return float(get("layernorm_epsilon", get("norm_epsilon", 1e-5)))
-
-
-def _mla_rope_type(get) -> str:
-    """Multi-latent attention's rotary kind: without --rope-type (None) megatron-core's MLA config
-    keeps its own default, YaRN."""
-    return get("rope_type") or "yarn"
-
-
-def _mla_from_args(get, problems: list) -> dict | None:
-    """Multi-latent attention of a trainer checkpoint's arguments (DeepSeek-V3's), or None."""
-    if not get("multi_latent_attention"):
-        return None
-    if not get("q_lora_rank"):
-        problems.append("multi-latent attention without --q-lora-rank (DeepSeek-V3 has q_a_proj)")
-    if not get("qk_layernorm"):
-        problems.append("multi-latent attention without --qk-layernorm (DeepSeek-V3 has q_a_layernorm, "
-                        "kv_a_layernorm)")
-    if _norm_epsilon(get) != 1e-6:  # transformers builds q_a_layernorm and kv_a_layernorm with 1e-6
-        problems.append(f"multi-latent attention with --norm-epsilon {_norm_epsilon(get)} (DeepSeek-V3's "
-                        "q_a_layernorm and kv_a_layernorm normalize with 1e-6 in transformers)")
-    if _mla_rope_type(get) not in ("rope", "yarn"):
-        problems.append(f"--rope-type {get('rope_type')}")
-    return {"q_lora_rank": get("q_lora_rank"), "kv_lora_rank": get("kv_lora_rank"),
-            "qk_nope_head_dim": get("qk_head_dim"), "qk_rope_head_dim": get("qk_pos_emb_head_dim"),
-            "v_head_dim": get("v_head_dim")}
-
-
-def _moe_from_args(get, problems: list, mla: bool, gdn: bool) -> dict | None:
-    """The experts of a trainer checkpoint's arguments, or None; refused where no Hugging Face
-    family (Qwen3-MoE with q/k norms, DeepSeek-V3 with multi-latent attention, Qwen3-Next with
-    Gated DeltaNet) routes the same."""
-    experts = get("num_experts")
-    if not experts:
-        if mla:
-            problems.append("multi-latent attention without experts (DeepSeek-V3 is MoE)")
-        return None
-    layers, topk = get("moe_layer_freq", 1), int(get("moe_router_topk"))
-    layers = (list(layers) if isinstance(layers, (list, tuple))
-              else [int(i % layers == 0) for i in range(int(get("num_layers")))])
-    score, groups = get("moe_router_score_function", "softmax"), get("moe_router_num_groups")
-    moe = dict(experts=int(experts), topk=topk, ffn=int(get("moe_ffn_hidden_size") or get("ffn_hidden_size")),
-               shared_ffn=int(get("moe_shared_expert_intermediate_size") or 0), layers=layers, score=score,
-               normalize=score == "sigmoid" or not get("moe_router_pre_softmax"),
-               expert_bias=bool(get("moe_router_enable_expert_bias")), groups=groups,
-               group_topk=get("moe_router_group_topk"), scaling=get("moe_router_topk_scaling_factor"),
-               shared_gate=bool(get("moe_shared_expert_gate")))
-    for flag in ("moe_expert_capacity_factor", "moe_latent_size"):
-        if get(flag):
-            problems.append(f"--{flag.replace('_', '-')}")
-    if gdn:
-        if score != "softmax" or moe["expert_bias"] or groups or moe["scaling"] not in (None, 1.0):
-            problems.append("experts routed otherwise than Qwen3-Next's (softmax scores, no expert bias, groups or "
-                            "scaling factor)")
-        if not moe["shared_ffn"] or not moe["shared_gate"]:
-            problems.append("Gated DeltaNet with experts but without a shared expert and --moe-shared-expert-gate "
-                            "(Qwen3-Next and Qwen3.5-MoE have both)")
-        return moe
-    if moe["shared_gate"]:
-        problems.append("--moe-shared-expert-gate without Gated DeltaNet (Qwen3-Next's)")
-    if not mla and score == "softmax":
-        if not get("qk_layernorm"):
-            problems.append("experts without --qk-layernorm (Qwen3-MoE has q/k norms)")
-        if moe["expert_bias"] or groups or moe["shared_ffn"] or moe["scaling"] not in (None, 1.0):
-            problems.append("experts routed otherwise than Qwen3-MoE's (softmax scores, no expert bias, groups, "
-                            "shared expert or scaling factor)")
-        return moe
-    dense = layers.index(1) if 1 in layers else len(layers)
-    if layers != [0] * dense + [1] * (len(layers) - dense):
-        problems.append(f"--moe-layer-freq {layers} (DeepSeek-V3's and GLM-4.5's MoE layers follow their first "
-                        "dense ones)")
-    if score != "sigmoid" or not moe["expert_bias"]:
-        problems.append("experts routed otherwise than DeepSeek-V3's and GLM-4.5's (sigmoid scores with an expert "
-                        "bias)")
-    if not moe["shared_ffn"] or moe["shared_ffn"] % moe["ffn"]:
-        problems.append("a shared expert size that is not a multiple of --moe-ffn-hidden-size (their "
-                        "n_shared_experts)")
-    if groups and topk // moe["group_topk"] != 2:
-        problems.append("--moe-router-topk // --moe-router-group-topk != 2 (transformers scores a group by its top 2 "
-                        "experts)")
-    return moe
-
-
-def _gdn_from_args(get, problems: list) -> dict | None:
-    """The Gated DeltaNet layers of a trainer checkpoint's arguments (Qwen3-Next's), or None."""
-    variant = get("experimental_attention_variant")
-    if not variant:
-        return None
-    if variant != "gated_delta_net":
-        problems.append(f"--experimental-attention-variant {variant}")
-        return None
-    for name, flag, what in (("attention_output_gate", "--attention-output-gate", "gated attention"),
-                             ("layernorm_zero_centered_gamma", "--apply-layernorm-1p", "(1 + w) norms"),
-                             ("qk_layernorm", "--qk-layernorm", "q/k norms")):
-        if not get(name):
-            problems.append(f"Gated DeltaNet without {flag} (Qwen3-Next has {what})")
-    frequency, num_layers = get("linear_attention_freq"), int(get("num_layers"))
-    if frequency is None:
-        problems.append("Gated DeltaNet without --linear-attention-freq")
-        return None
-    layers = (list(frequency) if isinstance(frequency, (list, tuple))
-              else interval_pattern(int(frequency), num_layers))
-    return {"layers": layers, **{name: int(get(name)) for name in (
-        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-        "linear_num_value_heads")}}

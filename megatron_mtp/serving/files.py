@@ -105,6 +105,18 @@ def read_hf(path: str) -> tuple[dict, dict]:
     return config, tensors
 
 
+def unshared(named_tensors):
+    """(name, tensor), each tensor with storage of its own: safetensors refuses tensors that share
+    storage (a repeated MTP layer is written once per depth from the same tensors, and a tensor's
+    views share its storage), so a tensor whose storage an earlier one holds is copied."""
+    seen = set()
+    for name, tensor in named_tensors:
+        if tensor.untyped_storage().data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        yield name, tensor
+
+
 def write_hf(staging: Path, config: dict, tensors: dict, dtype: str, tokenizer: str | None,
              max_shard_bytes: int = 5 * 2**30) -> list[str]:
     """config.json, model.safetensors (sharded with an index above `max_shard_bytes`), the tokenizer's files."""

@@ -264,15 +264,6 @@ def mtp_sparse(cfg: ModelConfig) -> bool:
     return sparse_layers(cfg)[-1]
 
 
-def check_mtp_layer(cfg: ModelConfig, depths: int) -> None:
-    """An MTP depth's inner layer is built as the last decoder layer; Qwen3-Next's and Qwen3.5's (their
-    engines') is a full-attention layer, so the last decoder layer must be one."""
-    if depths and linear_layers(cfg)[-1]:
-        raise ServingError(f"{depths} MTP depths on a model whose last layer is Gated DeltaNet: megatron-core builds "
-                           "each depth's layer as the decoder's last, Qwen3-Next's and Qwen3.5's MTP layer is full "
-                           "attention")
-
-
 def hf_shapes(cfg: ModelConfig, mtp_layout: str | None, mtp_depths: int) -> dict:
     """Every tensor name of the Hugging Face checkpoint and its shape (the loaders' names)."""
     V, H = cfg.vocab_size, cfg.hidden_size
@@ -403,7 +394,6 @@ def detect_mtp(names, cfg: ModelConfig) -> tuple[str | None, int]:
         raise ServingError(f"the checkpoint holds MTP depths in "
                            f"{' and '.join(layout for layout, _ in found)}'s layouts")
     layout, depths = (found[0][0], max(found[0][1]) + 1) if found else (None, 0)
-    check_mtp_layout(cfg, layout)
     if cfg.mtp_num_layers and depths and cfg.mtp_num_layers != depths:
         raise ServingError(f"config.json: {cfg.mtp_num_layers} MTP depths (num_nextn_predict_layers or "
                            f"mtp_num_hidden_layers), but the tensors hold {depths}")
@@ -418,13 +408,28 @@ def default_mtp_layout(cfg: ModelConfig) -> str:
     return cfg.adapter.mtp_layout
 
 
-def check_mtp_layout(cfg: ModelConfig, layout: str | None) -> None:
-    """A layout whose norms scale by 1 + w holds only a model whose norms do, and the others only the
-    others (one line naming the family's own)."""
-    default = default_mtp_layout(cfg)
-    if layout and families.mtp_layout(layout).zero_centred != families.mtp_layout(default).zero_centred:
-        raise ServingError(f"MTP depths in {layout}'s layout on a {cfg.family}-shaped model, whose engines read them "
-                           f"in {default}'s (--mtp-layout {default})")
+def check_mtp(cfg: ModelConfig, layout: str | None, depths: int, written: bool) -> None:
+    """The one check of `depths` MTP depths in `layout` (None: none) of the model `cfg`, refused in one
+    line: the import's (the layout a checkpoint holds, the depths imported) and the export's (`written`:
+    the layout written, with its engines' own refusals).
+
+    A layout whose norms scale by 1 + w holds only a model whose norms do, and the others only the
+    others (the family's own named). Written, the layout refuses what it cannot hold (MtpLayout.check)
+    and the family what its engines do not read (Family.check_mtp_layout). An MTP depth's inner layer
+    is built as the last decoder layer; Qwen3-Next's and Qwen3.5's (their engines') is a full-attention
+    layer, so the last decoder layer must be one."""
+    if layout:
+        default = default_mtp_layout(cfg)
+        if families.mtp_layout(layout).zero_centred != families.mtp_layout(default).zero_centred:
+            raise ServingError(f"MTP depths in {layout}'s layout on a {cfg.family}-shaped model, whose engines read "
+                               f"them in {default}'s (--mtp-layout {default})")
+        if written:
+            families.mtp_layout(layout).check(cfg)
+            cfg.adapter.check_mtp_layout(layout)
+    if depths and linear_layers(cfg)[-1]:
+        raise ServingError(f"{depths} MTP depths on a model whose last layer is Gated DeltaNet: megatron-core builds "
+                           "each depth's layer as the decoder's last, Qwen3-Next's and Qwen3.5's MTP layer is full "
+                           "attention")
 
 
 def check_hf(tensors: dict, cfg: ModelConfig, mtp_layout: str | None, depths: int) -> None:

@@ -61,7 +61,7 @@ def setup(seed: int = 1234) -> None:
 
 def check_buildable(args) -> None:
     """A checkpoint whose forward differs from what this module builds is refused in one line."""
-    from megatron_mtp.arguments import layers_needing_te
+    from megatron_mtp.arguments.checks import layers_needing_te
 
     pattern = getattr(args, "hybrid_layer_pattern", None) or ""
     others = layers_needing_te(pattern)

@@ -17,7 +17,7 @@ from megatron_mtp.serving import ServingError
 
 def data_prefixes(run_args) -> list[str]:
     """The dataset prefixes of a run's --data-path (a blend's weights left out)."""
-    from megatron_mtp.arguments import is_weight
+    from megatron_mtp.arguments.vocabulary import is_weight
 
     return [item for item in (getattr(run_args, "data_path", None) or []) if not is_weight(item)]
 

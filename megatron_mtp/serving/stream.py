@@ -114,14 +114,10 @@ def weights(chunks, args, mtp_layout: str | None = None, architecture: str | Non
     from megatron_mtp.serving.model import local_names
 
     plan = export.plan(args, mtp_layout, architecture, expert_layout)  # refused before any collective
-    cfg = plan.cfg
-    expected = mapping.hf_shapes(cfg, plan.layout, cfg.mtp_num_layers if plan.layout else 0)
+    cfg, expected = plan.cfg, plan.expected()
     model, mapped, streamed, repeated = _Model(chunks), set(), set(), {}
-    parts = mapping.hf_parts(cfg, plan.layout)
-    if cfg.mtp_num_layers and plan.layout and not any(name.startswith("mtp.layers.") for name in model.pieces):
-        raise ServingError(f"the live model: the arguments name {cfg.mtp_num_layers} MTP depths but the model "
-                           "holds no MTP tensors")
-    for is_mtp, reads, part in parts:
+    plan.check_mtp_tensors(model.pieces, "the live model")
+    for is_mtp, reads, part in mapping.hf_parts(cfg, plan.layout):
         if mtp is not None and is_mtp != mtp:
             continue
         hf = part(local_names(model.gather(reads), cfg.num_layers))
@@ -139,9 +135,8 @@ def weights(chunks, args, mtp_layout: str | None = None, architecture: str | Non
                 repeated[name] = _digest(value)
             yield name, value
         del hf
-    if mtp is None and mapped != set(expected):
-        raise ServingError(f"internal: the streamed names differ from the loaders' "
-                           f"({sorted(set(expected) ^ mapped)[:3]})")
+    if mtp is None:
+        plan.check_names(mapped, "the streamed")
 
 
 def _digest(tensor: torch.Tensor) -> str:

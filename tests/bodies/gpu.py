@@ -8,9 +8,10 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mtp.library.batches import BYTE_VOCAB_SIZE, embedded_corpus, global_batch, rank_microbatches
+from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.model import build_model
 from megatron_mtp.library.step import train_step
+from tests.harness.corpora import BYTE_VOCAB_SIZE, embedded_corpus, global_batch
 from tests.harness.layout import model_parallel
 
 

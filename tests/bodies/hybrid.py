@@ -129,7 +129,7 @@ def long_padded_batch(seed: int):
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     token_mask = (torch.rand(4, DELTA_NET_SEQ, generator=g) > 0.25).float()
     token_mask[3, 41:] = 0.0
-    from megatron.core.fork.mtp.supervision import effective_mask
+    from tests.harness.masks import effective_mask
 
     return input_ids, labels, effective_mask(token_mask, torch.tensor([1.0, 1.0, 0.0, 1.0])), None
 

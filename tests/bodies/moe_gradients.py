@@ -18,12 +18,18 @@ tests.bodies.hybrid.reference_name), its Gated DeltaNet's decay slowed first
 import torch
 
 from megatron.core.fork.mtp import router_losses
-from megatron.core.fork.runtime import compat
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from tests.bodies.hybrid import reference_name, slow_decay
 from tests.harness.layout import model_parallel
 from tests.harness.moe_full_grads import gathered_full_grads_and_buffers
-from tests.harness.tiny_gpt import Setup, build, global_batch, reference_architecture, train_step
+from tests.harness.tiny_gpt import (
+    Setup,
+    build,
+    drop_moe_metrics_tracker,
+    global_batch,
+    reference_architecture,
+    train_step,
+)
 from tests.reference.gpt_mtp import mtp_inner_layer_name
 from tests.reference.moe import ReferenceMoEGPT, balance_loss, moe_layer_pattern
 
@@ -43,7 +49,7 @@ def fresh_build(setup: Setup):
     """build(), with upstream's global MoE metrics tracker dropped first: the library's step
     never reports (clears) it, and its per-layer entries keep the size of the first model that
     recorded, so a model with more MoE layers in the same process fails with an IndexError."""
-    compat.drop_moe_metrics_tracker()
+    drop_moe_metrics_tracker()
     return build(setup)
 
 

@@ -50,7 +50,7 @@ def padded_batch(seed=0):
     token_mask = (torch.rand(4, SEQ, generator=g) > 0.25).float()
     token_mask[3, 7:] = 0.0  # padding
     sample_mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
-    from megatron.core.fork.mtp.supervision import effective_mask
+    from tests.harness.masks import effective_mask
 
     return input_ids, labels, effective_mask(token_mask, sample_mask), None
 

@@ -205,6 +205,19 @@ def build(setup: Setup, vpp: int | None = None):
     return chunks, optimizer, config
 
 
+def drop_moe_metrics_tracker() -> None:
+    """Drop upstream's global MoE metrics (its per-layer slots keep the size of the first model
+    that recorded): megatron-core 0.19's MoEMetricsTracker, 0.16.1's aux-losses tracker dict."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # 0.16.1
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
+
+
 def global_batch(setup: Setup, step: int):
     """Tokens [B, S+1] and a loss mask [B, S] with holes; sample 1 is almost fully masked."""
     gen = torch.Generator().manual_seed(setup.data_seed * 1000 + step)

@@ -23,9 +23,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_mtp import runs
 from megatron_mtp.patched_core import build_tree, current_upstream_version
 from megatron_mtp.runs import parse_console as parse
-from megatron_mtp.runs import tensorboard_scalars as scalars  # noqa: F401 (the tests import it from here)
 from tests.harness import zygote as zygotes
 from tests.harness.launcher import REPO_ROOT, free_port
 
@@ -36,6 +36,13 @@ TINY = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 LAUNCH_TAG = zygotes.LAUNCH_TAG
 _LAUNCHES = itertools.count()
 ERROR = re.compile(r"^(?:\[default\d+\]:)?(pretrain_gpt_mtp\.py: error: .*)$", re.MULTILINE)
+
+
+def scalars(logdir: Path) -> dict:
+    """{tag: {step: value}} of every scalar of the one run in a TensorBoard log directory (its event
+    files there, or in one subdirectory), under TensorBoard's own tags; a directory of several runs is
+    refused (megatron_mtp.runs's reader, which renames the tags it reads as the console's)."""
+    return runs._scalars(*runs._events(logdir))
 
 
 @dataclass

@@ -43,7 +43,7 @@ def main() -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_mtp.arguments import CPU_DEFAULTS
+    from megatron_mtp.arguments.defaults import CPU_DEFAULTS
 
     def cpu_defaults(parser):  # what a user passes on the command line to run on CPU
         parser.set_defaults(**CPU_DEFAULTS)

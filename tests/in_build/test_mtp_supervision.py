@@ -7,7 +7,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.core.fork.mtp.statistics import FIELDS, metrics_from_sums, widened
-from megatron.core.fork.mtp.supervision import depth_targets, effective_mask, next_token_labels
+from megatron.core.fork.mtp.supervision import depth_targets, next_token_labels
+from tests.harness.masks import effective_mask
 
 
 def packed(lengths):

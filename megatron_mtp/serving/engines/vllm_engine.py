@@ -115,16 +115,14 @@ class Engine:
         the engine's). Returns the bytes sent."""
         from safetensors.torch import save_file
 
+        from megatron_mtp.serving.files import unshared
+
         self.request({"op": "start_weight_update", "draft": draft})
         sent = 0
         for index, batch in enumerate(batches):
             path = Path(self.transfer) / f"batch-{index}.safetensors"
-            tensors, storages = {}, set()
-            for name, tensor in batch:
-                tensor = tensor.detach().cpu().contiguous()
-                if tensor.untyped_storage().data_ptr() in storages:  # safetensors refuses shared storage
-                    tensor = tensor.clone()
-                storages.add(tensor.untyped_storage().data_ptr())
+            tensors = {}
+            for name, tensor in unshared((name, tensor.detach().cpu().contiguous()) for name, tensor in batch):
                 tensors[name] = tensor
                 sent += tensor.numel() * tensor.element_size()
             save_file(tensors, str(path))

@@ -1,7 +1,7 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """A vLLM engine in a process of its own, as RL frameworks run one: started by
-megatron_mtp.serving.engines.vllm with the engine's own interpreter (`.venv-vllm/bin/python`,
+megatron_mtp.serving.engines.vllm_engine with the engine's own interpreter (`.venv-vllm/bin/python`,
 `tools/bootstrap --engine vllm`), it builds one `vllm.LLM` and answers requests until told to stop.
 
     .venv-vllm/bin/python megatron_mtp/serving/engines/vllm_server.py '{"model": DIR, ...}'

@@ -1,11 +1,12 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The Hugging Face families, one adapter each (a file here), and the registry that serving.config,
-serving.mapping, serving.export, serving.experts and tools/convert_checkpoint.py look them up in:
-none of them names a family. An adapter (families.base.Family) reads its family's config.json into
-a ModelConfig and writes it back, says which trained shape it is the export's default for, holds
-its tensor names where they differ from the shared ones, its MTP layout and its published experts'
-layout, and refuses what its transformers class says that megatron-core does not compute.
+serving.trainer_args, serving.mapping, serving.export, serving.experts and tools/convert_checkpoint.py
+look them up in: none of them names a family. An adapter (families.base.Family) reads its family's
+config.json into a ModelConfig and writes it back, says which trained shape it is the export's
+default for, holds its tensor names where they differ from the shared ones, its MTP layout and its
+published experts' layout, and refuses what its transformers class says that megatron-core does not
+compute.
 
 A new family is its file (a Family subclass that composes the parts it shares: Qwen3-MoE is Qwen3
 with Qwen3MoeExperts), its line in the registration below, and its tests (docs/serving.md "Families").

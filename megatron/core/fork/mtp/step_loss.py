@@ -117,12 +117,16 @@ class StepNormalization:
         model_chunk.scale_gradients(1.0 / main)
         if self.main_loss == TOKEN:
             return  # N_main = N_tok: every branch is already exact
-        correction = main / max(self.final_counts.tokens, 1)
-        for param in model_chunk.parameters():
-            if getattr(param, "grad_norm_group", None) == MTP_GRAD_NORM_GROUP and param.requires_grad:
-                grad = param.main_grad if hasattr(param, "main_grad") else param.grad
-                if grad is not None:
-                    grad.mul_(correction)
+        _scale_mtp_gradients(model_chunk, main / max(self.final_counts.tokens, 1))
+
+
+def _scale_mtp_gradients(model_chunk, factor: float) -> None:
+    """The MTP-only parameters' reduced gradients (the MTP gradient-norm group's) times `factor`."""
+    for param in model_chunk.parameters():
+        if getattr(param, "grad_norm_group", None) == MTP_GRAD_NORM_GROUP and param.requires_grad:
+            grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+            if grad is not None:
+                grad.mul_(factor)
 
 
 def _context_parallel_group():
@@ -177,12 +181,7 @@ class FrameworkNormalization(StepNormalization):
         by the framework) divided by N_tok; nothing when the counts were given."""
         if self.counts is not None:
             return
-        correction = 1.0 / (max(self.final_counts.tokens, 1) * applied)
-        for param in model_chunk.parameters():
-            if getattr(param, "grad_norm_group", None) == MTP_GRAD_NORM_GROUP and param.requires_grad:
-                grad = param.main_grad if hasattr(param, "main_grad") else param.grad
-                if grad is not None:
-                    grad.mul_(correction)
+        _scale_mtp_gradients(model_chunk, 1.0 / (max(self.final_counts.tokens, 1) * applied))
 
 
 _ACTIVE: StepNormalization | None = None

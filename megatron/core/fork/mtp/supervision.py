@@ -8,27 +8,10 @@ would cross the end of the row or of a packed (THD) segment. Rolling uses upstre
 ``roll_tensor``, which zero-fills the vacated positions and respects ``cu_seqlens``.
 """
 
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from megatron.core.transformer.multi_token_prediction import roll_tensor
-
-
-def effective_mask(token_mask: torch.Tensor, sample_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """m_t * s: token mask [b, s] times sample mask [b] (0 drops a sample), as float.
-
-    Build it before micro-batches are formed or sequences packed.
-    """
-    if token_mask.dim() != 2:
-        raise ValueError(f"token mask must be [batch, seq], got shape {tuple(token_mask.shape)}")
-    mask = token_mask.float()
-    if sample_mask is None:
-        return mask
-    if sample_mask.shape != (token_mask.size(0),):
-        raise ValueError(
-            f"sample mask must be [batch] = [{token_mask.size(0)}], got shape {tuple(sample_mask.shape)}"
-        )
-    return mask * sample_mask.to(mask.dtype).unsqueeze(1)
 
 
 def next_token_labels(input_ids: torch.Tensor, packed_seq_params=None, cp_group=None):

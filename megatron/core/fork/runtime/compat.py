@@ -38,19 +38,6 @@ def has_moe_grad_scale_func(config) -> bool:
     return hasattr(config, "moe_grad_scale_func")
 
 
-def drop_moe_metrics_tracker() -> None:
-    """Drop upstream's global MoE metrics (its per-layer slots keep the size of the first model
-    that recorded): megatron-core 0.19's MoEMetricsTracker, 0.16.1's aux-losses tracker dict."""
-    try:
-        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-    except ImportError:  # 0.16.1
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        get_moe_layer_wise_logging_tracker().clear()
-    else:
-        destroy_moe_metrics_tracker()
-
-
 def mtp_rolls_across_context_parallel_ranks() -> bool:
     """Whether this megatron-core's MTP roll is the fork's exact one across context-parallel
     ranks (the 0.19.2 series routes roll_tensor to megatron.core.fork.runtime.context_parallel; the
