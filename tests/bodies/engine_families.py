@@ -3,9 +3,10 @@
 """Every Hugging Face family in vLLM's CPU build (tests/test_engine_families.py): a tiny random model of
 the family made by `transformers` in dimensions the CPU kernels accept, imported with one new MTP depth
 (tools/convert_checkpoint.py import --mtp-num-layers 1) and exported as the family
-(tools/convert_checkpoint.py export --architecture FAMILY), as a user would; DeepSeek-V3's is trained
-by the project's trainer instead (TRAINED: pretrain_gpt_mtp.py on the embedded corpus, its own MTP
-depth), so that its greedy decisions stand clear of bf16's round-off, and exported alike.
+(tools/convert_checkpoint.py export --architecture FAMILY), as a user would; DeepSeek-V3's and
+Qwen3.5's are trained by the project's trainer instead (TRAINED: pretrain_gpt_mtp.py on the embedded
+corpus, their own MTP depth), so that their greedy decisions stand clear of bf16's round-off, and
+exported alike.
 
 The kernels' constraints, read in vLLM 0.32.0's CPU build: the CPU attention takes head sizes
 32, 64, 80, ... (v1/attention/backends/cpu_attn.py, get_supported_head_sizes); both CPU MLA backends
@@ -49,7 +50,10 @@ _EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, 
 # DeepSeek-V3 is trained by the project instead: on a random one (kv-LoRA rank 512, as the CPU MLA backends
 # take) the greedy decisions (margins <= 0.04) were within bf16's round-off, no prompt clear of it. The run:
 # the embedded corpus, long enough that most decisions stand clear and the text is not one token (after
-# 100 iterations 48 corpus prompts had 3 distinct greedy continuations, nearly all spaces; after 400, 14)
+# 100 iterations 48 corpus prompts had 3 distinct greedy continuations, nearly all spaces; after 400, 14).
+# Qwen3.5 too: its random model's logits reach 5-8, where one bf16 step (2^-5) exceeds the test's bf16
+# margin; 2 of 16 prompts were clear of it, and on one of them (a step's margin 0.06 in fp32) vLLM's verify
+# step computed a tie that its decode step did not, and its speculative tokens parted from its plain ones
 TRAINED = "pretrain_gpt_mtp.py"
 _TRAIN_ITERS = 400
 _TRAIN = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64",
@@ -58,15 +62,40 @@ _TRAIN = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "
           "--train-iters", str(_TRAIN_ITERS), "--lr", "3e-3", "--lr-warmup-iters", "0", "--eval-iters", "0")
 
 
+def _example(name: str, values: dict, dropped: tuple = ()) -> list:
+    """examples/configs/NAME.sh's flags with `values` in place of its own (appended where it has none)
+    and the flags that begin with one of `dropped` left out."""
+    flags, values, kept = example_flags(name), dict(values), []
+    for i, flag in enumerate(flags):
+        if flag.startswith("--"):
+            given = []
+            for value in flags[i + 1:]:
+                if value.startswith("--"):
+                    break
+                given.append(value)
+            if not flag.startswith(dropped):
+                kept += [flag, *([values.pop(flag)] if flag in values else given)]
+    for flag, value in values.items():
+        kept += [flag, value]
+    return kept
+
+
 def _deepseek_v3_flags() -> list:
     """examples/configs/deepseek_v3_tiny.sh on two layers (the first dense, the second MoE), its MLA at
     the CPU MLA backends' latent head: kv-LoRA rank 512 + RoPE dim 64, no-RoPE query / key and value
     heads of 32."""
-    flags = example_flags("deepseek_v3_tiny")
-    for flag, value in (("--moe-layer-freq", "[0,1]"), ("--kv-lora-rank", "512"), ("--qk-pos-emb-head-dim", "64"),
-                        ("--qk-head-dim", "32"), ("--v-head-dim", "32")):
-        flags[flags.index(flag) + 1] = value
-    return flags
+    return _example("deepseek_v3_tiny", {"--moe-layer-freq": "[0,1]", "--kv-lora-rank": "512",
+                                         "--qk-pos-emb-head-dim": "64", "--qk-head-dim": "32", "--v-head-dim": "32"})
+
+
+def _qwen3_5_flags() -> list:
+    """examples/configs/qwen3_next_gpt_tiny.sh without its experts (Qwen3.5's dense MLP), at the CPU
+    kernels' heads: a Gated DeltaNet layer of key / value heads of 128, then a full-attention layer of
+    heads of 64."""
+    return _example("qwen3_next_gpt_tiny", {"--linear-attention-freq": "2", "--linear-num-key-heads": "1",
+                                            "--linear-num-value-heads": "2", "--linear-key-head-dim": "128",
+                                            "--linear-value-head-dim": "128", "--kv-channels": "64"},
+                    dropped=("--num-experts", "--moe-"))
 
 
 # family: (transformers config class and its values, or TRAINED and a function of the trainer's flags,
@@ -91,7 +120,8 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", dict(_GDN, **_EXPERTS, norm_topk_prob=True, partial_rotary_factor=0.25,
                                            rope_theta=1e6),
                    "bf16", {"enable_prefix_caching": False}),
-    "qwen3_5": ("Qwen3_5TextConfig", dict(_GDN, **_GDN_ROPE), "bf16", {"enable_prefix_caching": False}),
+    # trained (TRAINED), as Qwen3-Next's in bf16 without prefix caching
+    "qwen3_5": (TRAINED, _qwen3_5_flags, "bf16", {"enable_prefix_caching": False}),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict({k: v for k, v in _GDN.items() if k != "intermediate_size"},
                                                  **_EXPERTS, **_GDN_ROPE),
                     "bf16", {"enable_prefix_caching": False}),

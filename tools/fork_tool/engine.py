@@ -14,7 +14,8 @@ not a tree this project builds, so its series is applied to the installed files 
 - checked: the whole series is applied (`git am`, as tools/fork check does) to a scratch tree of the
   pristine files first; only when every patch applies are the patched files moved into place;
 - idempotent: a stamp records the series' digest and each patched file's sha256, and a run that
-  finds them changes nothing.
+  finds them changes nothing; a file that an earlier series patched and this one does not (a patch
+  dropped from `series`) goes back to the wheel's.
 """
 
 import base64
@@ -121,13 +122,15 @@ def apply(python: str, check_only: bool = False) -> tuple[bool, list[str]]:
     digest = series_digest(patches)
     stamp = store / "applied.json"
     title = f"{wanted.package} {wanted.version} in {found['prefix']}:"
-    if not check_only and stamp.is_file():
-        applied = json.loads(stamp.read_text())
-        if applied.get("series") == digest and all(
-                (root / path).is_file() and file_hash((root / path).read_bytes()) == applied["files"].get(path)
-                for path in paths):
-            return True, [title, f"  the series ({len(patches)} patch(es), {digest}) is already applied"]
+    applied = json.loads(stamp.read_text()) if stamp.is_file() else {"files": {}}
+    if not check_only and applied.get("series") == digest and all(
+            (root / path).is_file() and file_hash((root / path).read_bytes()) == applied["files"].get(path)
+            for path in paths):
+        return True, [title, f"  the series ({len(patches)} patch(es), {digest}) is already applied"]
     pristine = {path: pristine_bytes(path, root, store, record, wanted) for path in paths}
+    # a file an earlier series patched and this one does not goes back to the wheel's
+    restored = {path: pristine_bytes(path, root, store, record, wanted) for path in applied["files"]
+                if path not in pristine}
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         for path, data in pristine.items():
@@ -142,12 +145,13 @@ def apply(python: str, check_only: bool = False) -> tuple[bool, list[str]]:
         patched = {path: (tree / path).read_bytes() for path in paths}
     for path, data in pristine.items():  # kept before any installed file changes
         write_atomic(store / "pristine" / path, data)
-    for path, data in patched.items():
+    for path, data in (patched | restored).items():
         write_atomic(root / path, data)
     write_atomic(stamp, json.dumps({"series": digest, "files": {path: file_hash(data)
                                                                  for path, data in patched.items()}},
                                    indent=1).encode())
-    return True, lines + [f"  applied to {len(paths)} file(s) in {root}"]
+    return True, lines + [f"  applied to {len(paths)} file(s) in {root}"] + \
+        ([f"  restored {len(restored)} file(s) the series no longer patches"] if restored else [])
 
 
 def pristine_bytes(path: str, root: Path, store: Path, record: dict, wanted: Pin) -> bytes:
