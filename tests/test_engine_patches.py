@@ -153,3 +153,25 @@ def test_a_patch_that_does_not_apply_changes_nothing(stand_in, tmp_path, monkeyp
     ok, lines = engine.apply(str(stub))
     assert not ok and "FAILED" in lines[1], lines
     assert snapshot(root) == before and not prefix.exists()
+
+
+def test_a_patch_dropped_from_the_series_gives_its_files_back(stand_in, tmp_path, monkeypatch):
+    """A file the applied series patched and the new one does not goes back to the wheel's own (from the
+    pristine copy kept), the rest stays patched. Seen failing with the restore left out (the dropped
+    patch's files kept their change)."""
+    stub, root, prefix, paths = stand_in
+    pristine = snapshot(root)
+    assert engine.apply(str(stub))[0]
+    patched = snapshot(root)
+    series = tmp_path / "patches" / f"{engine.pin().package}-{engine.pin().version}"
+    shutil.copytree(engine.pin().directory, series)
+    names = (series / "series").read_text().split()
+    dropped = series / names[-1]
+    (series / "series").write_text("\n".join(names[:-1]) + "\n")
+    monkeypatch.setattr(engine, "PATCHES_DIR", tmp_path / "patches")
+    ok, lines = engine.apply(str(stub))
+    assert ok and "restored" in lines[-1], lines
+    gone = set(engine.TOUCHED.findall(dropped.read_text()))
+    assert gone and set(paths) >= gone
+    now = snapshot(root)
+    assert all(now[p] == (pristine[p] if p in gone else patched[p]) for p in paths)
