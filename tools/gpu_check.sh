@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path in one short run, on a machine with a CUDA device (Transformer Engine, apex and
-# flash-attn used where installed): what a session lent a GPU runs first. docs/gpus.md has the
-# results of the last run.
+# flash-attn used where installed): what a session lent a GPU runs first. docs/measurements.md has
+# the results of the last run.
 #
 #   bash tools/gpu_check.sh [RESULTS]    (PYTHON: the interpreter, default .venv/bin/python)
 #
