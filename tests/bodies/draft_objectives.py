@@ -145,9 +145,11 @@ class VocabularyRows(TorchDispatchMode):
     `ops` while it is active: PRODUCTS, the rows projected onto the vocabulary; SOFTMAXES, the
     distributions computed (the sampled and greedy-draft acceptances' work under ce: p and q)."""
 
-    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-    SOFTMAXES = {torch.ops.aten._softmax.default, torch.ops.aten._softmax.out, torch.ops.aten._log_softmax.default,
-                 torch.ops.aten._log_softmax.out}
+    PRODUCTS = {getattr(product, overload) for product in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+                for overload in ("default", "out")}
+    SOFTMAXES = {torch.ops.aten._softmax.default, torch.ops.aten._softmax.out, torch.ops.aten.softmax.int_out,
+                 torch.ops.aten._log_softmax.default, torch.ops.aten._log_softmax.out,
+                 torch.ops.aten.log_softmax.int_out}
 
     def __init__(self, ops=PRODUCTS):
         super().__init__()
