@@ -163,6 +163,18 @@ class VocabularyRows(TorchDispatchMode):
         return out
 
 
+def ce_at_three_depths(seed: int, batch_seed: int) -> tuple:
+    """ce at D = 3 and TEMPERATURE, the output weight sharpened, on padded rows (inside
+    model_parallel): (config, model, (input_ids, labels, mask), the reference's sums)."""
+    config = make_config(3, detach=True, sparse_loss_chunk_size=SPARSE_CHUNK, mtp_draft_temperature=TEMPERATURE)
+    torch.manual_seed(seed)
+    model = build_gpt(config, VOCAB, SEQ)
+    sharpen(model)
+    input_ids, labels, mask, _ = padded_batch(batch_seed)
+    logits, _, per_depth = reference_for(model, 3, False, False, True).losses(input_ids, labels, mask)
+    return config, model, (input_ids, labels, mask), reference_sums(logits, per_depth, None, "ce", TEMPERATURE)
+
+
 def metric_steps() -> dict:
     """ce at D = 3, one step in a step scope built with metrics=False (what a step training_log
     does not print runs) and one with metrics=True: the rows each projects onto the vocabulary in
@@ -171,16 +183,9 @@ def metric_steps() -> dict:
     from megatron.core.fork.mtp import step_loss
     from megatron.core.fork.mtp.step_scope import StepScope
 
-    config = make_config(3, detach=True, sparse_loss_chunk_size=SPARSE_CHUNK, mtp_draft_temperature=TEMPERATURE)
     out = {}
     with model_parallel():
-        torch.manual_seed(5)
-        model = build_gpt(config, VOCAB, SEQ)
-        sharpen(model)
-        input_ids, labels, mask, _ = padded_batch(1)
-        ref = reference_for(model, 3, False, False, True)
-        logits, _, per_depth = ref.losses(input_ids, labels, mask)
-        ref_sums = reference_sums(logits, per_depth, None, "ce", TEMPERATURE)
+        config, model, (input_ids, labels, mask), ref_sums = ce_at_three_depths(seed=5, batch_seed=1)
         counts = step_loss.StepCounts(tokens=int(mask.sum()), sequences=mask.size(0))
         for metrics in (False, True):
             scope = StepScope(config, step_loss.TOKEN, counts, routed_tokens=None, grad_scale_func=None,
@@ -208,16 +213,9 @@ def library_defaults() -> dict:
     """ce at D = 3, a forward and backward as a framework calling GPTModel gets it (no step, nothing
     set: the library's defaults) and one inside STEP_STATISTICS.report_metrics(): the distributions
     each computes over the vocabulary, and its sums against the reference's."""
-    config = make_config(3, detach=True, sparse_loss_chunk_size=SPARSE_CHUNK, mtp_draft_temperature=TEMPERATURE)
     out = {"reporting": STEP_STATISTICS.reporting}
     with model_parallel():
-        torch.manual_seed(6)
-        model = build_gpt(config, VOCAB, SEQ)
-        sharpen(model)
-        input_ids, labels, mask, _ = padded_batch(4)
-        ref = reference_for(model, 3, False, False, True)
-        logits, _, per_depth = ref.losses(input_ids, labels, mask)
-        ref_sums = reference_sums(logits, per_depth, None, "ce", TEMPERATURE)
+        _, model, (input_ids, labels, mask), ref_sums = ce_at_three_depths(seed=6, batch_seed=4)
         for name, metrics in (("defaults", None), ("asked", True)):
             with VocabularyRows(VocabularyRows.SOFTMAXES) as softmaxes:
                 got = run_megatron(model, input_ids, labels, mask, None, metrics=metrics)
