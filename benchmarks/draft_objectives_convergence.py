@@ -62,7 +62,8 @@ def train_heads(objective: str, optimizer_name: str, steps: int) -> tuple[list[f
         STEP_STATISTICS.reset()
         optimizer.zero_grad()
         positions = torch.arange(SEQ).unsqueeze(0).expand_as(inputs)
-        per_token = model(inputs, positions, None, labels=labels, loss_mask=mask)
+        with STEP_STATISTICS.report_metrics():  # read below (ce measures them only when asked)
+            per_token = model(inputs, positions, None, labels=labels, loss_mask=mask)
         (per_token * mask).sum().mul(0.0).backward()  # the backbone is frozen: only the MTP branch trains
         optimizer.step()
         sums = STEP_STATISTICS.local_sums()

@@ -5,18 +5,20 @@
     .venv/bin/python -m benchmarks.upstream_overhead_bench [--version 0.19.2] [--rounds 10] [--vocab 8192]
         [--moe | --architecture mla_moe|delta_net] [--threads N] [--mtp-loss-type ce kl tv e2e_tv]
 
-Three sides build the same GPT (SDPA layer spec, same weights and data):
-- fork: this checkout's patched build of VERSION (default: `current`), its default MTP
-  loss (sparse and chunked: logits only at the positions that count), as a training step
-  that training_log does not print runs it: without the metric projections (the step drivers'
-  switch, megatron.core.fork.mtp.statistics.STEP_STATISTICS.reporting, off);
-- fork, logged: the same build and config as a printed step (or an evaluation) runs it: with
-  the sampled acceptance's projection of every MTP row by the main head at t + k;
+Four sides build the same GPT (SDPA layer spec, same weights and data):
+- fork, library: this checkout's patched build of VERSION (default: `current`), its default MTP
+  loss (sparse and chunked: logits only at the positions that count), as a framework calling
+  GPTModel gets it: the library's defaults, nothing set;
+- fork: the same as a training step that training_log does not print runs it: the step drivers'
+  switch, megatron.core.fork.mtp.statistics.STEP_STATISTICS.reporting, set off;
+- fork, logged: the same as a printed step (or an evaluation, or a library step asked with
+  metrics=True) runs it, the switch set on: the sampled and greedy-draft acceptances at every MTP
+  row, against the main head at t + k;
 - upstream: pristine VERSION plus only the patches that make it run here (CPU/gloo,
   Python 3.11), i.e. upstream's own MTP loss branch (every position projected).
 A step is the forward and backward of one micro-batch in calculate_per_token_loss mode,
 with every position valid, or 30% valid (the leading 70% of each row masked, as an RL or
-SFT prompt). Each side and D runs in its own long-lived process; the parent makes all nine
+SFT prompt). Each side and D runs in its own long-lived process; the parent makes all twelve
 take turns, one step at a time, so all see the same machine load, and prints medians, the
 ratio of each fork side to upstream for D = 0, 1 and 3, and the MTP overhead step(D) - step(0)
 of each side with its ratio, in wall-clock time and in the processes' CPU time (less sensitive
@@ -58,7 +60,9 @@ from benchmarks.common import ARCHITECTURES, MOE, SHAPE, build, peak_step_memory
 
 VARIANTS = {"dense": {}, "moe": MOE, **ARCHITECTURES}  # the model's TransformerConfig fields beside SHAPE
 
-FORK_SIDES = {"fork": False, "fork, logged": True}  # ce: side -> whether its steps measure the metrics
+# ce: side -> whether its steps measure the metrics (None: as the library's defaults say, nothing set)
+FORK_SIDES = {"fork, library": None, "fork": False, "fork, logged": True}
+METRICS_ARGUMENT = {None: "default", False: "0", True: "1"}  # a worker's command-line form
 
 
 def fork_sides(objectives) -> dict:
@@ -72,7 +76,7 @@ def fork_sides(objectives) -> dict:
     return sides
 
 
-def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads: int, metrics: bool,
+def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads: int, metrics: bool | None,
            objective: str) -> None:
     """Answer "step" with one step's wall-clock and CPU seconds, until "quit"."""
     import torch
@@ -86,7 +90,7 @@ def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads
         torch.set_num_threads(threads)
     draft = {"mtp_loss_type": objective, "detach": True} if objective != "ce" and depths else {}
     model, tokens = build(depths, vocab=vocab, **VARIANTS[variant], **draft)
-    without_metrics(metrics)
+    as_step(metrics)
     step(model, tokens, valid_fraction)  # warm-up
     print("ready", file=answers)
     for line in sys.stdin:
@@ -97,19 +101,19 @@ def worker(depths: int, valid_fraction: float, vocab: int, variant: str, threads
         print(time.perf_counter() - start, time.process_time() - cpu_start, file=answers)
 
 
-def without_metrics(metrics: bool) -> None:
-    """Unless `metrics`, what a step driver sets for a step whose metrics no line prints (a no-op
-    in upstream's tree, which has no such metrics)."""
-    if not metrics:
+def as_step(metrics: bool | None) -> None:
+    """What a step driver sets for a step whose metrics a line prints (True) or no line prints
+    (False); None: nothing (the library's defaults, and upstream's tree, which has no such metrics)."""
+    if metrics is not None:
         from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 
-        STEP_STATISTICS.reporting = False
+        STEP_STATISTICS.reporting = metrics
 
 
-def peak_memory(depths: int, vocab: int, variant: str, metrics: bool) -> None:
+def peak_memory(depths: int, vocab: int, variant: str, metrics: bool | None) -> None:
     setup_process()
     model, tokens = build(depths, vocab=vocab, **VARIANTS[variant])
-    without_metrics(metrics)
+    as_step(metrics)
     print(peak_step_memory_mib(model, tokens))
 
 
@@ -124,9 +128,9 @@ def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: 
     measured under the same load. CPU seconds (the process's, all its threads) depend less
     on what else runs on the machine; with one thread (--threads 1) they are the step's work."""
     sides = {side: (trees["fork"], metrics, objective) for side, (metrics, objective) in fork_sides(objectives).items()}
-    sides["upstream"] = (trees["upstream"], True, "ce")
+    sides["upstream"] = (trees["upstream"], None, "ce")
     procs = {(d, side): subprocess.Popen([sys.executable, __file__, "--worker", str(d), str(valid_fraction),
-                                          str(vocab), variant, str(threads), str(int(metrics)), loss],
+                                          str(vocab), variant, str(threads), METRICS_ARGUMENT[metrics], loss],
                                          env=side_env(tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, text=True)
              for d in depths for side, (tree, metrics, loss) in sides.items()}
@@ -150,13 +154,13 @@ def compare_step_time(trees: dict, depths: tuple, valid_fraction: float, vocab: 
 def compare_peak_memory(trees: dict, depths: int, vocab: int, variant: str = "dense") -> dict:
     peaks = {}
     sides = {side: (trees["fork"], metrics) for side, metrics in FORK_SIDES.items()}
-    sides["upstream"] = (trees["upstream"], True)
+    sides["upstream"] = (trees["upstream"], None)
     for side, (tree, metrics) in sides.items():
         # torch.profiler's memory timeline sometimes asserts on its own records ("duplicate
         # outputs", tensor ids reused): measure again, the number itself is deterministic.
         for _ in range(3):
             run = subprocess.run([sys.executable, __file__, "--peak-memory", str(depths), str(vocab), variant,
-                                  str(int(metrics))], env=side_env(tree), capture_output=True, text=True)
+                                  METRICS_ARGUMENT[metrics]], env=side_env(tree), capture_output=True, text=True)
             if run.returncode == 0 or "duplicate outputs" not in run.stderr:
                 break
         if run.returncode:
@@ -180,12 +184,13 @@ def main() -> None:
     parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     parser.add_argument("--peak-memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    metrics_of = {argument: metrics for metrics, argument in METRICS_ARGUMENT.items()}
     if args.worker is not None:
         return worker(int(args.worker[0]), float(args.worker[1]), int(args.worker[2]), args.worker[3],
-                      int(args.worker[4]), bool(int(args.worker[5])), args.worker[6])
+                      int(args.worker[4]), metrics_of[args.worker[5]], args.worker[6])
     if args.peak_memory is not None:
         return peak_memory(int(args.peak_memory[0]), int(args.peak_memory[1]), args.peak_memory[2],
-                           bool(int(args.peak_memory[3])))
+                           metrics_of[args.peak_memory[3]])
     if args.moe and args.architecture:
         parser.error("--moe and --architecture: give one")
     variant = args.architecture or ("moe" if args.moe else "dense")
@@ -224,7 +229,7 @@ def report(label: str, by_depth: dict, unit: str, mtp_part: str) -> None:
     MTP adds to D = 0."""
     for depths, value in by_depth.items():
         for side in (name for name in value if name != "upstream"):
-            line = (f"  {label}D={depths}: {side:<12} {value[side]:7.1f} {unit}, upstream "
+            line = (f"  {label}D={depths}: {side:<13} {value[side]:7.1f} {unit}, upstream "
                     f"{value['upstream']:7.1f} {unit} -> ratio {value[side] / value['upstream']:.3f}")
             if depths:
                 added = {name: value[name] - by_depth[0][name] for name in (side, "upstream")}

@@ -111,7 +111,20 @@ def test_a_step_that_reports_no_metrics_makes_no_metric_projection_and_one_that_
     assert result["off_sampled_fields"] == 0 and result["off_reported"] == [], result
     assert result["on_sums"] < TOL and result["on_counts_exact"], result
     assert all(0.05 < a < 0.95 for a in result["on_sampled"]), result  # measured, not a trivial 0 or 1
-    assert result["reporting_after"] == [True, True], result
+    assert result["reporting_after"] == [False, False], result  # the library's default, as before the scope
+
+
+def test_a_library_forward_with_the_defaults_does_no_metric_work_and_one_asked_is_exact(suite):
+    """A framework calling GPTModel with the defaults computes no distribution over the vocabulary
+    for the sampled and greedy-draft acceptances (measured nowhere); inside report_metrics() the
+    same forward measures them at every MTP row, exactly (the reference's sums)."""
+    result = suite["library_defaults"]
+    assert result["reporting"] is False and result["reporting_after"] is False, result
+    defaults, asked = result["defaults"], result["asked"]
+    assert defaults["softmax_rows"] == 0 and defaults["sampled_fields"] == 0, result
+    assert defaults["first_fields"] < TOL, result
+    assert asked["softmax_rows"] >= 2 * asked["mtp_rows"] > 0, result  # p and q at each valid MTP row at least
+    assert asked["sums"] < TOL and asked["counts_exact"], result
 
 
 def test_refusals_name_the_fix(suite):

@@ -62,10 +62,27 @@ def test_a_draft_objective_through_the_call(suite):
 def test_the_metrics_are_the_steps(suite):
     metrics = suite[0]["layouts"]["cp2_dp2/areal/call"]["metrics"]
     assert metrics["tokens"] > 0 and 0.0 <= metrics["mtp_2 acceptance"] <= 1.0
+    # by default the step skips the sampled and greedy-draft acceptances' work, and leaves them out
+    assert not [key for key in metrics if "sampl" in key or "greedy" in key], metrics
     assert "mtp grad norm" not in metrics  # attached heads: one gradient-norm group
     assert suite[0]["layouts"]["cp2_dp2/verl/call"]["metrics"]["mtp grad norm"] > 0  # isolated: their own
     for rank in suite[1:]:  # the same on every rank
         assert rank["layouts"]["cp2_dp2/areal/call"]["metrics"] == metrics
+
+
+def test_a_logged_step_reports_the_trainer_s_acceptances(suite):
+    """exact_mtp_step(..., metrics=True), on a step the framework logs: its gradients are the
+    reference's, and its sampled and greedy-draft acceptances those of the trainer's step on the same
+    weights and data (which reports every metric)."""
+    for rank in suite:
+        logged = rank["layouts"]["cp2_dp2/areal_logged/call"]
+        assert logged["rel"] < TOL, logged["rel"]
+        metrics, trainer = logged["metrics"], logged["trainer"]
+        keys = [key for key in trainer if "sampl" in key or "greedy" in key]
+        assert len(keys) == 6, trainer  # per depth (D = 2) two, and the two expected lengths
+        for key in keys + ["mtp_1 acceptance", "mtp_2 chain acceptance", "tokens"]:
+            assert abs(metrics[key] - trainer[key]) <= TOL * abs(trainer[key]), (key, metrics[key], trainer[key])
+        assert 0.0 < metrics["mtp_2 sampled acceptance"] < 1.0, metrics
 
 
 def test_a_cp_rank_without_targets(suite):

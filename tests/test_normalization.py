@@ -119,6 +119,21 @@ def test_metrics_do_not_depend_on_the_cut(single):
                 assert abs(other[key] - first[key]) <= TOL * max(abs(first[key]), 1e-12), (mode, key)
 
 
+def test_a_split_step_measures_the_acceptances_only_when_asked(single):
+    """begin()'s default leaves out the sampled and greedy-draft acceptances (their work is skipped,
+    measured at no position); begin(metrics=True) reports them; both steps' gradients are the
+    reference's and their other metrics the same."""
+    default, asked = single["default_metrics"]["default"], single["default_metrics"]["asked"]
+    assert default["rel"] < TOL and asked["rel"] < TOL, (default["rel"], asked["rel"])
+    acceptances = ("sampled acceptance", "greedy-draft acceptance", "(sampling)", "(greedy drafts)")
+    assert not [key for key in default["metrics"] if key.endswith(acceptances)], default["metrics"]
+    assert all(row[6] == 0 for row in default["metrics"]["mtp sums"]), default["metrics"]  # MEASURED
+    assert 0.0 < asked["metrics"]["mtp_2 sampled acceptance"] < 1.0, asked["metrics"]
+    for key, value in default["metrics"].items():
+        if key not in ("mtp sums", "grad norms"):
+            assert asked["metrics"][key] == value, key
+
+
 def test_refused_combination_changes_nothing(single):
     refusal = single["refusal"]
     assert "--mtp-detach-heads" in refusal["message"] and "counts" in refusal["message"]

@@ -66,14 +66,16 @@ def global_counts(microbatches: list) -> tuple[StepCounts, int]:
 
 
 def train_step(chunks, optimizer, microbatches: list, seq_length: int, main_loss_level: str = "token",
-               counts_up_front: bool = True, forward_step=gpt_forward_step) -> dict:
+               counts_up_front: bool = True, forward_step=gpt_forward_step, metrics: bool = True) -> dict:
     """Forward/backward over this rank's micro-batches, then one optimizer step; the step's
     exact metrics (see SplitStep.finish), the same on every rank. `forward_step` reads the
     micro-batches (tokens, loss_mask, ...): gpt_forward_step, or a controller's own loss on the
-    same forward (examples/rl/grpo.py's policy gradient)."""
+    same forward (examples/rl/grpo.py's policy gradient). `metrics`: the project's steps report
+    every metric (their callers print each step's); False skips the sampled and greedy-draft
+    acceptances' work (SplitStep.begin)."""
     step = SplitStep(chunks, optimizer, forward_step, seq_length=seq_length,
                      micro_batch_size=microbatches[0][0].size(0), main_loss=main_loss_level)
     counts, routed_tokens = global_counts(microbatches)
-    step.begin(counts if counts_up_front else None, routed_tokens=routed_tokens)
+    step.begin(counts if counts_up_front else None, routed_tokens=routed_tokens, metrics=metrics)
     step.accumulate(microbatches)
     return step.finish()

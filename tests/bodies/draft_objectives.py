@@ -140,49 +140,60 @@ def without_sampled_metrics() -> dict:
                 "reported": sorted(name for name in metrics if "sampl" in name or "greedy" in name)}
 
 
-class VocabularyProjections(TorchDispatchMode):
-    """Counts the rows projected onto the vocabulary (matrix products whose output's last
-    dimension is VOCAB) while it is active."""
+class VocabularyRows(TorchDispatchMode):
+    """Counts the rows of the outputs over the whole vocabulary (last dimension VOCAB) of the ops in
+    `ops` while it is active: PRODUCTS, the rows projected onto the vocabulary; SOFTMAXES, the
+    distributions computed (the sampled and greedy-draft acceptances' work under ce: p and q)."""
 
-    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    PRODUCTS = {getattr(product, overload) for product in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+                for overload in ("default", "out")}
+    SOFTMAXES = {torch.ops.aten._softmax.default, torch.ops.aten._softmax.out, torch.ops.aten.softmax.int_out,
+                 torch.ops.aten._log_softmax.default, torch.ops.aten._log_softmax.out,
+                 torch.ops.aten.log_softmax.int_out}
 
-    def __init__(self):
+    def __init__(self, ops=PRODUCTS):
         super().__init__()
+        self.ops = ops
         self.rows = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.PRODUCTS and out.size(-1) == VOCAB:
+        if func in self.ops and out.size(-1) == VOCAB:
             self.rows += out.numel() // VOCAB
         return out
+
+
+def ce_at_three_depths(seed: int, batch_seed: int) -> tuple:
+    """ce at D = 3 and TEMPERATURE, the output weight sharpened, on padded rows (inside
+    model_parallel): (config, model, (input_ids, labels, mask), the reference's sums)."""
+    config = make_config(3, detach=True, sparse_loss_chunk_size=SPARSE_CHUNK, mtp_draft_temperature=TEMPERATURE)
+    torch.manual_seed(seed)
+    model = build_gpt(config, VOCAB, SEQ)
+    sharpen(model)
+    input_ids, labels, mask, _ = padded_batch(batch_seed)
+    logits, _, per_depth = reference_for(model, 3, False, False, True).losses(input_ids, labels, mask)
+    return config, model, (input_ids, labels, mask), reference_sums(logits, per_depth, None, "ce", TEMPERATURE)
 
 
 def metric_steps() -> dict:
     """ce at D = 3, one step in a step scope built with metrics=False (what a step training_log
     does not print runs) and one with metrics=True: the rows each projects onto the vocabulary in
-    its forward and its sums against the reference's; and whether the projections are on again
-    after the scope."""
+    its forward and its sums against the reference's; and whether the projections are as before the
+    scope (off: the library's default) after it."""
     from megatron.core.fork.mtp import step_loss
     from megatron.core.fork.mtp.step_scope import StepScope
 
-    config = make_config(3, detach=True, sparse_loss_chunk_size=SPARSE_CHUNK, mtp_draft_temperature=TEMPERATURE)
     out = {}
     with model_parallel():
-        torch.manual_seed(5)
-        model = build_gpt(config, VOCAB, SEQ)
-        sharpen(model)
-        input_ids, labels, mask, _ = padded_batch(1)
-        ref = reference_for(model, 3, False, False, True)
-        logits, _, per_depth = ref.losses(input_ids, labels, mask)
-        ref_sums = reference_sums(logits, per_depth, None, "ce", TEMPERATURE)
+        config, model, (input_ids, labels, mask), ref_sums = ce_at_three_depths(seed=5, batch_seed=1)
         counts = step_loss.StepCounts(tokens=int(mask.sum()), sequences=mask.size(0))
         for metrics in (False, True):
             scope = StepScope(config, step_loss.TOKEN, counts, routed_tokens=None, grad_scale_func=None,
                               metrics=metrics)
             scope.enter({})
             try:
-                with VocabularyProjections() as projections:
-                    sums = run_megatron(model, input_ids, labels, mask, None)["sums"]
+                with VocabularyRows() as projections:
+                    sums = run_megatron(model, input_ids, labels, mask, None, metrics=None)["sums"]
             finally:
                 scope.exit()
             out[metrics] = {"rows": projections.rows, "sums": sums, "reporting_after": STEP_STATISTICS.reporting}
@@ -196,6 +207,24 @@ def metric_steps() -> dict:
             "on_sums": max_rel(on["sums"], ref_sums), "on_counts_exact": counts_equal(on["sums"], ref_sums),
             "on_sampled": (on["sums"][:, SAMPLED_ACCEPTED] / on["sums"][:, MEASURED]).tolist(),
             "reporting_after": [off["reporting_after"], on["reporting_after"]]}
+
+
+def library_defaults() -> dict:
+    """ce at D = 3, a forward and backward as a framework calling GPTModel gets it (no step, nothing
+    set: the library's defaults) and one inside STEP_STATISTICS.report_metrics(): the distributions
+    each computes over the vocabulary, and its sums against the reference's."""
+    out = {"reporting": STEP_STATISTICS.reporting}
+    with model_parallel():
+        _, model, (input_ids, labels, mask), ref_sums = ce_at_three_depths(seed=6, batch_seed=4)
+        for name, metrics in (("defaults", None), ("asked", True)):
+            with VocabularyRows(VocabularyRows.SOFTMAXES) as softmaxes:
+                got = run_megatron(model, input_ids, labels, mask, None, metrics=metrics)
+            out[name] = {"softmax_rows": softmaxes.rows, "mtp_rows": int(got["sums"][:, VALID].sum()),
+                         "first_fields": max_rel(got["sums"][:, :4], ref_sums[:, :4]),
+                         "sampled_fields": got["sums"][:, SAMPLED_ACCEPTED:].abs().sum().item(),
+                         "sums": max_rel(got["sums"], ref_sums), "counts_exact": counts_equal(got["sums"], ref_sums)}
+    out["reporting_after"] = STEP_STATISTICS.reporting
+    return out
 
 
 def default_cases() -> dict:
@@ -336,4 +365,5 @@ def suite(tier: str) -> dict:
     return {"cases": matrix() if tier == "matrix" else default_cases(), "greedy_aligned": greedy_aligned(),
             "backbone": backbone_untouched(),
             "refusals": refusals(), "decoder": decoder_agrees(), "sample_mask": sample_mask(),
-            "without_sampled_metrics": without_sampled_metrics(), "metric_steps": metric_steps()}
+            "without_sampled_metrics": without_sampled_metrics(), "metric_steps": metric_steps(),
+            "library_defaults": library_defaults()}

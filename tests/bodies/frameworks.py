@@ -274,11 +274,13 @@ def _fields(objective: str, moe: bool, router: bool = False) -> dict:
     return fields
 
 
-def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True, moe=False, router=False) -> dict:
+def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True, moe=False, router=False,
+        metrics=False) -> dict:
     """One step of the framework's controller on this layout: every copy of every full gradient
-    (captured inside the optimizer's step, after the reduce) and the step's metrics. With `router`,
-    the MoE router losses too: the call is given T (every input position of the global batch), and
-    NeMo-RL's train runs without its moe_grad_scale_func line, as its guide's diff says."""
+    (captured inside the optimizer's step, after the reduce) and the step's metrics (`metrics`: the
+    call's, True on a step the framework logs). With `router`, the MoE router losses too: the call is
+    given T (every input position of the global batch), and NeMo-RL's train runs without its
+    moe_grad_scale_func line, as its guide's diff says."""
     chunks, optimizer, config = build(detach, lam=LAMBDA, calculate_per_token_loss=PER_TOKEN_MODE[framework],
                                       **_fields(objective, moe, router))
     load_checkpoint(ckpt, chunks)
@@ -292,7 +294,7 @@ def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True
             return contextlib.nullcontext()
         routed = tokens[:, :-1].numel() if router else None  # T: every input position (spec section 11)
         opened.append(exact_mtp_step(chunks, step_counts if counts else None, optimizer=optimizer,
-                                     routed_tokens=routed))
+                                     routed_tokens=routed, **({"metrics": True} if metrics else {})))
         return opened[-1]
 
     captured, original = {}, optimizer.step
@@ -311,6 +313,17 @@ def run(framework, detach, call, tokens, mask, ckpt, objective="ce", counts=True
         optimizer.step = original
     metrics = opened[0].metrics if opened else {}
     return {"full": captured["full"], "metrics": {k: v for k, v in metrics.items() if k != "mtp sums"}}
+
+
+def trainer_metrics(tokens, mask, ckpt, moe=False) -> dict:
+    """The metrics of the trainer's step (megatron_mtp.library.step.train_step, which reports every
+    metric) on the same weights and data."""
+    from megatron_mtp.library.step import train_step
+
+    chunks, optimizer, _ = build(False, lam=LAMBDA, **_fields("ce", moe))
+    load_checkpoint(ckpt, chunks)
+    metrics = train_step(chunks, optimizer, rank_microbatches(tokens, mask, MICRO_BATCH), SEQ)
+    return {k: v for k, v in metrics.items() if k != "mtp sums"}
 
 
 def prepare(ckpt_root: str, moe: bool = False) -> dict:
@@ -358,6 +371,8 @@ def run_layouts(ckpt_root: str, layouts: list, moe: bool = False, router: bool =
             # with router losses NeMo-RL's own train differs too (its moe_grad_scale_func is 1 / valid tokens)
             for framework, detach, counts in ROUTER_CASES if router else CASES:
                 want = reference_grads(states[detach], tokens, mask, framework, detach, moe=moe, router=router)
+                if framework == "areal":
+                    want_areal = want
                 for call in (True, False) if framework != "nemo" or router else (True,):
                     got = run(framework, detach, call, tokens, mask, f"{ckpt_root}/init{int(detach)}{suffix}",
                               counts=counts, moe=moe, router=router)
@@ -368,6 +383,11 @@ def run_layouts(ckpt_root: str, layouts: list, moe: bool = False, router: bool =
                 got = run("verl", True, True, tokens, mask, f"{ckpt_root}/init1", objective="tv")
                 out[f"{name}/verl_tv/call"] = {"rel": max_rel_to_reference(got["full"], want),
                                                "metrics": got["metrics"]}
+            if cp > 1:  # a step the framework logs, asked for its metrics, beside the trainer's step
+                got = run("areal", False, True, tokens, mask, f"{ckpt_root}/init0", metrics=True)
+                out[f"{name}/areal_logged/call"] = {"rel": max_rel_to_reference(got["full"], want_areal),
+                                                    "metrics": got["metrics"], "trainer": trainer_metrics(
+                                                        tokens, mask, f"{ckpt_root}/init0", moe)}
             if cp > 1:
                 empty_tokens, empty_mask = cp_rank_without_targets()
                 want = reference_grads(states[False], empty_tokens, empty_mask, "nemo", False)

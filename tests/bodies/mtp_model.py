@@ -3,6 +3,7 @@
 """Model-level MTP checks (one process): the patched GPTModel against the plain-PyTorch
 reference of tests/reference/gpt_mtp.py on the same weights and data."""
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -121,14 +122,17 @@ class Capture:
         return (logits.pop(self.main_at) if logits else None), logits
 
 
-def run_megatron(model, input_ids, labels, mask, segments):
+def run_megatron(model, input_ids, labels, mask, segments, metrics: bool | None = True):
+    """One forward and backward; `metrics`: whether the forward measures the metric projections
+    (its sums are compared with every field of the reference's), None: as the running step says."""
     multi_token_prediction.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     STEP_STATISTICS.reset()
     model.zero_grad(set_to_none=True)
     model.train()
     packed = packed_params(segments) if segments is not None else None
     positions = torch.arange(input_ids.size(1)).unsqueeze(0).expand_as(input_ids)
-    with Capture(model) as capture:
+    measuring = STEP_STATISTICS.report_metrics(metrics) if metrics is not None else contextlib.nullcontext()
+    with Capture(model) as capture, measuring:
         per_token = model(input_ids, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed)
     (per_token * mask).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -314,7 +318,8 @@ def labels_derived_from_input_ids() -> dict:
         model.train()
         multi_token_prediction.MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
         STEP_STATISTICS.reset()
-        logits = model(input_ids, positions, None, labels=None, loss_mask=mask)
+        with STEP_STATISTICS.report_metrics():  # every field compared with run_megatron's
+            logits = model(input_ids, positions, None, labels=None, loss_mask=mask)
         derived_sums = STEP_STATISTICS.local_sums()
         logits.sum().backward()
         mtp_grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("mtp.")}

@@ -99,8 +99,10 @@ def dict_forward_step(data_iterator, model):
 
 
 def run_step(chunks, optimizer, tokens, mask, micro_batch: int, n_chunks: int, level: str,
-             counts_up_front: bool, capture_grads: bool = True, as_dicts: bool = False) -> dict:
-    """One split step over this rank's share; gradients captured just before the update."""
+             counts_up_front: bool, capture_grads: bool = True, as_dicts: bool = False,
+             metrics: bool | None = True) -> dict:
+    """One split step over this rank's share; gradients captured just before the update. `metrics`:
+    begin()'s (every metric, as the cuts compare them); None: begin()'s default."""
     microbatches = rank_microbatches(tokens, mask, micro_batch)
     forward_step = gpt_forward_step
     if as_dicts:  # as RL frameworks pass them: the step never looks inside a micro-batch
@@ -118,7 +120,8 @@ def run_step(chunks, optimizer, tokens, mask, micro_batch: int, n_chunks: int, l
 
     optimizer.step = capturing_step
     try:
-        step.begin(global_counts(rank_microbatches(tokens, mask, micro_batch))[0] if counts_up_front else None)
+        step.begin(global_counts(rank_microbatches(tokens, mask, micro_batch))[0] if counts_up_front else None,
+                   **({} if metrics is None else {"metrics": metrics}))
         per_chunk = -(-len(microbatches) // n_chunks)
         for i in range(0, len(microbatches), per_chunk):
             step.accumulate(microbatches[i:i + per_chunk])
@@ -161,6 +164,7 @@ def single_process(ckpt_root: str) -> dict:
             got = run_step(chunks, optimizer, tokens, mask, 2, 2, "sequence", detach is False, as_dicts=True)
             out[f"dict_microbatches_detach{int(detach)}"] = max_rel(
                 got["grads"], torch.load(f"{ckpt_root}/ref_detach{int(detach)}_sequence.pt"))
+        out["default_metrics"] = default_metrics(ckpt_root, tokens, mask)
         if compat.carries_draft_objectives():  # 0.16.1's series trains ce only (refused there)
             out["draft_objective"] = draft_objective_cuts(ckpt_root, tokens, mask)
         out["refusal"] = refusal()
@@ -168,6 +172,19 @@ def single_process(ckpt_root: str) -> dict:
         out["lambda"] = isolation_and_lambda(tokens, mask)
         out["fp16"] = fp16_loss_scale(ckpt_root, tokens, mask)
         out["abort"] = abort_restores(tokens, mask)
+    return out
+
+
+def default_metrics(ckpt_root, tokens, mask) -> dict:
+    """One split step with begin()'s default and the same step asked for its metrics (token level,
+    counts up front, isolation off): the gradients of each against the reference, and their metrics."""
+    chunks, optimizer, _ = build(False)
+    want = torch.load(f"{ckpt_root}/ref_detach0_token.pt")
+    out = {}
+    for name, metrics in (("default", None), ("asked", True)):
+        load_checkpoint(f"{ckpt_root}/init_detach0", chunks)
+        got = run_step(chunks, optimizer, tokens, mask, 2, 2, "token", True, metrics=metrics)
+        out[name] = {"rel": max_rel(got["grads"], want), "metrics": _metrics(got)}
     return out
 
 

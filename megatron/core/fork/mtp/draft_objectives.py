@@ -12,7 +12,7 @@ For depth k at position t (``mtp_loss_type``, ``mtp_draft_temperature`` tau):
 
 z^0_{t+k} is the main head's own logit row at t + k: the main loss projects every position,
 and GPTModel's postprocess hands those logits to the MTP branch
-(megatron.core.fork.mtp.heads.main_head_logits), which reads each chunk's rows from them
+(megatron.core.fork.mtp.heads.main_head_output), which reads each chunk's rows from them
 at positions rolled by k inside their sequence (upstream's ``roll_tensor``, which respects
 packed segments). Where the main loss does not project every position (``sparse_lm_loss``,
 an output processor) or the rows at t + k sit on another context-parallel rank, z^0_{t+k} is
@@ -47,6 +47,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.fork.mtp.chunk_buffers import ChunkBuffers, gathered_rows, product
+
 OBJECTIVES = ("ce", "kl", "tv", "e2e_tv")
 UPSTREAM_NAMES = {"cross_entropy": "ce"}  # Megatron-LM #6875's name for today's objective
 
@@ -70,11 +72,11 @@ class DraftTargets:
     logits: Optional[torch.Tensor] = None
     index: Optional[torch.Tensor] = None
 
-    def target_logits(self, chunk: slice, weight: torch.Tensor) -> torch.Tensor:
-        """The chunk's rows of z^0_{t+k} (unscaled, over this rank's vocabulary shard)."""
+    def target_logits(self, chunk: slice, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows of z^0_{t+k} (unscaled, over this rank's vocabulary shard), written into `out`."""
         if self.logits is not None:
-            return self.logits.index_select(0, self.index[chunk])
-        return torch.matmul(self.rows[chunk], weight.t())
+            return gathered_rows(self.logits, self.index[chunk], out)
+        return product(self.rows[chunk], weight.t(), out)
 
 
 def _all_reduce(tensor: torch.Tensor, tp_group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -83,18 +85,29 @@ def _all_reduce(tensor: torch.Tensor, tp_group, op=dist.ReduceOp.SUM) -> torch.T
     return tensor
 
 
-def _softmaxes(z_q: torch.Tensor, z_p: torch.Tensor, tp_group, logs: bool):
-    """(q, p, log q, log p) over the full vocabulary, each [n, shard]; the logs only when asked
-    (``kl``), else None: torch's fused softmax on one rank (a pass fewer than exp(log_softmax));
-    over TP shards the maxima and the exponential sums are all-reduced."""
+def _softmaxes(draft_logits: torch.Tensor, target_logits: torch.Tensor, inverse: float, tp_group, logs: bool,
+               buffers: ChunkBuffers):
+    """(q, p, log q, log p) over the full vocabulary of the logits times ``inverse`` (1 / tau), each
+    [n, shard], q and p in the buffers "q" and "p"; draft_logits is only read, target_logits
+    overwritten. The logs only when asked (``kl``), else None. One rank: torch's fused softmax (a
+    pass fewer than exp(log_softmax)); over TP shards the maxima and the exponential sums are
+    all-reduced."""
+    q, p = buffers.take("q", draft_logits.size(0)), buffers.take("p", draft_logits.size(0))
+    if inverse != 1.0:
+        target_logits.mul_(inverse)
     if tp_group is None or dist.get_world_size(tp_group) == 1:
-        if not logs:
-            return torch.softmax(z_q, dim=1), torch.softmax(z_p, dim=1), None, None
-        log_q, log_p = torch.log_softmax(z_q, dim=1), torch.log_softmax(z_p, dim=1)
-        return log_q.exp(), log_p.exp(), log_q, log_p
-    maxima = _all_reduce(torch.stack([z_q.max(dim=1).values, z_p.max(dim=1).values]), tp_group, dist.ReduceOp.MAX)
-    z_q, z_p = z_q - maxima[0].unsqueeze(1), z_p - maxima[1].unsqueeze(1)
-    q, p = z_q.exp(), z_p.exp()
+        z_q = draft_logits if inverse == 1.0 else torch.mul(draft_logits, inverse, out=p)  # p's buffer: z_q till p
+        if logs:
+            log_q, log_p = torch.log_softmax(z_q, dim=1), torch.log_softmax(target_logits, dim=1)
+            return torch.exp(log_q, out=q), torch.exp(log_p, out=p), log_q, log_p
+        torch.softmax(z_q, 1, out=q)
+        return q, torch.softmax(target_logits, 1, out=p), None, None
+    z_q, z_p = torch.mul(draft_logits, inverse, out=q), target_logits
+    maxima = _all_reduce(torch.stack([z_q.amax(dim=1), z_p.amax(dim=1)]), tp_group, dist.ReduceOp.MAX)
+    z_q.sub_(maxima[0].unsqueeze(1))
+    z_p.sub_(maxima[1].unsqueeze(1))
+    q = z_q.exp() if logs else z_q.exp_()  # with the logs, the shifted logits stay
+    p = torch.exp(z_p, out=p)
     sums = _all_reduce(torch.stack([q.sum(dim=1), p.sum(dim=1)]), tp_group)
     q.div_(sums[0].unsqueeze(1))
     p.div_(sums[1].unsqueeze(1))
@@ -105,18 +118,19 @@ def _softmaxes(z_q: torch.Tensor, z_p: torch.Tensor, tp_group, logs: bool):
 
 
 def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float, objective: str,
-                tp_group, want_grad: bool, draft_argmax: torch.Tensor, vocab_start: int):
+                tp_group, want_grad: bool, draft_argmax: torch.Tensor, vocab_start: int, buffers: ChunkBuffers):
     """For a chunk of rows' logits over this rank's vocabulary shard (float, scaled as the
     model scales them): (value [n] or None for ``ce``, alpha [n], beta [n], d value /
     d draft_logits [n, shard] or None). ``value`` is KL(p || q) for ``kl`` and alpha for
     ``tv``/``e2e_tv``; beta is p at ``draft_argmax`` (the rows' full-vocabulary argmax of the
-    draft logits, which is argmax q; this shard starts at ``vocab_start``).
-    Few passes over the chunk: on the CPU these elementwise passes, not the projection, are
-    most of the cost at a large vocabulary."""
+    draft logits, which is argmax q; this shard starts at ``vocab_start``). draft_logits is
+    only read; target_logits, a buffer of the caller's, is overwritten, and the distributions
+    and the gradient are written into ``buffers`` (chunk_buffers.ChunkBuffers): read the
+    gradient before the next chunk. Few passes over the chunk and no fresh tensor of its size:
+    on the CPU these passes and fresh pages, not the projection, are most of the cost at a
+    large vocabulary."""
     inverse = 1.0 / temperature
-    if temperature != 1.0:
-        draft_logits, target_logits = draft_logits * inverse, target_logits * inverse
-    q, p, log_q, log_p = _softmaxes(draft_logits, target_logits, tp_group, logs=objective == "kl")
+    q, p, log_q, log_p = _softmaxes(draft_logits, target_logits, inverse, tp_group, objective == "kl", buffers)
     parts = []
     if objective == "kl":  # p log(p / q), in log p's buffer
         parts.append(log_p.sub_(log_q).mul_(p).sum(dim=1))
@@ -125,7 +139,7 @@ def chunk_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, tempera
     local = draft_argmax - vocab_start
     on_rank = (local >= 0) & (local < p.size(1))
     parts.insert(0, p.gather(1, torch.where(on_rank, local, 0).unsqueeze(1)).squeeze(1) * on_rank)
-    overlap = torch.minimum(q, p)
+    overlap = torch.minimum(q, p, out=target_logits)  # the main head's logits are read by now: their buffer
     parts.insert(0, overlap.sum(dim=1))
     tv_grad = objective in ("tv", "e2e_tv") and want_grad
     if tv_grad:  # sum_v 1[q < p] q: the overlap where it is q (only there does alpha depend on the draft)

@@ -3,13 +3,14 @@
 """One call around a training step: MTP, router losses, clipping groups and metrics as the spec says.
 
     with exact_mtp_step(model_chunks, counts=StepCounts(tokens=N_tok, sequences=N_seq),
-                        optimizer=optimizer) as step:
+                        optimizer=optimizer, metrics=logged) as step:
         ...   # the framework's own step: zero_grad, forward_backward_func, optimizer.step()
     step.metrics   # per-depth MTP metrics, mtp grad norm, the MTP depths' router losses
 
-``metrics=False`` skips what only the metrics need (under ``ce``, the projection of every MTP row by
-the main head at t + k that the sampled and greedy-draft acceptances read), for a step whose metrics
-nobody reads; the step's gradients are the same, and its metrics leave those acceptances out.
+``metrics=True`` (on the steps the framework logs) also measures the sampled and greedy-draft
+acceptances, which under ``ce`` need what nothing else does: every MTP row read against the main
+head at t + k. The default skips that work; the step's gradients are the same, and its metrics
+leave those acceptances out (the per-depth loss, acceptance and chain acceptance are always there).
 
 This is the public front of megatron.core.fork.mtp.step_scope's StepScope, the one core of every
 exact step: SplitStep and megatron.training's exact steps enter it too (with `main_loss`, the
@@ -94,13 +95,13 @@ def _check_packed_forward(model, args, kwargs):
 
 class ExactMTPStep:
     def __init__(self, model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
-                 main_loss: str | None = None, grad_scale_func=None, metrics: bool = True):
+                 main_loss: str | None = None, grad_scale_func=None, metrics: bool = False):
         """`counts`: the step's global StepCounts if known up front (else the streaming form);
         `routed_tokens`: T of spec section 11, needed with MoE router losses; `optimizer`: the one
         the framework steps (its loss scale; its group norms in the metrics); `main_loss`: None for a
         framework's step, else the level of step_loss.main_loss (SplitStep, megatron.training);
         `grad_scale_func`: the loss scale the routers carry (default: the optimizer's); `metrics`:
-        False skips the metric projections (megatron.core.fork.mtp.statistics.metric_projections)."""
+        True measures the metric projections (megatron.core.fork.mtp.statistics.metric_projections)."""
         self.chunks = list(model_chunks)
         self.config = get_model_config(self.chunks[0])
         self.optimizer = optimizer
@@ -261,7 +262,7 @@ class ExactMTPStep:
 
 
 def exact_mtp_step(model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
-                   metrics: bool = True) -> ExactMTPStep:
+                   metrics: bool = False) -> ExactMTPStep:
     """A framework's training step made exact for MTP (see the module): use it as a context manager
     around the step, or call ``enter()`` before and ``close()`` after where the step is split over
     calls (``abort()`` drops it)."""

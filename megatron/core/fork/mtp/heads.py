@@ -17,15 +17,45 @@ at t + k (a draft objective, or a step that reports the acceptances) it reads it
 main head's own logits, which it then computes for the caller (``main_head_output``).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from megatron.core.fork.mtp import isolation, last_depth, step_loss, step_scope
 from megatron.core.fork.mtp.draft_objectives import objective_of
-from megatron.core.fork.mtp.sparse_loss import every_row, main_head_needed, rows_needed, sparse_depth_losses
+from megatron.core.fork.mtp.sparse_loss import rows_needed, sparse_depth_losses
+from megatron.core.fork.mtp.statistics import metric_projections
 from megatron.core.fork.mtp.supervision import depth_targets, labels_and_mask
 from megatron.core.fork.runtime import compat
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """What one MTP forward computes, decided once at the top of ``attach_mtp_losses`` and passed
+    down: the draft objective (megatron.core.fork.mtp.draft_objectives) and its temperature tau;
+    whether the branch reads the main head at t + k, p^k_t (a draft objective trains on it; under
+    ``ce`` a step that reports the sampled and greedy-draft acceptances reads it:
+    statistics.metric_projections); and whether each depth's rows are those that its loss or a
+    deeper depth's chain reads (``mtp_sparse_loss``: sparse_loss.rows_needed), or every row."""
+
+    objective: str
+    temperature: float
+    reads_main_head: bool
+    sparse: bool
+
+    @classmethod
+    def of(cls, config) -> "ForwardSettings":
+        objective = objective_of(config)
+        return cls(objective, config.mtp_draft_temperature, objective != "ce" or metric_projections(config),
+                   bool(config.mtp_sparse_loss))
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the chunked projection computes the losses (sparse_loss.sparse_depth_losses): the
+        sparse loss, or a draft objective; else upstream's dense cross-entropy at every position."""
+        return self.sparse or self.objective != "ce"
 
 
 def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):
@@ -105,7 +135,8 @@ def refuse_missing_mask(loss_mask) -> None:
             "prompt included, would be trained and counted): pass loss_mask=... to the model's forward")
 
 
-def main_head_output(model, main_hidden, shared_output_weight, runtime_gather_output, reusable: bool):
+def main_head_output(model, settings: ForwardSettings, main_hidden, shared_output_weight, runtime_gather_output,
+                     reusable: bool):
     """The main head's output layer at every position, (logits, bias), computed here when the MTP
     branch reads p^k_t from its logits (megatron.core.fork.mtp.draft_objectives) instead of
     projecting h^0 at t + k again; the caller's loss then takes these logits. None (the caller
@@ -118,7 +149,7 @@ def main_head_output(model, main_hidden, shared_output_weight, runtime_gather_ou
     gathers = runtime_gather_output if runtime_gather_output is not None else getattr(layer, "gather_output", False)
     sharded = gathers and dist.get_world_size(model.pg_collection.tp) > 1
     split_sequence = model.cp_group is not None and dist.get_world_size(model.cp_group) > 1
-    if not reusable or config.sparse_lm_loss or sharded or split_sequence or not main_head_needed(config):
+    if not reusable or config.sparse_lm_loss or sharded or split_sequence or not settings.reads_main_head:
         return None
     return layer(main_hidden, weight=shared_output_weight, runtime_gather_output=runtime_gather_output)
 
@@ -137,36 +168,39 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
         isolation.refuse_trainable_output_bias(model)
     except ValueError as refusal:  # found on the MTP stage alone: refused on every rank (step_scope)
         step_scope.refuse_in_step(str(refusal))
-    per_depth_hidden = torch.chunk(hidden_states, 1 + depths, dim=0)
-    main_hidden = per_depth_hidden[0]
+    main_hidden, *hidden_by_depth = torch.chunk(hidden_states, 1 + depths, dim=0)
     supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
     if supervised is None:
         return main_hidden, None  # generation: nothing to supervise
     refuse_missing_mask(loss_mask)
     labels, loss_mask = supervised
+    settings = ForwardSettings.of(config)
     weight = isolation.output_weight(model, shared_output_weight)
     loss_weight = mtp_loss_weight(config, loss_mask.sum())
     targets = list(depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group))
-    head = main_head_output(model, main_hidden, shared_output_weight, runtime_gather_output, reuse_main_logits)
+    head = main_head_output(model, settings, main_hidden, shared_output_weight, runtime_gather_output,
+                            reuse_main_logits)
     main_logits = None if head is None else head[0]
     carrier = main_hidden if head is None else main_logits  # what the losses attach to
+    if settings.chunked:
+        losses = [sparse_depth_losses(model, settings, main_hidden, hidden_by_depth, targets, weight,
+                                      packed_seq_params, main_logits)]
+    else:
+        with torch.no_grad():  # the statistics, recorded as the sparse loss records them, at every row
+            sparse_depth_losses(model, settings, main_hidden, hidden_by_depth, targets, weight, packed_seq_params,
+                                main_logits)
+        losses = dense_depth_losses(model, hidden_by_depth, targets, weight, runtime_gather_output)
+    for loss in losses:
+        carrier = _attach(carrier, loss_weight * loss)
+    return (carrier, None) if head is None else (main_hidden, (carrier, head[1]))
 
-    def result(carried):
-        return (carried, None) if head is None else (main_hidden, (carried, head[1]))
 
-    if config.mtp_sparse_loss or objective_of(config) != "ce":
-        rows_of = rows_needed if config.mtp_sparse_loss else every_row
-        loss_sum = sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params,
-                                       rows_of, main_logits)
-        return result(_attach(carrier, loss_weight * loss_sum))
-    with torch.no_grad():  # the statistics, recorded as the sparse loss records them, at every row
-        sparse_depth_losses(model, main_hidden, per_depth_hidden[1:], targets, weight, packed_seq_params, every_row,
-                            main_logits)
-    for k, labels_k, mask_k in targets:
-        logits, _ = model.output_layer(per_depth_hidden[k], weight=weight,
-                                       runtime_gather_output=runtime_gather_output)
-        logits = compat.scale_logits(model, logits)
-        per_token = model.compute_language_model_loss(labels_k, logits) * mask_k
-        del logits  # one depth's logits alive at a time
-        carrier = _attach(carrier, loss_weight * per_token)
-    return result(carrier)
+def dense_depth_losses(model, hidden_by_depth, targets, weight, runtime_gather_output) -> list:
+    """Each depth's per-token cross-entropy [b, s] times its mask, as upstream computes it (every
+    position projected), one depth's logits alive at a time."""
+    losses = []
+    for hidden, (_, labels_k, mask_k) in zip(hidden_by_depth, targets, strict=True):
+        logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
+        losses.append(model.compute_language_model_loss(labels_k, compat.scale_logits(model, logits)) * mask_k)
+        del logits
+    return losses

@@ -53,11 +53,12 @@ class MTPTrainingConfig(ModelParallelConfig):
     metrics: p and q are softmaxes of the logits divided by tau (the rollouts' temperature)."""
 
     mtp_sampled_acceptance: bool = True
-    """Record the sampled-acceptance metrics (spec section 12: mtp_k sampled acceptance,
-    expected accepted length (sampling)) when training with 'ce' too. They need the main head
-    at t + k for every MTP row: one more projection of those rows onto the vocabulary (forward
-    only), which the draft objectives compute anyway. False (--no-mtp-sampled-acceptance):
-    'ce' skips it, and the two metrics are not reported."""
+    """Record the sampled- and greedy-draft-acceptance metrics (spec section 12: mtp_k sampled
+    acceptance, expected accepted length (sampling), and their greedy-draft forms) when training
+    with 'ce' too, in the steps that report their metrics (the trainer's printed steps and
+    evaluations; a library step asked with metrics=True). They need the main head at t + k for
+    every MTP row and both distributions there, which the draft objectives compute anyway. False
+    (--no-mtp-sampled-acceptance): 'ce' never measures them, and they are not reported."""
 
     exact_steps: bool = False
     """Make every step of megatron.training's loop exact (megatron.core.fork.training_loop.exact_step)

@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from megatron.core.fork.mtp.chunk_buffers import ChunkBuffers, product
 from megatron.core.fork.mtp.draft_objectives import DraftTargets, chunk_terms
 from megatron.core.fork.mtp.statistics import vocab_parallel_max
 from megatron.core.fork.runtime import compat
@@ -85,20 +86,21 @@ class ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         predicted = torch.empty(n, dtype=torch.long, device=rows.device)
         alpha = rows.new_empty(n if draft is not None else 0, dtype=precision)
         beta = torch.empty_like(alpha)
+        buffers = ChunkBuffers(min(chunk_size, n), shard, precision, rows.device)  # every chunk's
         for start in range(0, n, chunk_size):
             chunk = slice(start, min(start + chunk_size, n))
             x = rows[chunk]
-            logits = torch.matmul(x, weight.t()).to(precision)
+            logits = product(x, weight.t(), buffers.take("logits", x.size(0)))
             if logit_scale != 1.0:
                 logits.mul_(logit_scale)
             best, predicted[chunk] = vocab_parallel_max(logits, tp_group)
             if draft is not None:
-                target_logits = draft.target_logits(chunk, weight).to(precision)
+                target_logits = draft.target_logits(chunk, weight, buffers.take("target", x.size(0)))
                 if logit_scale != 1.0:
                     target_logits.mul_(logit_scale)
                 value, alpha[chunk], beta[chunk], grad_logits = chunk_terms(
                     logits, target_logits, draft.temperature, objective, tp_group, want_rows, predicted[chunk],
-                    vocab_start)
+                    vocab_start, buffers)
                 del target_logits
                 if objective != "ce":  # the row's value and gradient are the draft objective's
                     ce[chunk] = value

@@ -13,14 +13,14 @@ the same chunks' logits.
 
 import torch
 
-from megatron.core.fork.mtp.draft_objectives import DraftTargets, depth_terms, objective_of, objective_sum
+from megatron.core.fork.mtp.draft_objectives import DraftTargets, depth_terms, objective_sum
 from megatron.core.fork.mtp.sparse_cross_entropy import (
     chunked_cross_entropy,
     full_sequence,
     refuse_output_bias,
     vocab_parallel_rows,
 )
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metric_projections
+from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.fork.mtp.supervision import rolled_by_depth
 
 
@@ -40,25 +40,21 @@ def every_row(masks: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.arange(mask.numel(), device=mask.device) for mask in masks]
 
 
-def main_head_needed(config) -> bool:
-    """Whether this forward reads the main head at t + k (p^k_t): a draft objective trains on it,
-    or the step reports the sampled and greedy-draft acceptances (statistics.metric_projections)."""
-    return objective_of(config) != "ce" or metric_projections(config)
-
-
 def flat(tensor: torch.Tensor) -> torch.Tensor:
     """[b, s] -> the flat [s, b] order of the hidden states' rows."""
     return tensor.t().reshape(-1)
 
 
-def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, packed_seq_params=None,
-                        rows_of=rows_needed, main_logits=None) -> torch.Tensor:
+def sparse_depth_losses(model, settings, main_hidden, hidden_by_depth, targets, weight, packed_seq_params=None,
+                        main_logits=None) -> torch.Tensor:
     """sum_k S_k over all depths (the caller weights it by lambda / D and the normalization)
-    for the config's objective (megatron.core.fork.mtp.draft_objectives), computed at the
-    rows ``rows_of`` picks (by default the needed ones); records every depth's statistics,
-    the sampled and greedy-draft acceptances included, from the same chunks' logits.
+    for the forward's objective (megatron.core.fork.mtp.draft_objectives), computed at each
+    depth's needed rows (``settings.sparse``) or at every row; records every depth's
+    statistics, the sampled and greedy-draft acceptances included where the forward reads the
+    main head at t + k, from the same chunks' logits.
 
-    main_hidden: h^0 [s, b, h], hidden_by_depth: h^1..h^D, each a sequence shard under
+    settings: the forward's (heads.ForwardSettings); main_hidden: h^0 [s, b, h],
+    hidden_by_depth: h^1..h^D, each a sequence shard under
     sequence parallelism; targets: (k, labels_k [b, s], mask_k [b, s]) for k = 1..D; weight:
     the output weight the MTP logits use (detached under isolation; None: the output layer's);
     main_logits: the main head's unscaled logits [s, b, vocabulary shard] over the whole
@@ -66,9 +62,8 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
     """
     config, tp_group = model.config, model.pg_collection.tp
     refuse_output_bias(model)
-    objective = objective_of(config)
     masks = [mask for _, _, mask in targets]
-    positions = rows_of(masks)
+    positions = (rows_needed if settings.sparse else every_row)(masks)
     rows, labels, row_weights = [], [], []
     for hidden, (_, labels_k, mask_k), where in zip(hidden_by_depth, targets, positions, strict=True):
         full = full_sequence(hidden, config, tp_group)
@@ -76,37 +71,37 @@ def sparse_depth_losses(model, main_hidden, hidden_by_depth, targets, weight, pa
         labels.append(flat(labels_k).index_select(0, where))
         row_weights.append(flat(mask_k).index_select(0, where).float())
     draft_rows = vocab_parallel_rows(torch.cat(rows), config, tp_group)
-    draft = draft_targets(model, objective, main_hidden, main_logits, positions, packed_seq_params, draft_rows.dtype)
+    draft = draft_targets(model, settings, main_hidden, main_logits, positions, packed_seq_params, draft_rows.dtype)
     value, predicted, alpha, beta = chunked_cross_entropy(model, draft_rows, weight, torch.cat(labels),
                                                           torch.cat(row_weights), draft)
     values = list(value.split([where.numel() for where in positions]))
     chain = torch.stack([flat(mask) != 0 for mask in masks]).all(dim=0)
-    record_statistics(objective, targets, positions, values, predicted, (alpha, beta) if draft is not None else None,
-                      labels, row_weights)
-    return objective_sum(objective, values, row_weights, positions, chain)
+    record_statistics(settings.objective, targets, positions, values, predicted,
+                      (alpha, beta) if draft is not None else None, labels, row_weights)
+    return objective_sum(settings.objective, values, row_weights, positions, chain)
 
 
-def draft_targets(model, objective, main_hidden, main_logits, positions, packed_seq_params, dtype):
+def draft_targets(model, settings, main_hidden, main_logits, positions, packed_seq_params, dtype):
     """The main head at t + k for every draft row, depth by depth in ``positions``' order
-    (DraftTargets), or None where this forward does not read it (main_head_needed). From the main
-    head's logits where given: each row's position t + k, rolled inside its sequence; else h^0's
-    rows at t + k (exact across context-parallel ranks), projected in the chunks."""
-    config = model.config
-    if not main_head_needed(config):
+    (DraftTargets), or None where this forward does not read it (``settings.reads_main_head``).
+    From the main head's logits where given: each row's position t + k, rolled inside its
+    sequence; else h^0's rows at t + k (exact across context-parallel ranks), projected in the
+    chunks."""
+    if not settings.reads_main_head:
         return None
     if main_logits is not None:
         seq, batch = main_logits.shape[:2]
         grid = torch.arange(seq * batch, device=main_logits.device).view(seq, batch, 1)
         rolled = rolled_by_depth(grid, len(positions), packed_seq_params)
     else:
-        main_full = full_sequence(main_hidden.detach(), config, model.pg_collection.tp)
+        main_full = full_sequence(main_hidden.detach(), model.config, model.pg_collection.tp)
         rolled = rolled_by_depth(main_full, len(positions), packed_seq_params, model.cp_group)
     picked = torch.cat([at_k.reshape(-1, at_k.size(-1)).index_select(0, where)
                         for at_k, where in zip(rolled, positions, strict=True)])
     if main_logits is not None:
-        return DraftTargets(config.mtp_draft_temperature, objective,
+        return DraftTargets(settings.temperature, settings.objective,
                             logits=main_logits.detach().reshape(-1, main_logits.size(-1)), index=picked.squeeze(1))
-    return DraftTargets(config.mtp_draft_temperature, objective, rows=picked.to(dtype))
+    return DraftTargets(settings.temperature, settings.objective, rows=picked.to(dtype))
 
 
 @torch.no_grad()

@@ -85,7 +85,7 @@ class SplitStep:
         return self._scope is not None
 
     def begin(self, counts: "step_loss.StepCounts | None" = None, *, routed_tokens: int | None = None,
-              metrics: bool = True) -> None:
+              metrics: bool = False) -> None:
         """Start a step: checks the model and the counts, zeroes the gradients, holds back the
         gradient sync and finalize_model_grads until ``finish``.
 
@@ -97,10 +97,10 @@ class SplitStep:
             routed_tokens (int, optional): with MoE router losses, the step's input positions
                 over all chunks and data-parallel ranks (T of spec section 11, known from the
                 shapes even when the valid counts are not); required up front in either mode.
-            metrics (bool): False skips what only the step's metrics need (under ``ce``, the
-                projection by the main head at t + k that the sampled and greedy-draft
-                acceptances read; those metrics are then left out); the gradients are the same.
-                Default True.
+            metrics (bool): True (on a step whose metrics are logged) also measures the sampled
+                and greedy-draft acceptances, which under ``ce`` need every MTP row read against
+                the main head at t + k; the default skips that work and leaves those metrics out.
+                The gradients are the same either way.
 
         Raises:
             RuntimeError: a step is already in progress.

@@ -18,6 +18,8 @@ prediction at depth j < k counts as correct when it equals its target token, whe
 not that target is itself supervised (the target token exists whenever depth k's does).
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -49,12 +51,25 @@ def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, to
 
 class MTPStatistics:
     """Per-depth sums for one training step; reset it when a step begins. ``reporting``: whether
-    the step measures the metrics that need a projection of their own (a step driver turns it off
-    for a step whose metrics nobody reads, and back on after it)."""
+    forwards measure the metrics that need a projection of their own (``metric_projections``).
+    Off by default, so that a library forward pays for them only when its caller reads them: a
+    step turns it on for its duration when asked (``exact_mtp_step(..., metrics=True)``,
+    ``SplitStep.begin(..., metrics=True)``), ``report_metrics()`` around plain forwards, and the
+    project's drivers on the steps they print and in evaluations."""
 
     def __init__(self):
         self.sums = None
-        self.reporting = True
+        self.reporting = False
+
+    @contextlib.contextmanager
+    def report_metrics(self, on: bool = True):
+        """Forwards inside measure the metric projections (``on``) or skip them; the setting
+        before is restored after."""
+        before, self.reporting = self.reporting, on
+        try:
+            yield self
+        finally:
+            self.reporting = before
 
     def reset(self) -> None:
         self.sums = None
@@ -79,8 +94,8 @@ STEP_STATISTICS = MTPStatistics()
 
 def metric_projections(config) -> bool:
     """Whether this forward projects rows onto the vocabulary only for metrics (the main head at
-    t + k of the sampled acceptance under ``ce``): the config asks for those metrics and the step
-    reports them (every evaluation and every step outside a driver does)."""
+    t + k of the sampled and greedy-draft acceptances under ``ce``): the config asks for those
+    metrics and the step reports them (``MTPStatistics.reporting``)."""
     return bool(config.mtp_sampled_acceptance) and STEP_STATISTICS.reporting
 
 

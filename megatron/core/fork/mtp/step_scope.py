@@ -12,8 +12,8 @@ each of them enters through its public front, megatron.core.fork.mtp.exact_mtp_s
 - ``enter(overrides)`` saves the config hooks the step overrides, sets them, activates the
   step's normalization (megatron.core.fork.mtp.step_loss), gives the routers their exact scale
   (megatron.core.fork.mtp.router_losses) and starts the step's MTP and router statistics afresh,
-  with the metric projections off in a step built with ``metrics=False`` (statistics.metric_projections);
-- ``exit()`` restores the hooks and deactivates the normalization (and turns the metric projections on);
+  with the metric projections on only in a step built with ``metrics=True`` (statistics.metric_projections);
+- ``exit()`` restores the hooks and the metric projections' setting, and deactivates the normalization;
 - ``reduced_sums(config, extra)`` reduces the step's MTP sums, and any sums the driver keeps,
   over the last pipeline stage's data-parallel ranks in one collective;
 - ``refuse_in_step(message)``: a refusal found inside the step's forward on one rank (an MTP forward
@@ -98,12 +98,12 @@ def reduced_sums(config, extra: torch.Tensor | None = None) -> tuple:
 
 class StepScope:
     def __init__(self, config, main_loss: str, counts: "step_loss.StepCounts | None", *,
-                 routed_tokens: int | None, grad_scale_func, normalization=None, metrics: bool = True):
+                 routed_tokens: int | None, grad_scale_func, normalization=None, metrics: bool = False):
         """`counts`: the step's global counts if known up front; `routed_tokens`: its input
         positions over all chunks and data-parallel ranks (T of spec section 11), needed with
         MoE router losses; `grad_scale_func`: the optimizer's loss scale the routers carry;
         `normalization`: a framework's (step_loss.FrameworkNormalization), else the step's own
-        at the `main_loss` level; `metrics`: False for a step whose metrics nobody reads."""
+        at the `main_loss` level; `metrics`: True for a step whose metrics its caller reads."""
         router_losses.check_exact_step(config)
         self.normalization = normalization or step_loss.StepNormalization(main_loss, bool(config.mtp_detach_heads),
                                                                           counts)
@@ -126,6 +126,7 @@ class StepScope:
         self.config = config
         self.metrics = metrics
         self.saved = None
+        self.reporting_before = None
 
     def enter(self, overrides: dict) -> None:
         """Set the config hooks in `overrides` (and the routers' scale) for the step's duration."""
@@ -137,7 +138,7 @@ class StepScope:
         _OPEN = self
         _held.clear()
         STEP_STATISTICS.reset()
-        STEP_STATISTICS.reporting = self.metrics
+        self.reporting_before, STEP_STATISTICS.reporting = STEP_STATISTICS.reporting, self.metrics
         router_metrics.reset()
         for name, value in overrides.items():
             setattr(self.config, name, value)
@@ -152,6 +153,7 @@ class StepScope:
             for name, value in self.saved.items():
                 setattr(self.config, name, value)
             self.saved = None
-        STEP_STATISTICS.reporting = True
+        if self.reporting_before is not None:
+            STEP_STATISTICS.reporting, self.reporting_before = self.reporting_before, None
         if step_loss.active() is self.normalization:
             step_loss.deactivate()

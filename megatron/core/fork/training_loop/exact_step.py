@@ -76,7 +76,9 @@ def exact(config) -> bool:
 
 
 def begin_evaluation(config) -> None:
-    """Before an evaluation: in exact steps, routers report their losses there too."""
+    """Before an evaluation: it measures every metric (the metric projections on, as after every
+    step here); in exact steps, routers report their losses there too."""
+    STEP_STATISTICS.reporting = True
     router_metrics.reset()
     router_losses.report_in_evaluation(exact(config) and router_losses.active(config))
 
@@ -179,9 +181,9 @@ def end(optimizer=None, update_successful: bool = False) -> None:
     if _current is None:
         return
     step, _current = _current, None
-    STEP_STATISTICS.reporting = True  # evaluations and steps outside a driver measure every metric
     if step.scope is not None:
         step.scope.exit()
+    STEP_STATISTICS.reporting = True  # this loop's evaluations measure every metric (begin_evaluation)
     if optimizer is None:
         return
     norms = getattr(optimizer, "grad_norms_by_group", {}) if update_successful else {}
