@@ -17,23 +17,31 @@ kept here until read.
 RECORDED: list = []
 
 
+def wrap(owner, name: str, on: bool, seen) -> None:
+    """On: owner.<name> calls `seen(result, *args)` after each call (once, however often it is asked);
+    off: the method as it was."""
+    saved = f"_unprobed_{name}"
+    if on and not hasattr(owner, saved):
+        original = getattr(owner, name)
+        setattr(owner, saved, original)
+
+        def probed(*args, **kwargs):
+            result = original(*args, **kwargs)
+            seen(result, *args)
+            return result
+
+        setattr(owner, name, probed)
+    elif not on and hasattr(owner, saved):
+        setattr(owner, name, getattr(owner, saved))
+        delattr(owner, saved)
+
+
 def record(worker, on: bool) -> None:
     """Starts (on) or stops recording the drafter's logits; starting empties what was recorded."""
-    model = worker.model_runner.drafter.model
     if on:
         RECORDED.clear()
-        if not hasattr(model, "_unprobed_compute_logits"):
-            model._unprobed_compute_logits = model.compute_logits
-
-            def compute_logits(*args, **kwargs):
-                logits = model._unprobed_compute_logits(*args, **kwargs)
-                RECORDED.append(logits.detach().float().cpu().tolist())
-                return logits
-
-            model.compute_logits = compute_logits
-    elif hasattr(model, "_unprobed_compute_logits"):
-        model.compute_logits = model._unprobed_compute_logits
-        del model._unprobed_compute_logits
+    wrap(worker.model_runner.drafter.model, "compute_logits", on,
+         lambda logits, *_: RECORDED.append(logits.detach().float().cpu().tolist()))
 
 
 def recorded(worker) -> list:
@@ -47,27 +55,20 @@ STEPS: dict = {}  # request id -> [[drafts verified, [tokens sampled]], ...], on
 def record_steps(worker, on: bool) -> None:
     """Starts (on) or stops recording every sampling step's tokens; starting empties what was recorded."""
     runner = worker.model_runner
+
+    def sampled(output, logits, spec_decode_metadata) -> None:
+        count = runner.input_batch.num_reqs
+        rows = output.sampled_token_ids[:count].tolist()
+        drafts = spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else [0] * count
+        discarded = runner.discard_request_mask.np[:count]  # a prefill chunk's row: not a token
+        for request, row, verified, skip in zip(runner.input_batch.req_ids[:count], rows, drafts, discarded,
+                                                strict=True):
+            if not skip:
+                STEPS.setdefault(request, []).append([int(verified), [t for t in row if t >= 0]])
+
     if on:
         STEPS.clear()
-        if not hasattr(runner, "_unprobed_sample"):
-            runner._unprobed_sample = runner._sample
-
-            def sample(logits, spec_decode_metadata):
-                output = runner._unprobed_sample(logits, spec_decode_metadata)
-                count = runner.input_batch.num_reqs
-                rows = output.sampled_token_ids[:count].tolist()
-                drafts = spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else [0] * count
-                discarded = runner.discard_request_mask.np[:count]  # a prefill chunk's row: not a token
-                for request, row, verified, skip in zip(runner.input_batch.req_ids[:count], rows, drafts, discarded,
-                                                        strict=True):
-                    if not skip:
-                        STEPS.setdefault(request, []).append([int(verified), [t for t in row if t >= 0]])
-                return output
-
-            runner._sample = sample
-    elif hasattr(runner, "_unprobed_sample"):
-        runner._sample = runner._unprobed_sample
-        del runner._unprobed_sample
+    wrap(runner, "_sample", on, sampled)
 
 
 def recorded_steps(worker) -> dict:
