@@ -44,23 +44,28 @@ One step, as AReaL's GRPO with online-trained MTP heads runs it, on CPU:
    tokens with mtp_detach_heads: their loss never reaches the policy.
 
 --engine vllm (--policy mimo: Qwen2 with MiMo's MTP depths, one repeated layer, heads of 32: what vLLM's
-CPU build drafts for here): the rollouts come from vLLM's CPU build (`tools/bootstrap --engine vllm`),
-two engines in processes of their own on rank 0, kept for the run and updated in place by the weight
-stream before every step's rollouts (serving.stream.update_engine, batches of --weight-bucket-mb; the
-drafter's weights in an update of their own). One samples every rollout by plain decoding at
-temperature 1, each response with a seed of its own, so the rollouts depend on the policy's weights
-alone; the other drafts with the heads, greedily (vLLM 0.32.0's CPU build samples wrongly at
-temperature > 0 with drafts: docs/serving.md), and each step prints its acceptance per depth (mtp_k
-vllm greedy acceptance) beside the project's decoder's on the same prompts with vLLM's draft chain
-(mtp_k decoder greedy acceptance); the decoder's engine view below is printed too, its rollout
-acceptance is not (vLLM's rollouts draft nothing).
+CPU build drafts for here): the rollouts come from vLLM's CPU build (`tools/bootstrap --engine vllm`,
+the project's patches applied), in processes of their own on rank 0, kept for the run and updated in
+place by the weight stream before every step's rollouts (serving.stream.update_engine, batches of
+--weight-bucket-mb; the drafter's weights in an update of their own). --rollouts speculative (the
+default): one engine samples every rollout at temperature 1, each response with a seed of its own, by
+speculative decoding, the heads drafting and vLLM's rejection sampler verifying (--draft-sample-method:
+greedy, vLLM's default, or probabilistic); each step prints the engine's own acceptance per depth from
+its counters for that step's rollouts (mtp_k vllm acceptance, vllm mean acceptance length) and the
+rollout time, and --out keeps every step's engine tokens (engine_tokens.jsonl). The rollouts depend on
+the drafts, so online, frozen and no heads take trajectories of their own. --rollouts plain (the
+coupled comparison): one engine samples every rollout by plain decoding at temperature 1, a seed per
+response, so the rollouts depend on the policy's weights alone; the other drafts with the heads,
+greedily, and each step prints its acceptance per depth (mtp_k vllm greedy acceptance) beside the
+project's decoder's on the same prompts with vLLM's draft chain (mtp_k decoder greedy acceptance). In
+both, the decoder's engine view below is printed too.
 
 --heads online: the heads train every step (above); frozen: they keep the weights they had
 after the warm-start (restored after every step), so their drafts age as the policy moves;
-none: no MTP depths (plain sampling). The policy's trajectory is the same in all three: the
-same rewards every step and the same backbone weights at the end (summary.json's
-"backbone sha256"), because detached heads draw from random streams of their own, never
-reach the backbone's gradients, and the rollouts do not depend on the drafts.
+none: no MTP depths (plain sampling). With --engine decoder and --rollouts plain the policy's
+trajectory is the same in all three: the same rewards every step and the same backbone weights at
+the end (summary.json's "backbone sha256"), because detached heads draw from random streams of
+their own, never reach the backbone's gradients, and the rollouts do not depend on the drafts.
 
 Before RL, --sft-steps supervised steps on correct answers (the same SplitStep, advantage 1)
 give the policy a start that RL improves on, and its heads something to draft with.
@@ -116,6 +121,13 @@ def parse(argv=None):
     parser.add_argument("--engine", choices=("decoder", "vllm"), default="decoder",
                         help="roll out with the project's decoder (per rank), or with vLLM's CPU build in its own "
                              "processes on rank 0, its weights pushed in place every step (--policy mimo)")
+    parser.add_argument("--rollouts", choices=("speculative", "plain"), default=None,
+                        help="--engine vllm: sample the rollouts with the heads drafting, in one engine (the "
+                             "default), or by plain sampling beside a greedy drafting engine (the coupled "
+                             "comparison: online, frozen and no heads keep one trajectory)")
+    parser.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"), default=None,
+                        help="--rollouts speculative: vLLM's draft_sample_method, drafts argmax q accepted with "
+                             "p(draft) (greedy, vLLM's default) or drafts from q accepted with min(1, p / q)")
     parser.add_argument("--weight-bucket-mb", type=float, default=64.0,
                         help="--engine vllm: the weight stream's batches into the engine, at most this many MiB")
     parser.add_argument("--rows", choices=("padded", "packed"), default=None,
@@ -161,8 +173,20 @@ def parse(argv=None):
                      "that 2 x length + 2 does, or --rows packed)")
     if args.sft_steps < 0:
         parser.error("--sft-steps must be >= 0")
+    if args.engine == "decoder":
+        for name in ("rollouts", "draft_sample_method"):
+            if getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')} with --engine decoder: the decoder's rollouts are "
+                             "Gumbel-coupled speculative sampling (--engine vllm chooses)")
     if args.engine == "vllm":
         from megatron_mtp.serving.engines import vllm_engine
+
+        args.rollouts = args.rollouts or "speculative"
+        if args.draft_sample_method is not None and (args.rollouts == "plain" or args.heads == "none"):
+            parser.error(f"--draft-sample-method with --rollouts {args.rollouts} --heads {args.heads}: no rollout "
+                         "is drafted (--rollouts speculative with heads)")
+        if args.rollouts == "speculative" and args.heads != "none":
+            args.draft_sample_method = args.draft_sample_method or "greedy"  # vLLM's default
 
         if args.policy != "mimo":
             parser.error(f"--engine vllm with --policy {args.policy}: vLLM's CPU build drafts with MTP heads for "
@@ -436,14 +460,15 @@ def engine_decodes(runner, prompts, task, args, step: int, first_index: int, sta
 
 class VllmRollouts:
     """vLLM's CPU build as the rollout engine (--engine vllm), on rank 0, as RL frameworks keep one alive
-    for a run: one engine samples the rollouts by plain decoding, each response with a seed of its own
-    (so the rollouts depend on the policy's weights alone: online, frozen and no heads keep one
-    trajectory), and one drafts with the policy's MTP heads (vLLM's speculative decoding) for its
-    acceptance, measured greedily (vLLM 0.32.0's CPU build samples wrongly at temperature > 0 with
-    drafts: docs/serving.md). Both start on an export of the policy after the warm start; before every
-    step's rollouts the weight stream pushes the policy's weights into both in place (serving.stream:
-    the target's, and the drafter's into the drafting engine). Every rank calls every method (the
-    stream is a collective); rank 0 alone drives the engines."""
+    for a run. --rollouts speculative: one engine samples the rollouts at temperature 1, each response
+    with a seed of its own, the heads drafting and vLLM's rejection sampler verifying
+    (--draft-sample-method), and counts what it accepted. --rollouts plain: one engine samples them by
+    plain decoding (so the rollouts depend on the policy's weights alone: online, frozen and no heads
+    keep one trajectory) and one drafts with the heads, greedily, for its acceptance alone. The engines
+    start on an export of the policy after the warm start; before every step's rollouts the weight
+    stream pushes the policy's weights into each in place (serving.stream: the target's, and the
+    drafter's into an engine that drafts). Every rank calls every method (the stream is a collective);
+    rank 0 alone drives the engines."""
 
     def __init__(self, chunks, policy_args, depths: int, args, out: Path | None):
         import tempfile
@@ -453,7 +478,12 @@ class VllmRollouts:
 
         self.chunks, self.policy_args, self.depths = chunks, policy_args, depths
         self.bucket_bytes = int(args.weight_bucket_mb * 2**20)
-        self.plain = self.drafting = None
+        self.speculative = args.rollouts == "speculative"
+        # whether each engine drafts (the rollouts' engine first); the engines themselves on rank 0 alone
+        self.drafts = [bool(depths)] if self.speculative else [False] + [True] * bool(depths)
+        self.engines = [None] * len(self.drafts)
+        self.engine_seed = None
+        self.tokens = None  # where the speculative rollouts' tokens and steps go, one line per step
         hf = dict(stream.weights(chunks, policy_args))  # a collective
         if dist.get_rank() != 0:
             return
@@ -461,46 +491,74 @@ class VllmRollouts:
         self.directory = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         files.write_hf(Path(self.directory.name), plan.cfg.to_hf("fp32", plan.layout), hf, "fp32", None)
         log = open(out / "engine.log", "w") if out is not None else None
-        self.plain = vllm_engine.Engine(self.directory.name, log=log)
-        if depths:
-            self.drafting = vllm_engine.Engine(self.directory.name, log=log, speculative_config={
-                "method": "mtp", "num_speculative_tokens": depths})
+        # vLLM's own generator (what a request without a seed draws from) seeded anew every run: a run
+        # repeats through its responses' seeds alone, as it must where an RL framework's batches vary
+        self.engine_seed = int.from_bytes(os.urandom(4), "little")
+        speculative = {"method": "mtp", "num_speculative_tokens": depths}
+        if self.speculative:
+            speculative["draft_sample_method"] = args.draft_sample_method
+        for index, drafts in enumerate(self.drafts):
+            options = {"speculative_config": speculative} if drafts else {}
+            self.engines[index] = vllm_engine.Engine(self.directory.name, log=log, seed=self.engine_seed, **options)
+        if self.speculative and depths and out is not None:
+            self.tokens = open(out / "engine_tokens.jsonl", "w")
 
     def push(self) -> int:
-        """The policy's weights into both engines, in place (a collective); the bytes sent."""
+        """The policy's weights into every engine, in place (a collective); the bytes sent."""
         from megatron_mtp.serving import stream
 
-        sent = stream.update_engine(self.plain, self.chunks, self.policy_args, self.bucket_bytes, drafts=False)
-        if self.depths:
-            sent += stream.update_engine(self.drafting, self.chunks, self.policy_args, self.bucket_bytes, drafts=True)
-        return sent
+        return sum(stream.update_engine(engine, self.chunks, self.policy_args, self.bucket_bytes, drafts=drafts)
+                   for engine, drafts in zip(self.engines, self.drafts, strict=True))
 
-    def sample(self, prompts: list, task, args, step: int) -> list:
+    def sample(self, prompts: list, task, args, step: int) -> tuple[list, list]:
         """G responses per prompt at temperature 1, response r's seed its key (as the decoder's rollouts
-        key their Gumbel noise), on every rank."""
-        responses = None
+        key their Gumbel noise), on every rank; and where the heads drafted them, what the engine
+        counted of this request: [verify steps, accepted per position...] (rank 0's; zeros elsewhere, so
+        that a sum over ranks is the engine's). With --out, each step's prompts, seeds, responses, sampling
+        steps and counters are a line of engine_tokens.jsonl (tools/eval_speculative.py --engine-tokens'
+        fields)."""
+        responses, counts = None, [0] * (1 + self.depths)
         if dist.get_rank() == 0:
             requests = [prompt for prompt in prompts for _ in range(args.group_size)]
             seeds = [args.seed * 10**9 + step * args.prompts_per_step * args.group_size + r
                      for r in range(len(requests))]
-            responses = self.plain.generate(requests, task.answer_length, temperature=1.0, seeds=seeds,
-                                            stop_token_ids=[EOS])["outputs"]
+            drafted = self.drafts[0]
+            reply = self.engines[0].generate(requests, task.answer_length, temperature=1.0, seeds=seeds,
+                                             stop_token_ids=[EOS], steps=drafted)
+            responses = reply["outputs"]
+            if drafted:
+                counted = reply["spec_decode"]
+                counts = [counted["drafts"], *counted["accepted per position"]]
+            if self.tokens is not None:
+                self.tokens.write(json.dumps({
+                    "iteration": step, "prompts": requests, "seeds": seeds, "outputs": responses,
+                    "steps": reply["steps"], "temperature": 1.0, "draft_sample_method": args.draft_sample_method,
+                    "spec_decode": reply["spec_decode"]}) + "\n")
+                self.tokens.flush()
         shared = [responses]
         dist.broadcast_object_list(shared, src=0)
-        return shared[0]
+        return shared[0], counts
 
     def acceptance(self, prompts: list, task) -> list:
-        """vLLM's greedy speculative decode of every prompt: [verify steps, accepted per position...]
-        (rank 0's counters; zeros elsewhere, so that a sum over ranks is the engine's)."""
+        """--rollouts plain: vLLM's greedy speculative decode of every prompt in the drafting engine:
+        [verify steps, accepted per position...] (rank 0's counters; zeros elsewhere)."""
         if dist.get_rank() != 0 or not self.depths:
             return [0] * (1 + self.depths)
-        counted = self.drafting.generate(prompts, task.answer_length, stop_token_ids=[EOS])["spec_decode"]
+        counted = self.engines[1].generate(prompts, task.answer_length, stop_token_ids=[EOS])["spec_decode"]
         return [counted["drafts"], *counted["accepted per position"]]
 
+    def rollout_engine(self) -> dict:
+        """The rollouts' engine (rank 0): the speculative decoding it runs, as vLLM's config holds it, and
+        the seed of its own generator."""
+        return {"speculative config": self.engines[0].speculative if self.engines[0] is not None else None,
+                "seed": self.engine_seed}
+
     def close(self) -> None:
-        for engine in (self.plain, self.drafting):
+        for engine in self.engines:
             if engine is not None:
                 engine.close()
+        if self.tokens is not None:
+            self.tokens.close()
 
 
 def decoder_greedy_acceptance(runner, prompts: list, task, depths: int) -> list:
@@ -626,9 +684,10 @@ def main(argv=None) -> int:
             rollout_start = time.perf_counter()
             if vllm is None:
                 responses = rollouts(runner, prompts, task, args, step, mine.start, stats)
-            else:
-                responses = vllm.sample(every_prompt, task, args, step)[mine.start * args.group_size:
-                                                                      mine.stop * args.group_size]
+                rollout_counts = [stats.drafts, *stats.accepted_per_position]
+            else:  # the engine's counts of its speculative rollouts (none drafted with --rollouts plain)
+                responses, rollout_counts = vllm.sample(every_prompt, task, args, step)
+                responses = responses[mine.start * args.group_size:mine.stop * args.group_size]
             rollout_seconds = time.perf_counter() - rollout_start
             engines_by_mode = {method: speculative.Stats(depths=depths) for method in speculative.DRAFT_SAMPLE_METHODS}
             if depths:
@@ -650,21 +709,24 @@ def main(argv=None) -> int:
                         if name in frozen:
                             param.copy_(frozen[name])
             greedy = []  # vLLM's greedy speculative decode beside the decoder's with vLLM's chain
-            if vllm is not None and depths:
+            if args.rollouts == "plain" and depths:
                 greedy = vllm.acceptance(every_prompt, task) + decoder_greedy_acceptance(runner, prompts, task, depths)
-            totals = all_sum([sum(rewards), len(rewards), sum(r == 1.0 for r in rewards), stats.drafts,
-                              *stats.accepted_per_position, *engine_counts, *greedy, rollout_seconds])
+            totals = all_sum([sum(rewards), len(rewards), sum(r == 1.0 for r in rewards), *rollout_counts,
+                              *engine_counts, *greedy, rollout_seconds])
             reward, solved = totals[0] / totals[1], totals[2] / totals[1]
             rewards_per_step.append(reward)
             values = {"consumed samples": step * args.prompts_per_step * args.group_size, "reward": reward,
                       "solved": solved}
             # [verify steps, accepted per position...] blocks: the rollouts', each draft mode's engine decode,
-            # then vLLM's greedy decode and the decoder's beside it
+            # then (--rollouts plain) vLLM's greedy decode and the decoder's beside it
             span, counted = 1 + depths, totals[3:-1]
             blocks = [counted[i:i + span] for i in range(0, len(counted), span)]
-            if depths and vllm is None:  # vLLM's rollouts are plain sampling: nothing drafted
+            if depths and vllm is None:
                 acceptance_values(values, blocks[0], "mtp_{k} rollout acceptance",
                                   "rollout mean acceptance length (incl. bonus)")
+            if depths and args.rollouts == "speculative":  # as vLLM counted its rollouts
+                acceptance_values(values, blocks[0], "mtp_{k} vllm acceptance",
+                                  "vllm mean acceptance length (incl. bonus)")
             if depths:
                 for method, block in zip(speculative.DRAFT_SAMPLE_METHODS, blocks[1:3], strict=True):
                     named = ENGINE_NAMES[method]
@@ -706,6 +768,7 @@ def main(argv=None) -> int:
                "arguments": vars(args)}
     if vllm is not None:  # per RL step: the bytes the weight stream pushed into vLLM's engines (rank 0)
         summary["bytes pushed into vllm"] = pushed
+        summary["vllm rollout engine"] = vllm.rollout_engine()
     if dist.get_rank() == 0 and out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         log.close()
