@@ -689,6 +689,8 @@ def main(argv=None) -> int:
                 responses, rollout_counts = vllm.sample(every_prompt, task, args, step)
                 responses = responses[mine.start * args.group_size:mine.stop * args.group_size]
             rollout_seconds = time.perf_counter() - rollout_start
+            if vllm is not None and dist.get_rank() != 0:
+                rollout_seconds = 0.0  # it waited for rank 0's engine, which sampled every rollout
             engines_by_mode = {method: speculative.Stats(depths=depths) for method in speculative.DRAFT_SAMPLE_METHODS}
             if depths:
                 engine_decodes(runner, prompts, task, args, step, mine.start, engines_by_mode)
