@@ -40,23 +40,25 @@ def main() -> None:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     import torch
 
-    from examples.rl import grpo
+    from examples.rl import grpo, policy
+    from examples.rl.rollout import DecoderRollouts
+    from examples.rl.step import train_step
     from examples.rl.task import EOS, Reversal
     from megatron_mtp.serving import speculative
-    from megatron_mtp.serving.model import Runner
 
     torch.set_num_threads(1)
     args = grpo.parse(["--num-layers", "8", "--depths", "1", "--heads", "online", "--sft-steps",
                        str(options.sft_steps)])
     task = Reversal(args.length, args.alphabet)
-    chunks, optimizer, _, policy_args, rollout_model = grpo.build(args, task)
+    chunks, optimizer, depths, policy_args, rollout_model = policy.build(args, task)
     for step in range(args.sft_steps):
         prompts = task.prompts(args.prompts_per_step * args.group_size, args.seed + 1, step)
-        grpo.train_step(chunks, optimizer, [p + task.answer(p) for p in prompts], [1.0] * len(prompts), task, args)
+        train_step(chunks, optimizer, [p + task.answer(p) for p in prompts], [1.0] * len(prompts), task, args)
     # the rollout engine's model, given the warm-started policy by the weight stream as the example's is
-    if not grpo.refresh(rollout_model, chunks, policy_args):
+    decoder = DecoderRollouts(rollout_model, task, args, depths)
+    if not decoder.refresh(chunks, policy_args):
         raise SystemExit("the rollout model does not hold the streamed weights")
-    runner = Runner(rollout_model, task.vocab_size)
+    runner = decoder.runner
     prompts = task.prompts(options.prompts, args.seed, 1)
     seconds = {"plain": [], "speculative": []}
     stats = speculative.Stats(depths=1)

@@ -16,9 +16,15 @@ The tiny Qwen3.5-MoE policy (--policy qwen3_5: Gated DeltaNet and gated attentio
 shared expert and aux_loss, one repeated MTP layer) on packed rows at context_parallel_size 2 (matrix
 tier): heads online, frozen and none, the same trajectory check; its engine decodes over the Gated
 DeltaNet layers' recurrent state and takes Qwen3.5-MoE's Hugging Face names from the stream.
+
+--engine vllm: plain rollouts (the coupled comparison) push the policy into vLLM every step, and the
+engine's greedy acceptance equals the decoder's; speculative rollouts (the default) run in one engine
+at temperature 1, print the engine's own acceptance per depth for each step in both draft modes, and
+repeat exactly.
 """
 
 import json
+import re
 
 import pytest
 
@@ -128,15 +134,15 @@ def vllm_runs(tmp_path, heads: tuple) -> tuple[dict, dict]:
     summaries, runs = {}, {}
     for name in heads:
         out = tmp_path / name
-        train(2, "--policy", "mimo", "--engine", "vllm", "--heads", name, "--weight-bucket-mb", "0.01", "--out",
-              str(out), *SHORT, script="examples/rl/grpo.py", timeout=600)
+        train(2, "--policy", "mimo", "--engine", "vllm", "--rollouts", "plain", "--heads", name, "--weight-bucket-mb",
+              "0.01", "--out", str(out), *SHORT, script="examples/rl/grpo.py", timeout=600)
         summaries[name] = json.loads((out / "summary.json").read_text())
         runs[name] = read(out / "console.log")
     return summaries, runs
 
 
 def test_rl_with_vllm_rollouts_pushes_the_policy_into_the_engine_every_step(tmp_path):
-    """--engine vllm (issue 49): vLLM's CPU build samples the rollouts and drafts with the heads, its
+    """--engine vllm --rollouts plain (issue 49): vLLM's CPU build samples the rollouts and drafts with the heads, its
     weights pushed in place every step in batches of 10 KiB; the engine's greedy acceptance per depth
     equals the project's decoder's on the same prompts with vLLM's draft chain, every step, so the
     engine drafted with the heads as they are after each step's update."""
@@ -148,12 +154,85 @@ def test_rl_with_vllm_rollouts_pushes_the_policy_into_the_engine_every_step(tmp_
         assert series[f"mtp_{k} vllm greedy acceptance"] == series[f"mtp_{k} decoder greedy acceptance"], k
     assert sum(series["mtp_1 vllm greedy acceptance"].values()) > 0  # the engine's drafts were accepted
     assert "mtp_1 rollout acceptance" not in series  # vLLM's rollouts are plain sampling
+    assert "mtp_1 vllm acceptance" not in series
     assert {"mtp_1 engine acceptance", "mtp_1 engine acceptance (greedy drafts)", "rollout seconds"} <= set(series)
 
 
 @pytest.mark.matrix
 def test_rl_with_vllm_rollouts_keeps_one_trajectory(tmp_path):
-    """--engine vllm with heads online, frozen and none: the same rewards, losses and backbone (the
+    """--engine vllm --rollouts plain with heads online, frozen and none: the same rewards, losses and backbone (the
     rollouts are vLLM's plain sampling with a seed per response, on the pushed policy)."""
     summaries, runs = vllm_runs(tmp_path, ("online", "frozen", "none"))
     assert_one_trajectory(summaries, runs)
+
+
+def engine_counts(responses_steps: list, depths: int) -> list:
+    """[verify steps, accepted per position...] as vLLM counts them, from the sampling steps the engine
+    recorded for each response ([drafts verified, [tokens]]: a step that verified drafts emitted the
+    drafts it accepted and the token after them)."""
+    counts = [0] * (1 + depths)
+    for steps in responses_steps:
+        for verified, tokens in steps:
+            if verified:
+                counts[0] += 1
+                for k in range(1, len(tokens)):
+                    counts[k] += 1
+    return counts
+
+
+def masked(console: str) -> str:
+    """A console log without what a rerun may change: the time of day and the rollout seconds."""
+    console = re.sub(r"^ \[[^]]*\]", " [time]", console, flags=re.MULTILINE)
+    return re.sub(r"rollout seconds( per rank)?: [^|]*\|", "rollout seconds: - |", console)
+
+
+@pytest.mark.parametrize("method", ("greedy", "probabilistic"))
+def test_rl_with_vllm_speculative_rollouts_reports_the_engine_s_own_acceptance(tmp_path, method):
+    """--engine vllm's default (issue 57 D): one engine samples the rollouts at temperature 1, a seed per
+    response, the heads drafting with vLLM's draft_sample_method `method` (greedy: its default, no flag);
+    every step's acceptance per depth is that engine's counters for the step's rollouts, which equal
+    the counts its recorded sampling steps hold, and the step trains on those responses. With
+    probabilistic drafts, which follow the request's seed (the engine's patch 0002), a second run
+    repeats the first token for token, its engine's own generator seeded otherwise."""
+    from examples.rl.task import Reversal
+
+    flags = () if method == "greedy" else ("--draft-sample-method", method)
+    outs = [tmp_path / str(run) for run in range(1 if method == "greedy" else 2)]
+    for out in outs:
+        train(2, "--policy", "mimo", "--engine", "vllm", "--heads", "online", *flags, "--out", str(out), *SHORT,
+              script="examples/rl/grpo.py", timeout=600)
+    out = outs[0]
+    summary = json.loads((out / "summary.json").read_text())
+    series = read(out / "console.log").series
+    assert summary["arguments"]["rollouts"] == "speculative"
+    # as the live engine's own config holds it, and one engine for the run
+    assert summary["vllm rollout engine"]["speculative config"] == {"method": "mtp", "num_speculative_tokens": 2,
+                                                                   "draft_sample_method": method}
+    assert (out / "engine.log").read_text().count("Initializing a V1 LLM engine") == 1
+    records = [json.loads(line) for line in (out / "engine_tokens.jsonl").read_text().splitlines()]
+    assert [record["iteration"] for record in records] == list(range(1, STEPS + 1))
+    task, group = Reversal(length=3), 4
+    for step, record in enumerate(records, 1):
+        counted = record["spec_decode"]
+        counts = engine_counts(record["steps"], 2)
+        assert counts == [counted["drafts"], *counted["accepted per position"]], step  # the engine's counters
+        assert counts[1] > 0, step  # drafts were accepted
+        for k in (1, 2):
+            assert series[f"mtp_{k} vllm acceptance"][step] == pytest.approx(counts[k] / counts[0], rel=1e-5), step
+        assert series["vllm mean acceptance length (incl. bonus)"][step] == pytest.approx(
+            1 + sum(counts[1:]) / counts[0], rel=1e-5)
+        rewards = [task.reward(p, r) for p, r in zip(record["prompts"], record["outputs"], strict=True)]
+        assert summary["rewards"][step - 1] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12), step
+    # temperature 1: a prompt's responses, each with its own seed, differ (at temperature 0 they are one)
+    groups = [record["outputs"][i:i + group] for record in records for i in range(0, len(record["outputs"]), group)]
+    assert sum(len({tuple(response) for response in responses}) > 1 for responses in groups) > len(groups) // 2
+    assert "rollout seconds" in series and "mtp_1 rollout acceptance" not in series
+    if method == "probabilistic":
+        repeat = outs[1]
+        assert (repeat / "engine_tokens.jsonl").read_text() == (out / "engine_tokens.jsonl").read_text()
+        again = json.loads((repeat / "summary.json").read_text())
+        # the engine's own generator seeded otherwise: the responses' seeds alone make the run repeat
+        assert again["vllm rollout engine"]["seed"] != summary["vllm rollout engine"]["seed"]
+        for field in ("rewards", "backbone sha256", "heads sha256"):
+            assert again[field] == summary[field], field
+        assert masked((repeat / "console.log").read_text()) == masked((out / "console.log").read_text())

@@ -70,7 +70,7 @@ def train_step(chunks, optimizer, microbatches: list, seq_length: int, main_loss
     """Forward/backward over this rank's micro-batches, then one optimizer step; the step's
     exact metrics (see SplitStep.finish), the same on every rank. `forward_step` reads the
     micro-batches (tokens, loss_mask, ...): gpt_forward_step, or a controller's own loss on the
-    same forward (examples/rl/grpo.py's policy gradient). `metrics`: the project's steps report
+    same forward (examples/rl/step.py's policy gradient). `metrics`: the project's steps report
     every metric (their callers print each step's); False skips the sampled and greedy-draft
     acceptances' work (SplitStep.begin)."""
     step = SplitStep(chunks, optimizer, forward_step, seq_length=seq_length,

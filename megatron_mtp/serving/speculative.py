@@ -30,7 +30,7 @@ never on what was drafted, so speculative sampling returns exactly the tokens th
 sampling with the same key returns (lossless token for token, not only in distribution), and a
 draft drawn with the same noise is accepted whenever the depth's perturbed argmax is the main
 head's. An RL loop's rollouts are therefore the same with or without drafts
-(examples/rl/grpo.py).
+(examples/rl/rollout.py).
 
 Or a `RejectionSampler`, the engines' sampler (vLLM's v1 rejection sampler, Leviathan et al.,
 arXiv 2211.17192): each depth draws its draft d from q = softmax(depth logits / T); the verifier

@@ -69,7 +69,8 @@ class Engine:
         self.process = subprocess.Popen([str(python()), str(SERVER), json.dumps(self.options)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=log if log is not None else subprocess.DEVNULL,
                                         text=True, start_new_session=True, env=env)
-        self._read(start_timeout, "start")
+        # the speculative decoding it runs, as vLLM's config holds it (None: it drafts nothing)
+        self.speculative = self._read(start_timeout, "start")["speculative"]
 
     def _read(self, timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout

@@ -7,7 +7,9 @@ megatron_mtp.serving.engines.vllm_engine with the engine's own interpreter (`.ve
     .venv-vllm/bin/python megatron_mtp/serving/engines/vllm_server.py '{"model": DIR, ...}'
 
 Its argument is LLM(...)'s keywords as JSON. Requests are JSON lines on stdin, each answered by one
-JSON line on stdout (the engine's own output goes to stderr):
+JSON line on stdout (the engine's own output goes to stderr). Once built it answers {"ready": true,
+"speculative": {"method", "num_speculative_tokens", "draft_sample_method"} as vLLM's config holds them,
+or null}; then:
 
     {"op": "generate", "prompts": [[ids], ...], "max_tokens": N, "temperature": T, "top_p": P, "seed": S,
      "seeds": [S, ...], "stop_token_ids": [ids], "steps": false}
@@ -108,6 +110,14 @@ def generate(llm, request: dict) -> dict:
     return reply
 
 
+def speculative(llm) -> dict | None:
+    """The speculative decoding the engine runs, as vLLM's own config holds it (None: it drafts nothing)."""
+    config = llm.llm_engine.vllm_config.speculative_config
+    if config is None:
+        return None
+    return {name: getattr(config, name) for name in ("method", "num_speculative_tokens", "draft_sample_method")}
+
+
 def weight_update(llm, request: dict) -> dict:
     """One step of vLLM's weight-update lifecycle on every worker."""
     op = request["op"]
@@ -145,7 +155,7 @@ def main() -> int:
 
     vllm_weights.register()
     llm = LLM(**options, weight_transfer_config={"backend": vllm_weights.BACKEND})
-    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.write(json.dumps({"ready": True, "speculative": speculative(llm)}) + "\n")
     for line in sys.stdin:
         if not line.strip():
             continue
