@@ -86,8 +86,9 @@ def cp_step(model, rows, cp_group, packed=None) -> dict:
     STEP_STATISTICS.reset()
     model.zero_grad(set_to_none=True)
     model.train()
-    per_token = model(local_ids, local_positions, None, labels=local_labels, loss_mask=local_mask,
-                      packed_seq_params=packed)
+    with STEP_STATISTICS.report_metrics():  # every field is compared with the reference's
+        per_token = model(local_ids, local_positions, None, labels=local_labels, loss_mask=local_mask,
+                          packed_seq_params=packed)
     (per_token * local_mask).sum().backward()
     grads = {}
     for name, param in model.named_parameters():
