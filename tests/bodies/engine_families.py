@@ -3,10 +3,10 @@
 """Every Hugging Face family in vLLM's CPU build (tests/test_engine_families.py): a tiny random model of
 the family made by `transformers` in dimensions the CPU kernels accept, imported with one new MTP depth
 (tools/convert_checkpoint.py import --mtp-num-layers 1) and exported as the family
-(tools/convert_checkpoint.py export --architecture FAMILY), as a user would; DeepSeek-V3's and
-Qwen3.5's are trained by the project's trainer instead (TRAINED: pretrain_gpt_mtp.py on the embedded
-corpus, their own MTP depth), so that their greedy decisions stand clear of bf16's round-off, and
-exported alike.
+(tools/convert_checkpoint.py export --architecture FAMILY), as a user would; DeepSeek-V3's,
+Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's are trained by the project's trainer instead (TRAINED:
+pretrain_gpt_mtp.py on the embedded corpus, their own MTP depth), so that their greedy decisions
+stand clear of bf16's round-off, and exported alike.
 
 The kernels' constraints, read in vLLM 0.32.0's CPU build: the CPU attention takes head sizes
 32, 64, 80, ... (v1/attention/backends/cpu_attn.py, get_supported_head_sizes); both CPU MLA backends
@@ -37,23 +37,18 @@ _DENSE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 # num_nextn_predict_layers 0: transformers' config says 1 by default, which the model it makes does not hold
 _SIGMOID = dict(num_nextn_predict_layers=0, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                 n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.5)
-# Gated DeltaNet at the CPU kernels' head size 128 beside a full-attention layer of heads of 64
-_GDN = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2,
-            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-            layer_types=["linear_attention", "full_attention"], max_position_embeddings=256, rms_norm_eps=1e-6,
-            tie_word_embeddings=False)
-_GDN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
-_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 # DeepSeek-V3 is trained by the project instead: on a random one (kv-LoRA rank 512, as the CPU MLA backends
 # take) the greedy decisions (margins <= 0.04) were within bf16's round-off, no prompt clear of it. The run:
 # the embedded corpus, long enough that most decisions stand clear and the text is not one token (after
 # 100 iterations 48 corpus prompts had 3 distinct greedy continuations, nearly all spaces; after 400, 14).
-# Qwen3.5 too: its random model's logits reach 5-8, where one bf16 step (2^-5) exceeds the test's bf16
-# margin; 2 of 16 prompts were clear of it, and on one of them (a step's margin 0.06 in fp32) vLLM's verify
-# step computed a tie that its decode step did not, and its speculative tokens parted from its plain ones
+# The Gated DeltaNet families too (Qwen3-Next's run, Qwen3.5's without its experts, Qwen3.5-MoE's exported
+# from Qwen3-Next's run): their random models' logits reach 5-8, where one bf16 step (2^-5) exceeds the
+# test's bf16 margin, so whether a random one passed hung on transformers' initialization. On Qwen3.5's,
+# 2 of 16 prompts were clear of it, and on one of them (a step's margin 0.06 in fp32) vLLM's verify step
+# computed a tie that its decode step did not. On Qwen3-Next's (transformers 5.25's initialization),
+# vLLM's speculative tokens parted from its plain ones at a step whose fp32 margin was 0.16, and
+# transformers' own bf16 forward made the same flip (its logits moved by up to 0.3)
 TRAINED = "pretrain_gpt_mtp.py"
 _TRAIN_ITERS = 400
 _TRAIN = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64",
@@ -88,14 +83,18 @@ def _deepseek_v3_flags() -> list:
                                          "--qk-pos-emb-head-dim": "64", "--qk-head-dim": "32", "--v-head-dim": "32"})
 
 
-def _qwen3_5_flags() -> list:
-    """examples/configs/qwen3_next_gpt_tiny.sh without its experts (Qwen3.5's dense MLP), at the CPU
-    kernels' heads: a Gated DeltaNet layer of key / value heads of 128, then a full-attention layer of
-    heads of 64."""
+def _qwen3_next_flags(dropped: tuple = ()) -> list:
+    """examples/configs/qwen3_next_gpt_tiny.sh at the CPU kernels' heads: a Gated DeltaNet layer of key /
+    value heads of 128, then a full-attention layer of heads of 64."""
     return _example("qwen3_next_gpt_tiny", {"--linear-attention-freq": "2", "--linear-num-key-heads": "1",
                                             "--linear-num-value-heads": "2", "--linear-key-head-dim": "128",
                                             "--linear-value-head-dim": "128", "--kv-channels": "64"},
-                    dropped=("--num-experts", "--moe-"))
+                    dropped=dropped)
+
+
+def _qwen3_5_flags() -> list:
+    """Qwen3-Next's without its experts (Qwen3.5's dense MLP)."""
+    return _qwen3_next_flags(dropped=("--num-experts", "--moe-"))
 
 
 # family: (transformers config class and its values, or TRAINED and a function of the trainer's flags,
@@ -117,14 +116,10 @@ FAMILIES = {
                                        partial_rotary_factor=0.5), "fp32", {}),
     # Gated DeltaNet: no prefix caching, whose state copies with drafts are a Triton kernel the CPU
     # build does not override (v1/worker/mamba_utils.py, run_fused_precopy)
-    "qwen3_next": ("Qwen3NextConfig", dict(_GDN, **_EXPERTS, norm_topk_prob=True, partial_rotary_factor=0.25,
-                                           rope_theta=1e6),
-                   "bf16", {"enable_prefix_caching": False}),
-    # trained (TRAINED), as Qwen3-Next's in bf16 without prefix caching
+    # trained (TRAINED), in bf16 without prefix caching
+    "qwen3_next": (TRAINED, _qwen3_next_flags, "bf16", {"enable_prefix_caching": False}),
     "qwen3_5": (TRAINED, _qwen3_5_flags, "bf16", {"enable_prefix_caching": False}),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict({k: v for k, v in _GDN.items() if k != "intermediate_size"},
-                                                 **_EXPERTS, **_GDN_ROPE),
-                    "bf16", {"enable_prefix_caching": False}),
+    "qwen3_5_moe": (TRAINED, _qwen3_next_flags, "bf16", {"enable_prefix_caching": False}),
 }
 
 
