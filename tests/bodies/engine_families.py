@@ -42,13 +42,14 @@ _SIGMOID = dict(num_nextn_predict_layers=0, n_routed_experts=4, num_experts_per_
 # take) the greedy decisions (margins <= 0.04) were within bf16's round-off, no prompt clear of it. The run:
 # the embedded corpus, long enough that most decisions stand clear and the text is not one token (after
 # 100 iterations 48 corpus prompts had 3 distinct greedy continuations, nearly all spaces; after 400, 14).
-# The Gated DeltaNet families too (Qwen3-Next's run, Qwen3.5's without its experts, Qwen3.5-MoE's exported
-# from Qwen3-Next's run): their random models' logits reach 5-8, where one bf16 step (2^-5) exceeds the
-# test's bf16 margin, so whether a random one passed hung on transformers' initialization. On Qwen3.5's,
-# 2 of 16 prompts were clear of it, and on one of them (a step's margin 0.06 in fp32) vLLM's verify step
-# computed a tie that its decode step did not. On Qwen3-Next's (transformers 5.25's initialization),
-# vLLM's speculative tokens parted from its plain ones at a step whose fp32 margin was 0.16, and
-# transformers' own bf16 forward made the same flip (its logits moved by up to 0.3)
+# The Gated DeltaNet families too (Qwen3-Next's run, Qwen3.5's without its experts, Qwen3.5-MoE's trained
+# as Qwen3-Next's, a run of its own with the same flags and seed): their random models' logits reach 5-8,
+# where one bf16 step (2^-5) exceeds the test's bf16 margin, so whether a random one passed hung on
+# transformers' initialization. On Qwen3.5's, 2 of 16 prompts were clear of it, and on one of them (a
+# step's margin 0.06 in fp32) vLLM's verify step computed a tie that its decode step did not. On
+# Qwen3-Next's (transformers 5.25's initialization), vLLM's speculative tokens parted from its plain ones
+# at a step whose fp32 margin was 0.16, and transformers' own bf16 forward made the same flip (its logits
+# moved by up to 0.3)
 TRAINED = "pretrain_gpt_mtp.py"
 _TRAIN_ITERS = 400
 _TRAIN = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64",
