@@ -98,13 +98,16 @@ def _zero(chunks, optimizer):
         chunk.zero_grad_buffer()
 
 
-def areal_train_batch(chunks, optimizer, microbatches, step):
+def areal_train_batch(chunks, optimizer, microbatches, step, before_forward=lambda: None):
+    """`before_forward`: what runs before each micro-batch's forward (a second model's forwards:
+    tests/bodies/second_model.py)."""
     _zero(chunks, optimizer)  # optimizer_zero_grad
     weights = torch.stack([mask.sum() for _, mask in microbatches]).sum().float()  # compute_total_loss_weight
     dist.all_reduce(weights, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     multiplier = parallel_state.get_data_parallel_world_size() * optimizer.get_loss_scale().item() * len(microbatches)
 
     def forward_step(data_iterator, model):
+        before_forward()
         tokens, mask = next(data_iterator)
         output, piece = gpt_per_token_loss(model, tokens, mask)
 
