@@ -220,7 +220,7 @@ SPIKY_LOSS_FACTOR = 10
 
 
 def loss_func(loss_mask, output_tensor, model=None):
-    """The exact main loss at the step's level (megatron.core.fork.mtp.step_loss.main_loss),
+    """The exact main loss at the step's level (megatron.core.fork.mtp.step.main_loss),
     reported as [sum, count] so that upstream's loop reduces it into the exact mean. As
     Megatron-LM's pretrain_gpt.py, this rank's raw loss sum goes through the rerun state
     machine before any reduction: NaN or Inf (--check-for-nan-in-loss-and-grad, on by
@@ -229,7 +229,7 @@ def loss_func(loss_mask, output_tensor, model=None):
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args
 
-    from megatron.core.fork.mtp.step_loss import main_loss
+    from megatron.core.fork.mtp.step import main_loss
 
     args = get_args()
     loss, count, report = main_loss(output_tensor, loss_mask)
@@ -319,9 +319,9 @@ def _pretrain(args) -> int:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from megatron.core.fork.fixes import checkpoint_files
-    from megatron.core.fork.mtp.step_scope import StepRefused
+    from megatron.core.fork.mtp.step import StepRefused
     from megatron.core.fork.runtime.specs import SpecError
+    from megatron.core.fork.upstream_fixes import checkpoint_files
     from megatron_mtp.arguments.errors import fail
 
     try:

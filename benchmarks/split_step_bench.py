@@ -26,7 +26,7 @@ def main(rounds: int = 10):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.core.fork.mtp.split_step import SplitStep
+    from megatron.core.fork.mtp.step import SplitStep
     from megatron_mtp.library.batches import rank_microbatches
     from megatron_mtp.library.initialize import initialize_model_parallel
     from megatron_mtp.library.model import build_model

@@ -33,7 +33,7 @@ def pytest_addoption(parser):
 
 # The default tier runs every test on the current build; on the older carried builds only these
 # (test file, and the tests of it, or None for all): what their own modules and patches change
-# (the 0.16.1-only fork modules under for_0_16, its backported schedules and normalization), checked
+# (the 0.16.1-only fork modules under backports, its backported schedules and normalization), checked
 # in the launches that cost least. Every other older-build case is in the matrix tier.
 OLDER_BUILDS_BY_DEFAULT = {
     "tests/test_in_build.py": None,

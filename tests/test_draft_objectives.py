@@ -104,7 +104,7 @@ def test_a_step_that_reports_no_metrics_makes_no_metric_projection_and_one_that_
     result = suite["metric_steps"]
     # metrics off and on alike: the main head's rows and each depth's MTP rows, once; on, the main
     # head at t + k is read from the main head's own logits, not projected again (it was: rows_off +
-    # the MTP rows, before megatron.core.fork.mtp.heads.main_head_output)
+    # the MTP rows, before megatron.core.fork.mtp.loss_branch.main_head_output)
     mtp_rows = result["rows_off"] - result["main_rows"]
     assert mtp_rows > 0 and result["rows_on"] == result["rows_off"], result
     assert result["off_first_fields"] < TOL and result["off_counts_exact"], result

@@ -24,13 +24,13 @@ def test_fork_owned_modules_parse_as_python_3_10():
 
 
 def test_the_0_16_1_only_modules_are_fenced():
-    """megatron/core/fork/for_0_16 holds what only the 0.16.1 series calls: no other fork
+    """megatron/core/fork/backports holds what only the 0.16.1 series calls: no other fork
     module and no hunk of another series imports it, and the 0.16.1 series imports each."""
     from megatron_mtp.patched_core import carried_versions, series_patches
 
-    fenced = FORK_OWNED_DIR / "for_0_16"
+    fenced = FORK_OWNED_DIR / "backports"
     outside = [p for p in FORK_OWNED_DIR.rglob("*.py") if fenced not in p.parents]
-    importing = re.compile(r"^\s*(from|import)\s+\S*for_0_16", re.M)
+    importing = re.compile(r"^\s*(from|import)\s+\S*backports", re.M)
     assert outside and not [p for p in outside if importing.search(p.read_text())]
     added = {version: "\n".join(line for patch in series_patches(version) for line in patch.read_text().splitlines()
                                 if line.startswith("+") and not line.startswith("+++"))
@@ -38,5 +38,5 @@ def test_the_0_16_1_only_modules_are_fenced():
     assert "0.16.1" in added and len(added) > 1
     for version, lines in added.items():
         for module in sorted(p.stem for p in fenced.glob("*.py") if p.stem != "__init__"):
-            used = re.search(rf"for_0_16(\.| import ){module}\b", lines) is not None
+            used = re.search(rf"backports(\.| import ){module}\b", lines) is not None
             assert used == (version == "0.16.1"), (version, module)

@@ -413,5 +413,5 @@ def test_the_fork_s_config_fields_have_one_home_outside_upstreams_file(version):
             elif in_target and line.startswith("+") and not line.startswith("+++"):
                 added.append(line[1:])
     assert len(added) == 2, added
-    assert re.fullmatch(r"from megatron\.core\.fork\.(mtp|for_0_16)\.options import MTPTrainingConfig", added[0])
+    assert re.fullmatch(r"from megatron\.core\.fork\.(mtp|backports)\.options import MTPTrainingConfig", added[0])
     assert added[1].startswith("class TransformerConfig(MTPTrainingConfig):"), added

@@ -93,4 +93,4 @@ def test_the_fork_s_folders_follow_the_series_parts_and_docs_series_tables_their
     expected = "\n".join(callers.table(version) for version in versions)
     assert written == expected, "docs/series.md's callers table is stale: paste `tools/fork callers` for " + \
         ", ".join(versions)
-    assert "`mtp.heads.attach_mtp_losses`" in expected and "`runtime.device.current_device`" in expected
+    assert "`mtp.loss_branch.attach_mtp_losses`" in expected and "`runtime.device.current_device`" in expected

@@ -7,7 +7,7 @@ are found on the ranks whose forward sees them: the last pipeline stage, or one 
 rank's micro-batch. Raised there at once, the other ranks would wait in a pipeline receive or in
 the gradient reduce until the process group's timeout (120 s in these launches). The step holds
 the refusal until its gradient reduce, where every rank raises the same one line
-(megatron.core.fork.mtp.step_scope): each launch must end well before that timeout with every
+(megatron.core.fork.mtp.step.running): each launch must end well before that timeout with every
 rank refused in that line, at PP = 2 x TP = 2, CP = 2 x DP = 2 and EP = 2 (MoE over DP = 4),
 through pretrain_gpt_mtp.py (one error line, no traceback) and through exact_mtp_step
 (tests/bodies/step_refusals.py). Default tier: exact_mtp_step at PP = 2 x TP = 2; the rest is

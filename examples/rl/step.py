@@ -2,9 +2,9 @@
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
 """The RL example's update: one exact optimizer step of the policy gradient on the step's rollouts.
 
-The main loss is A_t * (-log pi(a_t)) through step_loss.main_loss, at token level (divided by the
-step's response tokens) or sequence level (each response's token mean, averaged over responses:
-GRPO's), on rows of one response each (padded) or on packed THD rows. One update per batch of
+The main loss is A_t * (-log pi(a_t)) through main_loss (megatron.core.fork.mtp.step), at token
+level (divided by the step's response tokens) or sequence level (each response's token mean,
+averaged over responses: GRPO's), on rows of one response each (padded) or on packed THD rows. One update per batch of
 rollouts, so the importance ratio is 1 and its clipping does nothing (no KL term). The MTP heads
 train on the same tokens with mtp_detach_heads: their loss never reaches the policy.
 """
@@ -65,7 +65,7 @@ def replica_share(sequences: list, advantages: list, dp: int, dp_rank: int) -> t
 
 def policy_gradient_loss(per_token_ce, advantages, loss_mask):
     """A_t * (-log pi(a_t)) per token, normalized by the running step (token or sequence level)."""
-    from megatron.core.fork.mtp.step_loss import main_loss
+    from megatron.core.fork.mtp.step import main_loss
 
     return main_loss(per_token_ce * advantages, loss_mask)
 

@@ -44,7 +44,7 @@ def _parse():
     import torch
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
-    from megatron.core.fork.fixes import checkpoint_files
+    from megatron.core.fork.upstream_fixes import checkpoint_files
 
     on_cpu = not torch.cuda.is_available()
     unusable = gpus.unusable_gpus() if on_cpu else None

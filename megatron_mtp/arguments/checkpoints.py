@@ -14,7 +14,7 @@ def check_load(args) -> None:
     if args.load is not None and not os.path.isdir(args.load) and not args.save == args.load:
         raise ArgumentError(f"--load {args.load}: no such directory")
     if args.load is not None and os.path.isdir(args.load):
-        from megatron.core.fork.fixes import checkpoint_files
+        from megatron.core.fork.upstream_fixes import checkpoint_files
 
         checkpoint_files.verify(args.load, args.ckpt_step)  # names a damaged file before anything is built
 
@@ -35,8 +35,8 @@ def check(args) -> None:
     """Nothing a run did not load is overwritten: a --save directory that holds checkpoints is
     written only by the run that resumes from its latest one. A checkpoint of another shape
     is refused here, before anything is built (the load checks again)."""
-    from megatron.core.fork.fixes import checkpoint_files
     from megatron.core.fork.training_loop import checkpoint
+    from megatron.core.fork.upstream_fixes import checkpoint_files
 
     loads_from_save = (args.load is not None and args.save is not None
                        and os.path.realpath(args.load) == os.path.realpath(args.save))
@@ -85,7 +85,7 @@ def check(args) -> None:
 
 def finished(args) -> str | None:
     """The line that says a run has nothing left to train (it resumes at or past --train-iters)."""
-    from megatron.core.fork.fixes import checkpoint_files
+    from megatron.core.fork.upstream_fixes import checkpoint_files
 
     if args.load is None or args.finetune or args.skip_train or not args.train_iters \
             or not os.path.isdir(args.load):

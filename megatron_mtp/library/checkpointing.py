@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron.core.fork.mtp import step_loss
+from megatron.core.fork.mtp.forward_settings import innermost, step_of
 from megatron.core.fork.training_loop.model_shape import check_same_shape, model_shape
 
 MODEL_SHAPE_KEY = "model_shape"
@@ -30,7 +30,7 @@ def model_state(chunks) -> dict:
 
 
 def save_checkpoint(path, chunks, optimizer=None) -> None:
-    if step_loss.active() is not None:
+    if any(step_of(innermost(chunk)) is not None for chunk in chunks):
         raise RuntimeError(
             "a training step is in progress (begin() without finish()/abort()); its gradients and "
             "loss scaling are not part of a checkpoint. Finish or abort the step, then save."

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""One optimizer step of the trainer: a split step (megatron.core.fork.mtp.split_step) with one chunk.
+"""One optimizer step of the trainer: a split step (megatron.core.fork.mtp.step.split) with one chunk.
 
 The step's batch is known, so its global counts (valid main tokens and sequences) are
 all-reduced once up front and every loss branch is seeded with its exact global scale
@@ -12,8 +12,7 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 
-from megatron.core.fork.mtp.split_step import SplitStep
-from megatron.core.fork.mtp.step_loss import StepCounts, main_loss, step_counts
+from megatron.core.fork.mtp.step import SplitStep, StepCounts, main_loss, step_counts
 from megatron.core.fork.runtime import context_parallel
 from megatron.core.fork.runtime import device as compute_device
 
@@ -51,7 +50,7 @@ def gpt_per_token_loss(model, tokens, loss_mask, mtp_sample_mask=None):
 
 def gpt_forward_step(data_iterator, model):
     """Micro-batch = (tokens [b, s+1], loss_mask [b, s]); targets are tokens shifted by one.
-    The main loss's level is the running step's (step_loss.main_loss reads it)."""
+    The main loss's level is the running step's (main_loss reads it)."""
     tokens, loss_mask = next(data_iterator)
     output, loss_mask = gpt_per_token_loss(model, tokens, loss_mask)
     return output, partial(main_loss, loss_mask=loss_mask)

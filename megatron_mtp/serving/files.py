@@ -44,7 +44,7 @@ class Staging:
         return self.path
 
     def _permissions(self):  # mkdtemp (and safetensors) create private files; a checkpoint is shared as usual
-        from megatron.core.fork.fixes.checkpoint_files import umask_mode
+        from megatron.core.fork.upstream_fixes.checkpoint_files import umask_mode
 
         for root, dirs, names in os.walk(self.path):
             for name in dirs:

@@ -176,26 +176,27 @@ def ce_at_three_depths(seed: int, batch_seed: int) -> tuple:
 
 
 def metric_steps() -> dict:
-    """ce at D = 3, one step in a step scope built with metrics=False (what a step training_log
-    does not print runs) and one with metrics=True: the rows each projects onto the vocabulary in
-    its forward and its sums against the reference's; and whether the projections are as before the
-    scope (off: the library's default) after it."""
-    from megatron.core.fork.mtp import step_loss
-    from megatron.core.fork.mtp.step_scope import StepScope
+    """ce at D = 3, one running step built with metrics=False (what a step training_log does not
+    print runs) and one with metrics=True: the rows each projects onto the vocabulary in its forward
+    and its sums against the reference's; and whether the plain forwards' projections are as before
+    the step (off: the library's default) after it."""
+    from megatron.core.fork.mtp.step import TOKEN, RunningStep, StepCounts
+    from megatron.core.fork.mtp.step.normalization import StepNormalization
 
     out = {}
     with model_parallel():
         config, model, (input_ids, labels, mask), ref_sums = ce_at_three_depths(seed=5, batch_seed=1)
-        counts = step_loss.StepCounts(tokens=int(mask.sum()), sequences=mask.size(0))
+        counts = StepCounts(tokens=int(mask.sum()), sequences=mask.size(0))
         for metrics in (False, True):
-            scope = StepScope(config, step_loss.TOKEN, counts, routed_tokens=None, grad_scale_func=None,
-                              metrics=metrics)
-            scope.enter({})
+            step = RunningStep([model], StepNormalization(TOKEN, bool(config.mtp_detach_heads), counts),
+                               metrics=metrics)
+            step.enter()
             try:
                 with VocabularyRows() as projections:
-                    sums = run_megatron(model, input_ids, labels, mask, None, metrics=None)["sums"]
+                    run_megatron(model, input_ids, labels, mask, None, metrics=None)
+                sums = step.statistics.local_sums()  # the step's own record
             finally:
-                scope.exit()
+                step.exit()
             out[metrics] = {"rows": projections.rows, "sums": sums, "reporting_after": STEP_STATISTICS.reporting}
     off, on = out[False], out[True]
     return {"main_rows": input_ids.numel(), "rows_off": off["rows"], "rows_on": on["rows"],

@@ -34,8 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron.core.fork.mtp.exact_mtp_step import exact_mtp_step
-from megatron.core.fork.mtp.step_loss import StepCounts
+from megatron.core.fork.mtp.step import StepCounts, exact_mtp_step
 from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.step import gpt_per_token_loss
@@ -431,7 +430,7 @@ def _refused(action) -> str | None:
 def refusals(ckpt_root: str) -> dict:
     """Each refusal's one-line message, and whether the step left parameters, gradients and hooks
     as before (no optimizer step, nothing accumulated)."""
-    from megatron.core.fork.mtp.step_loss import active
+    from megatron.core.fork.mtp.step import active
 
     tokens, mask = batch()
     out = {}

@@ -83,11 +83,11 @@ def packed_params(segments):
 class Capture:
     """Records MTP per-position weighted losses and output-layer logits during a forward, and
     which logits are the main head's (the MTP branch computes them first where it reads p^k_t
-    from them: megatron.core.fork.mtp.heads.main_head_output; else they are the last)."""
+    from them: megatron.core.fork.mtp.loss_branch.main_head_output; else they are the last)."""
 
     def __init__(self, model):
         self.mtp_terms, self.logits, self.main_at = [], [], -1
-        from megatron.core.fork.mtp import heads
+        from megatron.core.fork.mtp import loss_branch as heads
 
         self.heads, self.scaler, self.main_head_output = heads, heads._LossScaler, heads.main_head_output
         self.model = model

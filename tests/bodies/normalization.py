@@ -11,8 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.core.fork.mtp.split_step import SplitStep
-from megatron.core.fork.mtp.step_loss import StepCounts, active
+from megatron.core.fork.mtp.step import SplitStep, StepCounts, active
 from megatron.core.fork.runtime import compat
 from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 
-from megatron.core.fork.mtp.step_loss import main_loss
+from megatron.core.fork.mtp.step import main_loss
 from megatron.core.fork.runtime import context_parallel
 from megatron_mtp.library.checkpointing import load_checkpoint, save_checkpoint
 from megatron_mtp.library.step import train_step

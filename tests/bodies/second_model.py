@@ -23,9 +23,7 @@ sums: the step counts its own model's forwards only.
 import torch
 from megatron.core import parallel_state
 
-from megatron.core.fork.mtp.exact_mtp_step import exact_mtp_step
-from megatron.core.fork.mtp.split_step import SplitStep
-from megatron.core.fork.mtp.step_loss import StepCounts
+from megatron.core.fork.mtp.step import SplitStep, StepCounts, exact_mtp_step
 from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.checkpointing import load_checkpoint
 from megatron_mtp.library.model import build_gpt

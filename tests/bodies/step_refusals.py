@@ -10,8 +10,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron.core.fork.mtp.exact_mtp_step import exact_mtp_step
-from megatron.core.fork.mtp.step_loss import StepCounts, active
+from megatron.core.fork.mtp.step import StepCounts, active, exact_mtp_step
 from megatron_mtp.library.batches import rank_microbatches
 from megatron_mtp.library.step import gpt_per_token_loss
 from tests.bodies.frameworks import LAMBDA, MICRO_BATCH, MOE, ROUTER, _state_of, _unchanged

@@ -69,7 +69,7 @@ def capture(out_file: str, weights_file: str, ours: bool, depths: int, tied: boo
             lambda m, a, out: logits.append(out[0].detach().transpose(0, 1).tolist()))
         main_first = []  # ours: whether the MTP branch computed the main head's logits (it reads p^k_t there)
         if ours:
-            from megatron.core.fork.mtp import heads
+            from megatron.core.fork.mtp import loss_branch as heads
 
             computed = heads.main_head_output
 

@@ -28,7 +28,7 @@ def install() -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron.core.fork.fixes import checkpoint_files
+    from megatron.core.fork.upstream_fixes import checkpoint_files
 
     if MOMENT == "after-tensor-files":
         save = dist_checkpointing.save

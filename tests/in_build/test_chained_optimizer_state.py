@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.core.fork.fixes import chained_optimizer_state
-from megatron.core.fork.fixes.checkpoint_files import CheckpointError
+from megatron.core.fork.upstream_fixes import chained_optimizer_state
+from megatron.core.fork.upstream_fixes.checkpoint_files import CheckpointError
 
 HYPER = {"wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False, "lr": 5e-4, "weight_decay": 0.01}
 NO_DECAY = {**HYPER, "wd_mult": 0.0, "weight_decay": 0.0}

@@ -11,7 +11,7 @@ import os
 import pytest
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.core.fork.mtp.split_step import SplitStep
+from megatron.core.fork.mtp.step import SplitStep
 
 EXACT_ROLL = os.environ["MEGATRON_MTP_BUILD"] == "0.19.2"
 

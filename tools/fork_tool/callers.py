@@ -19,9 +19,9 @@ from megatron_mtp.patched_core import FORK_OWNED_DIR, series_patches
 from . import series
 
 # The fork's folders in the series' order (a part's patches may call folders up to their own);
-# for_0_16 holds the kept release's variants of mtp modules.
-FOLDER_RANK = {"runtime": 0, "fixes": 1, "mtp": 2, "for_0_16": 2, "training_loop": 3}
-PART_FOLDER = {"runtime": "runtime", "fixes": "fixes", "mtp": "mtp", "training-loop": "training_loop"}
+# backports holds what megatron-core 0.19 does upstream, for the kept release (0.16.1).
+FOLDER_RANK = {"runtime": 0, "upstream_fixes": 1, "mtp": 2, "backports": 2, "training_loop": 3}
+PART_FOLDER = {"runtime": "runtime", "fixes": "upstream_fixes", "mtp": "mtp", "training-loop": "training_loop"}
 PACKAGE = "megatron.core.fork"
 
 _FROM = re.compile(r"^\s*from\s+(\.*[\w.]*)\s+import\s+(\([^)]*\)|[^\n#]+)", re.M)

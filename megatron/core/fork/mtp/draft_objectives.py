@@ -12,7 +12,7 @@ For depth k at position t (``mtp_loss_type``, ``mtp_draft_temperature`` tau):
 
 z^0_{t+k} is the main head's own logit row at t + k: the main loss projects every position,
 and GPTModel's postprocess hands those logits to the MTP branch
-(megatron.core.fork.mtp.heads.main_head_output), which reads each chunk's rows from them
+(megatron.core.fork.mtp.loss_branch.main_head_output), which reads each chunk's rows from them
 at positions rolled by k inside their sequence (upstream's ``roll_tensor``, which respects
 packed segments). Where the main loss does not project every position (``sparse_lm_loss``,
 an output processor) or the rows at t + k sit on another context-parallel rank, z^0_{t+k} is

@@ -11,7 +11,7 @@ With isolation on, nothing of the MTP loss reaches what the main objective owns:
 - MTP logits use a detached view of the effective output weight (tied or untied), so
   the gradient still flows into h^k but not into the weight;
 - the MTP parameters form their own gradient-norm group, MTP_GRAD_NORM_GROUP.
-The first two and the tag are upstream's in megatron-core 0.19 (megatron.core.fork.for_0_16
+The first two and the tag are upstream's in megatron-core 0.19 (megatron.core.fork.backports
 gives them to 0.16.1); the output weight is this module's, for every version. With
 isolation off every function here returns its input unchanged.
 """

@@ -11,7 +11,7 @@ depth's attention at every position and stay dense. On the benchmark's shape thi
 the MLP's 8h^2 of the layer's ~14h^2 per-token work out of the masked positions.
 
 GPTModel's postprocess knows the rows (from labels and loss mask, see
-megatron.core.fork.mtp.heads) before the MTP block runs; ``taking_rows`` holds them while
+megatron.core.fork.mtp.loss_branch) before the MTP block runs; ``taking_rows`` holds them while
 the block runs its D layers in depth order, and the D-th layer call takes them
 (repeated-layer mode runs one layer D times: the count is of calls, not of layers). The same
 count says which depth is running (``current_depth``), for the per-depth router metrics.
@@ -60,9 +60,10 @@ _routed: Optional["_RoutedRows"] = None  # while the last depth's MoE layer runs
 
 
 def rows_can_be_taken(config) -> bool:
+    """Whether the last depth's layer can run its MLP at chosen rows (below); the sparse loss
+    decides whether it reads only some (forward_settings.ForwardSettings.sparse)."""
     return (
-        config.mtp_sparse_loss
-        and not config.sequence_parallel
+        not config.sequence_parallel
         and config.recompute_granularity != "full"
         and not (config.fp8 or config.fp4)
         and config.cuda_graph_impl == "none"  # also set by the deprecated enable_cuda_graph

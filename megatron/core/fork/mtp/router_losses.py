@@ -54,17 +54,19 @@ far (each micro-batch sees a different partial count), so it is not the step's l
 is refused in exact steps.
 
 Upstream's routers compute their losses only in training with gradients, so an evaluation
-reported none. While ``report_in_evaluation`` is on, a router in eval mode computes them
-too, for the evaluation's record: they reach the metrics trackers, and no gradient flows.
+reported none. A router bound to an evaluation that reports them (megatron.core.fork.training_loop.
+exact_step.begin_evaluation: a running step whose ``router_losses_in_evaluation`` is set) computes
+them in eval mode too, for the evaluation's record: they reach the metrics trackers, and no gradient
+flows.
 """
 
 import torch
 
+from megatron.core.fork.mtp.forward_settings import step_of
 from megatron.core.fork.runtime import compat
 from megatron.core.fork.runtime import device as compute_device
 
 _GLOBAL = "global_aux_loss"
-_IN_EVALUATION = False
 
 
 def load_balancing_types(config) -> list:
@@ -128,20 +130,13 @@ def check_packed_forward(config, packed_seq_params, padding_mask) -> None:
                          "--moe-router-load-balancing-type aux_loss (per micro-batch, exact on packed rows)")
 
 
-def report_in_evaluation(on: bool) -> None:
-    """Routers in eval mode compute their losses (on: an evaluation that reports them runs)."""
-    global _IN_EVALUATION
-    _IN_EVALUATION = on
-
-
-def reporting_in_evaluation() -> bool:
-    return _IN_EVALUATION
-
-
 def computes_losses(router) -> bool:
     """Whether `router` computes its losses in this forward pass: upstream's condition
-    (training, with gradients), or in eval mode while an evaluation reports them."""
-    return (router.training and torch.is_grad_enabled()) or (_IN_EVALUATION and not router.training)
+    (training, with gradients), or in eval mode inside an evaluation that reports them."""
+    if router.training:
+        return torch.is_grad_enabled()
+    step = step_of(router)
+    return step is not None and step.router_losses_in_evaluation
 
 
 def scale_func(config, routed_tokens: int, grad_scale_func=None):

@@ -20,7 +20,6 @@ from megatron.core.fork.mtp.sparse_cross_entropy import (
     refuse_output_bias,
     vocab_parallel_rows,
 )
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS
 from megatron.core.fork.mtp.supervision import rolled_by_depth
 
 
@@ -53,7 +52,7 @@ def sparse_depth_losses(model, settings, main_hidden, hidden_by_depth, targets, 
     statistics, the sampled and greedy-draft acceptances included where the forward reads the
     main head at t + k, from the same chunks' logits.
 
-    settings: the forward's (heads.ForwardSettings); main_hidden: h^0 [s, b, h],
+    settings: the forward's (forward_settings.ForwardSettings); main_hidden: h^0 [s, b, h],
     hidden_by_depth: h^1..h^D, each a sequence shard under
     sequence parallelism; targets: (k, labels_k [b, s], mask_k [b, s]) for k = 1..D; weight:
     the output weight the MTP logits use (detached under isolation; None: the output layer's);
@@ -76,7 +75,7 @@ def sparse_depth_losses(model, settings, main_hidden, hidden_by_depth, targets, 
                                                           torch.cat(row_weights), draft)
     values = list(value.split([where.numel() for where in positions]))
     chain = torch.stack([flat(mask) != 0 for mask in masks]).all(dim=0)
-    record_statistics(settings.objective, targets, positions, values, predicted,
+    record_statistics(settings.statistics, settings.objective, targets, positions, values, predicted,
                       (alpha, beta) if draft is not None else None, labels, row_weights)
     return objective_sum(settings.objective, values, row_weights, positions, chain)
 
@@ -105,8 +104,10 @@ def draft_targets(model, settings, main_hidden, main_logits, positions, packed_s
 
 
 @torch.no_grad()
-def record_statistics(objective, targets, positions, values, predicted, acceptances, labels, row_weights) -> None:
-    """Every depth's sums (megatron.core.fork.mtp.statistics) from the rows' values, argmax
+def record_statistics(statistics, objective, targets, positions, values, predicted, acceptances, labels,
+                      row_weights) -> None:
+    """Every depth's sums into `statistics` (megatron.core.fork.mtp.statistics: the forward's step's,
+    or the plain forwards' record) from the rows' values, argmax
     predictions and (alpha, beta) (None: not measured); chains are products over depths 1..k
     at each position, as an engine's chained drafts are accepted."""
     depths, every_position = len(targets), targets[0][2].numel()
@@ -120,7 +121,7 @@ def record_statistics(objective, targets, positions, values, predicted, acceptan
     chain_correct = torch.cumprod(correct.long(), dim=0)
     if acceptances is not None:
         sampled, greedy = (aligned(list(rates.float().split(lengths))) for rates in acceptances)
-    else:  # not measured (statistics.metric_projections): counted at no position, which the metrics leave out
+    else:  # not measured (ForwardSettings.reads_main_head): counted at no position, which the metrics leave out
         sampled = greedy = torch.zeros(correct.shape, device=correct.device)
     sampled_chain, greedy_chain = torch.cumprod(sampled, dim=0), torch.cumprod(greedy, dim=0)
     if objective == "e2e_tv":  # the depth's prefix term, at its rows
@@ -130,7 +131,7 @@ def record_statistics(objective, targets, positions, values, predicted, acceptan
     measured = 1.0 if acceptances is not None else 0.0  # the count of positions the acceptances cover
     for (k, _, mask_k), where, term, weights_k in zip(targets, positions, terms, row_weights, strict=True):
         mask = flat(mask_k)
-        STEP_STATISTICS.add(k, depths, (term.float() * weights_k).sum(), mask_k.sum(), (correct[k - 1] * mask).sum(),
+        statistics.add(k, depths, (term.float() * weights_k).sum(), mask_k.sum(), (correct[k - 1] * mask).sum(),
                             (chain_correct[k - 1] * mask).sum(), (sampled[k - 1] * mask).sum(),
                             (sampled_chain[k - 1] * mask).sum(), measured * mask_k.sum(),
                             (greedy[k - 1] * mask).sum(), (greedy_chain[k - 1] * mask).sum())

@@ -11,8 +11,8 @@ accepts at depth k given depths < k accepted) and of the chain product
 prod_{i<=k} alpha^i_t (a k-token sampled draft fully accepted), the same two for greedy
 drafts (spec section 12.1: beta^k_t = p(argmax q), what a rejection sampler accepts of a draft
 d = argmax q taken as one-hot, and prod_{i<=k} beta^i_t), and the count of valid positions where
-these four were measured (the metric projections, the main head at t + k, run only in steps that
-report them: ``metric_projections``). Sums add across
+these four were measured (the metric projections, the main head at t + k, run only in forwards that
+report them: forward_settings.ForwardSettings). Sums add across
 micro-batches, chunks and data-parallel ranks; ratios are taken only at the end. A
 prediction at depth j < k counts as correct when it equals its target token, whether or
 not that target is itself supervised (the target token exists whenever depth k's does).
@@ -50,12 +50,12 @@ def vocab_parallel_max(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, to
 
 
 class MTPStatistics:
-    """Per-depth sums for one training step; reset it when a step begins. ``reporting``: whether
-    forwards measure the metrics that need a projection of their own (``metric_projections``).
-    Off by default, so that a library forward pays for them only when its caller reads them: a
-    step turns it on for its duration when asked (``exact_mtp_step(..., metrics=True)``,
-    ``SplitStep.begin(..., metrics=True)``), ``report_metrics()`` around plain forwards, and the
-    project's drivers on the steps they print and in evaluations."""
+    """Per-depth sums of forwards: a running step's (megatron.core.fork.mtp.step.running, its own
+    record from the start of the step) or the plain forwards' (``STEP_STATISTICS``: forwards of a
+    model no step is bound to). ``reporting``: whether plain forwards measure the metrics that need
+    a projection of their own (a step measures them when built with ``metrics=True``). Off by
+    default, so that a library forward pays for them only when its caller reads them:
+    ``report_metrics()`` around plain forwards, and the trainer's evaluations."""
 
     def __init__(self):
         self.sums = None
@@ -84,19 +84,12 @@ class MTPStatistics:
         self.sums[depth - 1] += row
 
     def local_sums(self) -> torch.Tensor | None:
-        """A copy of this rank's sums so far; None if no MTP ran here. (The split step
-        reduces them over ranks with its other counts, in one collective.)"""
+        """A copy of this rank's sums so far; None if no MTP ran here. (A step reduces its own
+        over ranks with its other counts, in one collective.)"""
         return None if self.sums is None else self.sums.clone()
 
 
-STEP_STATISTICS = MTPStatistics()
-
-
-def metric_projections(config) -> bool:
-    """Whether this forward projects rows onto the vocabulary only for metrics (the main head at
-    t + k of the sampled and greedy-draft acceptances under ``ce``): the config asks for those
-    metrics and the step reports them (``MTPStatistics.reporting``)."""
-    return bool(config.mtp_sampled_acceptance) and STEP_STATISTICS.reporting
+STEP_STATISTICS = MTPStatistics()  # the plain forwards' record (a public name, kept from before steps had their own)
 
 
 EXPECTED_LENGTH = "expected accepted length (incl. bonus token)"

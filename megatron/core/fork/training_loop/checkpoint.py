@@ -8,14 +8,14 @@
 ``check`` refuses a checkpoint of another shape before any tensor is read, naming each
 difference (with --finetune the MTP depths may differ: heads can be added to, or dropped
 from, a pretrained backbone), and ``restore`` continues the counters. The files themselves
-are committed and verified by megatron.core.fork.fixes.checkpoint_files.
+are committed and verified by megatron.core.fork.upstream_fixes.checkpoint_files.
 """
 
 import os
 
-from megatron.core.fork.fixes.checkpoint_files import CheckpointError, read, verify
 from megatron.core.fork.training_loop import metrics
 from megatron.core.fork.training_loop.model_shape import check_same_shape, model_shape
+from megatron.core.fork.upstream_fixes.checkpoint_files import CheckpointError, read, verify
 
 KEY = "mtp_training"
 

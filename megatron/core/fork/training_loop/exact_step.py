@@ -7,7 +7,7 @@ step. ``begin`` draws the step's micro-batches from the data iterator(s) up fron
 all-reduces the step's counts once: valid next-token targets and sequences with at least
 one, counted where each sample's loss mask is read (tensor-parallel rank 0 of the last
 pipeline stage, every data-parallel rank its own share). Those counts become the step's
-normalization (megatron.core.fork.mtp.step_loss): the main loss and every MTP depth are
+normalization (megatron.core.fork.mtp.step.normalization): the main loss and every MTP depth are
 seeded with their exact global scales, and finalize_model_grads runs without a token
 count, so it divides by nothing more. The step is then exact for token- and
 sequence-level main losses, isolation on and off, every DP/TP/PP/VPP layout and
@@ -16,27 +16,30 @@ micro-batch count, which upstream's per-token mode is not for MTP (issue #7452).
 With MoE router losses the step also counts its routed tokens T (every input position) and
 gives the routers their exact scale, the loss scale over T (megatron.core.fork.mtp.router_losses).
 
-``end`` restores the config, reduces the step's MTP sums (one collective) and hands them,
-with the MTP gradient norm, to the metrics (megatron.core.fork.training_loop.metrics). A step
-that training_log will not print (its iteration not a multiple of --log-interval) runs without
-the metric projections (megatron.core.fork.mtp.statistics.metric_projections): the sampled
-acceptance a line prints is its own iteration's step's, exact over its global batch. The checks,
-config hooks, normalization and router scale around the step are megatron.core.fork.mtp.exact_mtp_step's
-(the front of step_scope's core), as SplitStep's and a framework's own step's are. Exact
-steps are on once the trainer calls ``enable`` (its loss function must then be
-step_loss.main_loss); otherwise the steps are upstream's and only the metrics come
-from here, so Megatron-LM's own pretrain_gpt.py keeps working with the series applied.
+Each step is a running step (megatron.core.fork.mtp.step.running, as SplitStep's and a framework's
+own step's are), bound to the trainer's model chunks from ``begin`` to ``end``: its checks, config
+hooks, normalization, router scale, statistics and router metrics. ``end`` restores the config,
+reduces the step's MTP sums (one collective) and hands them, with the MTP gradient norm, to the
+metrics (megatron.core.fork.training_loop.metrics). A step that training_log will not print (its
+iteration not a multiple of --log-interval) runs without the metric projections: the sampled
+acceptance a line prints is its own iteration's step's, exact over its global batch. An evaluation
+is a running step of its own that only measures, every metric (``begin_evaluation`` to
+``end_evaluation``). Exact steps are on once the trainer calls ``enable`` (its loss function must
+then be megatron.core.fork.mtp.step.main_loss), or with --exact-steps (upstream's loss contract,
+at the token level); otherwise the steps are upstream's and only the metrics come from here, so
+Megatron-LM's own pretrain_gpt.py keeps working with the series applied.
 """
+
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
-from megatron.core.fork.mtp import router_losses, router_metrics, step_loss
-from megatron.core.fork.mtp.exact_mtp_step import ExactMTPStep
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS
-from megatron.core.fork.mtp.step_scope import reduced_sums, refuse_what_any_rank_found
+from megatron.core.fork.mtp import router_losses, router_metrics
+from megatron.core.fork.mtp.step.normalization import MAIN_LOSS_LEVELS, TOKEN, StepNormalization, step_counts
+from megatron.core.fork.mtp.step.running import RunningStep
 from megatron.core.fork.training_loop import loss_contract, metrics
 
 
@@ -45,62 +48,74 @@ def loss_mask_of(batch) -> torch.Tensor:
     return batch["loss_mask"]
 
 
-class _Step:
-    def __init__(self, config, num_microbatches, scope=None):
-        self.config = config
-        self.num_microbatches = num_microbatches
-        self.scope = scope  # None: the step is not normalized here (exact steps off)
-
-    @property
-    def counts(self):
-        return self.scope.normalization.counts if self.scope is not None else None
+@dataclass
+class _Open:
+    step: RunningStep  # a training step, or an evaluation
+    microbatches: int = 0
 
 
-_main_loss_level: str | None = None  # set by enable(): exact steps on
-_current: _Step | None = None
+_main_loss_level: str | None = None  # set by enable(): exact steps on, at the run's level
+_current: _Open | None = None  # the step or the evaluation between its two hooks
 
 
 def enable(main_loss_level: str) -> None:
-    """Make every step exact; the trainer's loss function must be step_loss.main_loss.
+    """Make every step exact; the trainer's loss function must be megatron.core.fork.mtp.step.main_loss.
     Without this, steps are upstream's and only the MTP metrics come from here."""
     global _main_loss_level
-    if main_loss_level not in step_loss.MAIN_LOSS_LEVELS:
-        raise ValueError(f"main loss level must be one of {step_loss.MAIN_LOSS_LEVELS}, got {main_loss_level!r}")
+    if main_loss_level not in MAIN_LOSS_LEVELS:
+        raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {main_loss_level!r}")
     _main_loss_level = main_loss_level
-    step_loss.set_default_level(main_loss_level)
 
 
-def exact(config) -> bool:
-    """Whether this run's steps are exact (the trainer's loss function, or --exact-steps)."""
-    return _main_loss_level is not None or bool(config.exact_steps)
+def main_loss_level(config) -> str | None:
+    """The run's main-loss level in exact steps (the trainer's, or the token level of upstream's loss
+    contract with --exact-steps); None when its steps are upstream's."""
+    if _main_loss_level is not None:
+        return _main_loss_level
+    return TOKEN if config.exact_steps else None
 
 
-def begin_evaluation(config) -> None:
-    """Before an evaluation: it measures every metric (the metric projections on, as after every
-    step here); in exact steps, routers report their losses there too."""
-    STEP_STATISTICS.reporting = True
-    router_metrics.reset()
-    router_losses.report_in_evaluation(exact(config) and router_losses.active(config))
+def begin_evaluation(model) -> None:
+    """Before an evaluation: a running step that measures every metric (the metric projections on),
+    at the run's main-loss level; in exact steps, routers report their losses there too."""
+    global _current
+    end()  # an evaluation cut short by the time limit leaves nothing behind
+    config = get_model_config(model[0])
+    level = main_loss_level(config)
+    evaluation = RunningStep(model, main_loss_level=level, metrics=True,
+                             router_losses_in_evaluation=level is not None and router_losses.active(config))
+    evaluation.enter()
+    _current = _Open(evaluation)
 
 
 def evaluation_router_losses(config, microbatches: int, pg_collection=None) -> dict:
     """After an evaluation of `microbatches` micro-batches (of equal size): its router losses
-    as step values, {} unless ``begin_evaluation`` turned them on. The backbone's are
-    reduced by upstream's MoE metrics tracker as it reduces a training step's (the mean over
-    the MoE layers), each MTP depth's by router_metrics (collectives: every rank calls it)."""
-    if not router_losses.reporting_in_evaluation():
+    as step values, {} unless its routers reported them (``begin_evaluation``). The backbone's
+    are reduced by upstream's MoE metrics tracker as it reduces a training step's (the mean over
+    the MoE layers), each MTP depth's by the evaluation's router metrics (collectives: every rank
+    calls it)."""
+    evaluation = _current.step if _current is not None else None
+    if evaluation is None or not evaluation.router_losses_in_evaluation:
         return {}
-    router_losses.report_in_evaluation(False)
+    evaluation.router_losses_in_evaluation = False
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # 0.19's tracker
 
     backbone = {}
     get_moe_metrics_tracker().report(
-        loss_scale=1 / microbatches, iteration=0, force_initialize=True, track_names=router_metrics.names(config),
-        num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq, mtp_num_layers=config.mtp_num_layers,
-        pg_collection=pg_collection, total_loss_dict=backbone)
+        loss_scale=1 / microbatches, iteration=0, force_initialize=True,
+        track_names=router_metrics.names(config), num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
+        mtp_num_layers=config.mtp_num_layers, pg_collection=pg_collection, total_loss_dict=backbone)
     values = {name: float(value) for name, value in backbone.items()}
-    values.update(router_metrics.step_values(config, microbatches))
+    values.update(evaluation.router_metrics.step_values(config, microbatches))
     return values
+
+
+def end_evaluation() -> torch.Tensor | None:
+    """After an evaluation: its MTP sums, summed over data-parallel ranks and made known to every
+    rank (one collective; every rank must call it), None without MTP; the evaluation closed."""
+    evaluation = _current
+    end()
+    return evaluation.step.reduced_sums()[1] if evaluation is not None else None
 
 
 def _prefetch(data_iterator, num_microbatches: int):
@@ -134,9 +149,9 @@ def _counted_masks(batches, virtual: bool) -> list:
     return [loss_mask_of(batch) for batch in mine] if counting and mine else []
 
 
-def _finalize_without_count(finalize):
+def _finalize_without_count(step: RunningStep, finalize):
     def finalize_exactly(model, num_tokens=None, **kwargs):
-        refuse_what_any_rank_found()  # what a rank found in the forward, on every rank, before the reduce
+        step.refuse_what_any_rank_found()  # what a rank found in the forward, on every rank, before the reduce
         finalize(model, None, **kwargs)  # seeded up front: nothing left to divide
     return finalize_exactly
 
@@ -153,25 +168,23 @@ def begin(model, data_iterator, num_microbatches: int, metrics: bool = True):
     global _current
     end()  # a step that exited early (rerun, signal) leaves nothing behind
     config = get_model_config(model[0])
-    STEP_STATISTICS.reset()
-    router_metrics.reset()
-    upstream_loss = _main_loss_level is None and config.exact_steps  # --exact-steps, upstream's loss contract
-    if not exact(config):
-        STEP_STATISTICS.reporting = metrics
-        _current = _Step(config, num_microbatches)
+    level = main_loss_level(config)
+    if level is None:  # upstream's step: only its metrics come from here
+        step = RunningStep(model, metrics=metrics)
+        step.enter()
+        _current = _Open(step, num_microbatches)
         return data_iterator
-    level = step_loss.TOKEN if upstream_loss else _main_loss_level
     router_losses.check_exact_step(config)  # before the step's data is drawn
     virtual = isinstance(data_iterator, list)  # one iterator per virtual stage
     batches = _prefetch(data_iterator, num_microbatches)
-    step_counts, routed = step_loss.step_counts(_counted_masks(batches, virtual))
-    scope = ExactMTPStep(model, step_counts, main_loss=level, routed_tokens=routed,
-                         grad_scale_func=config.grad_scale_func, metrics=metrics)
-    overrides = {"finalize_model_grads_func": _finalize_without_count(config.finalize_model_grads_func)}
-    if upstream_loss:
-        overrides.update(loss_contract.main_loss_seed(config, scope.normalization.main_scale()))
-    scope.enter(overrides)
-    _current = _Step(config, num_microbatches, scope)
+    counts, routed = step_counts(_counted_masks(batches, virtual))
+    step = RunningStep(model, StepNormalization(level, bool(config.mtp_detach_heads), counts), routed_tokens=routed,
+                       grad_scale_func=config.grad_scale_func, metrics=metrics)
+    overrides = {"finalize_model_grads_func": _finalize_without_count(step, config.finalize_model_grads_func)}
+    if _main_loss_level is None:  # --exact-steps: upstream's loss contract
+        overrides.update(loss_contract.main_loss_seed(config, step.normalization.main_scale()))
+    step.enter(overrides)
+    _current = _Open(step, num_microbatches)
     return _replayable(batches, virtual)
 
 
@@ -180,18 +193,11 @@ def end(optimizer=None, update_successful: bool = False) -> None:
     global _current
     if _current is None:
         return
-    step, _current = _current, None
-    if step.scope is not None:
-        step.scope.exit()
-    STEP_STATISTICS.reporting = True  # this loop's evaluations measure every metric (begin_evaluation)
+    (step, microbatches), _current = (_current.step, _current.microbatches), None
+    step.exit()
     if optimizer is None:
         return
     norms = getattr(optimizer, "grad_norms_by_group", {}) if update_successful else {}
-    metrics.record_step(step.counts, reduced_mtp_sums(step.config), norms.get("mtp"),
-                        router_metrics.step_values(step.config, step.num_microbatches))
-
-
-def reduced_mtp_sums(config) -> torch.Tensor | None:
-    """The MTP sums recorded since the last reset, summed over data-parallel ranks and made
-    known to every rank (one collective; every rank must call it); None without MTP."""
-    return reduced_sums(config)[1]
+    counts = step.normalization.counts if step.normalization is not None else None
+    metrics.record_step(counts, step.reduced_sums()[1], norms.get("mtp"),
+                        step.router_metrics.step_values(step.config, microbatches))

@@ -9,7 +9,7 @@ every gradient by the step's token count, MTP and router-loss branches included,
 upstream then rescales by local counts (#7452). With ``--exact-steps`` the step instead
 seeds the raw main sum with 1/N_tok here: ``grad_scale_func`` becomes the loss scale times
 the step's main scale, and the MTP branch keeps the bare loss scale through
-``mtp_grad_scale_func`` (its own 1/N_tok is seeded by megatron.core.fork.mtp.heads), as the
+``mtp_grad_scale_func`` (its own 1/N_tok is seeded by megatron.core.fork.mtp.loss_branch), as the
 router losses do through ``moe_grad_scale_func``. A user keeps their entry script and loss
 function; the steps are pretrain_gpt_mtp.py's at the token level.
 """

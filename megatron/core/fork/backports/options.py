@@ -16,7 +16,7 @@ class MTPTrainingConfig(options.MTPTrainingConfig):
 
     mtp_detach_heads: bool = False
     """Isolate the MTP heads: no MTP gradient reaches the backbone, the shared embedding or
-    the output weight; the depth chain stays connected (megatron.core.fork.for_0_16.isolation)."""
+    the output weight; the depth chain stays connected (megatron.core.fork.backports.isolation)."""
 
     mtp_use_repeated_layer: bool = False
     """Apply one MTP layer (mtp.layers.0) at every one of the mtp_num_layers depths."""

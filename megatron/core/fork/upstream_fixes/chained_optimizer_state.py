@@ -24,7 +24,7 @@ the parameters to another chain.
 
 import torch
 
-from megatron.core.fork.fixes.checkpoint_files import CheckpointError
+from megatron.core.fork.upstream_fixes.checkpoint_files import CheckpointError
 
 # DistributedOptimizer's layouts keyed by the model's parameters (the others are per bucket).
 MODEL_SPACE_LAYOUTS = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")

@@ -17,72 +17,23 @@ at t + k (a draft objective, or a step that reports the acceptances) it reads it
 main head's own logits, which it then computes for the caller (``main_head_output``).
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-from megatron.core.fork.mtp import isolation, last_depth, step_loss, step_scope
-from megatron.core.fork.mtp.draft_objectives import objective_of
+from megatron.core.fork.mtp import isolation, last_depth
+from megatron.core.fork.mtp.forward_settings import ForwardSettings
 from megatron.core.fork.mtp.sparse_loss import rows_needed, sparse_depth_losses
-from megatron.core.fork.mtp.statistics import metric_projections
 from megatron.core.fork.mtp.supervision import depth_targets, labels_and_mask
 from megatron.core.fork.runtime import compat
-
-
-@dataclass(frozen=True)
-class ForwardSettings:
-    """What one MTP forward computes, decided once at the top of ``attach_mtp_losses`` and passed
-    down: the draft objective (megatron.core.fork.mtp.draft_objectives) and its temperature tau;
-    whether the branch reads the main head at t + k, p^k_t (a draft objective trains on it; under
-    ``ce`` a step that reports the sampled and greedy-draft acceptances reads it:
-    statistics.metric_projections); and whether each depth's rows are those that its loss or a
-    deeper depth's chain reads (``mtp_sparse_loss``: sparse_loss.rows_needed), or every row."""
-
-    objective: str
-    temperature: float
-    reads_main_head: bool
-    sparse: bool
-
-    @classmethod
-    def of(cls, config) -> "ForwardSettings":
-        objective = objective_of(config)
-        return cls(objective, config.mtp_draft_temperature, objective != "ce" or metric_projections(config),
-                   bool(config.mtp_sparse_loss))
-
-    @property
-    def chunked(self) -> bool:
-        """Whether the chunked projection computes the losses (sparse_loss.sparse_depth_losses): the
-        sparse loss, or a draft objective; else upstream's dense cross-entropy at every position."""
-        return self.sparse or self.objective != "ce"
-
-
-def mtp_loss_weight(config, main_valid_tokens: torch.Tensor):
-    """Backward weight of a depth's raw masked CE sum.
-
-    calculate_per_token_loss: lambda / D on raw sums, and the active step's normalization
-    (megatron.core.fork.mtp.step_loss) makes the division by the global N_tok exact,
-    either here (counts up front) or after the gradient reduce. Otherwise (each micro-batch normalized by its own
-    counts, upstream's default mode) the micro-batch's main-token count stands in for N_tok. In a
-    framework's step (megatron.core.fork.mtp.exact_mtp_step) the step gives the whole seed, loss scale included.
-    """
-    weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
-    step = step_loss.active()
-    if step is not None and step.seeds_mtp:  # a framework's own step: the whole seed is the step's
-        step.observe(main_valid_tokens)
-        return weight * step.mtp_scale()
-    if config.calculate_per_token_loss:
-        # Inside a step with counts given up front, the exact global 1/N_tok is applied here.
-        return weight * step_loss.mtp_backward_scale()
-    return weight / torch.clamp(main_valid_tokens, min=1)
 
 
 def rows_of_last_depth(model, input_ids, labels, loss_mask, packed_seq_params=None):
     """Around the MTP block's forward: the last depth's MLP runs only where the sparse loss
     reads h^D (megatron.core.fork.mtp.last_depth), when the loss is computed on this stage."""
     depths, rows = model.config.mtp_num_layers or 0, None
-    if depths and model.post_process and last_depth.rows_can_be_taken(model.config):
+    sparse = depths and model.post_process and ForwardSettings.of(model).sparse
+    if sparse and last_depth.rows_can_be_taken(model.config):
         supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
         if supervised is not None:
             *_, (_, _, last_mask) = depth_targets(*supervised, depths, packed_seq_params, model.cp_group)
@@ -118,21 +69,10 @@ class _SeededLoss(torch.autograd.Function):
         return grad_output, torch.ones_like(loss)
 
 
-def _attach(output, weighted_loss):
-    step = step_loss.active()
-    if step is not None and step.seeds_mtp:
+def _attach(settings: ForwardSettings, output, weighted_loss):
+    if settings.seeds_whole:
         return _SeededLoss.apply(output, weighted_loss)
     return _LossScaler.apply(output, weighted_loss)
-
-
-def refuse_missing_mask(loss_mask) -> None:
-    """Inside an exact step an MTP forward without a loss mask is refused: upstream would train
-    every position (padding and prompts included) and count them all in N_tok. Only the stage
-    with the MTP depths sees it: the step raises it on every rank (step_scope.refuse_in_step)."""
-    if loss_mask is None and step_loss.active() is not None:
-        step_scope.refuse_in_step(
-            "an MTP forward inside an exact step needs a loss_mask (without one every position, padding and "
-            "prompt included, would be trained and counted): pass loss_mask=... to the model's forward")
 
 
 def main_head_output(model, settings: ForwardSettings, main_hidden, shared_output_weight, runtime_gather_output,
@@ -164,19 +104,23 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
     depths = config.mtp_num_layers or 0
     if depths == 0:
         return hidden_states, None  # mtp_num_layers=0: no MTP, as upstream
+    settings = ForwardSettings.of(model)  # what this forward computes, and the step it answers to
     try:
         isolation.refuse_trainable_output_bias(model)
-    except ValueError as refusal:  # found on the MTP stage alone: refused on every rank (step_scope)
-        step_scope.refuse_in_step(str(refusal))
+    except ValueError as refusal:  # found on the MTP stage alone: refused on every rank by the step
+        settings.refuse(str(refusal))
     main_hidden, *hidden_by_depth = torch.chunk(hidden_states, 1 + depths, dim=0)
     supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
     if supervised is None:
         return main_hidden, None  # generation: nothing to supervise
-    refuse_missing_mask(loss_mask)
+    if loss_mask is None and settings.exact:
+        # Upstream would train every position (padding and prompts included) and count them all in N_tok.
+        settings.refuse("an MTP forward inside an exact step needs a loss_mask (without one every position, "
+                        "padding and prompt included, would be trained and counted): pass loss_mask=... to the "
+                        "model's forward")
     labels, loss_mask = supervised
-    settings = ForwardSettings.of(config)
     weight = isolation.output_weight(model, shared_output_weight)
-    loss_weight = mtp_loss_weight(config, loss_mask.sum())
+    loss_weight = settings.mtp_loss_weight(config, loss_mask.sum())
     targets = list(depth_targets(labels, loss_mask, depths, packed_seq_params, model.cp_group))
     head = main_head_output(model, settings, main_hidden, shared_output_weight, runtime_gather_output,
                             reuse_main_logits)
@@ -191,7 +135,7 @@ def attach_mtp_losses(model, hidden_states, input_ids, labels, loss_mask, shared
                                 main_logits)
         losses = dense_depth_losses(model, hidden_by_depth, targets, weight, runtime_gather_output)
     for loss in losses:
-        carrier = _attach(carrier, loss_weight * loss)
+        carrier = _attach(settings, carrier, loss_weight * loss)
     return (carrier, None) if head is None else (main_hidden, (carrier, head[1]))
 
 

@@ -12,14 +12,13 @@ acceptances, which under ``ce`` need what nothing else does: every MTP row read 
 head at t + k. The default skips that work; the step's gradients are the same, and its metrics
 leave those acceptances out (the per-depth loss, acceptance and chain acceptance are always there).
 
-This is the public front of megatron.core.fork.mtp.step_scope's StepScope, the one core of every
-exact step: SplitStep and megatron.training's exact steps enter it too (with `main_loss`, the
-level of their own step_loss.main_loss, and the hooks they drive). Without `main_loss` the step
-is a framework's (AReaL's train_batch, NeMo-RL's train, verl's update_policy): its main loss keeps
-the framework's normalization, and its forward_backward_func, finalize_model_grads and optimizer
-step run as they do. The step owns the rest (spec sections 4-7, 11, 12):
+A framework's step (AReaL's train_batch, NeMo-RL's train, verl's update_policy) is a running step
+(megatron.core.fork.mtp.step.running, the one mechanism of every exact step) whose main loss keeps
+the framework's normalization, and whose forward_backward_func, finalize_model_grads and optimizer
+step run as the framework runs them. The step owns the rest (spec sections 4-7, 11, 12), for its
+own model chunks only (a reference model's forwards in the same process are not the step's):
 
-- the MTP branch's seed (step_loss.FrameworkNormalization): (lambda / D) S_k / N_tok after the
+- the MTP branch's seed (normalization.FrameworkNormalization): (lambda / D) S_k / N_tok after the
   framework's gradient reduce, whatever its schedule sets on MTPLossAutoScaler, every draft
   objective of section 12 alike (mtp_loss_type is the model's);
 - the routers' scale (loss scale / T) through moe_grad_scale_func, refused where the schedule would
@@ -27,11 +26,11 @@ step run as they do. The step owns the rest (spec sections 4-7, 11, 12):
 - the MTP clipping group: the optimizer's groups, measured and clipped in its step;
 - the metrics: the step's MTP sums and router values reduced once (in its finalize).
 
-Refused in one line before anything changes: what StepScope refuses (section 11's kinds, router
-losses with CP, streaming with attached heads), a framework without finalize_model_grads, MoE
+Refused in one line before anything changes: what a running step refuses (section 11's kinds, router
+losses with CP), streaming with attached heads, a framework without finalize_model_grads, MoE
 router losses in a step that averages micro-batches; found in a forward, on the ranks whose forward
-sees it, and raised on every rank in finalize, before the gradient reduce (step_scope.refuse_in_step:
-no rank is left waiting): an MTP forward with no loss mask, router losses with upstream's padding
+sees it, and raised on every rank in finalize, before the gradient reduce (RunningStep.refuse: no
+rank is left waiting): an MTP forward with no loss mask, router losses with upstream's padding
 mask, seq_aux_loss on packed rows (megatron.core.fork.mtp.router_losses.check_packed_forward); in
 finalize, before the gradient reduce and the optimizer step: counts that contradict the data, a finalize that would
 divide every gradient by a count (MTP's too), a router scale the framework replaced, a framework
@@ -39,30 +38,16 @@ factor with counts given. A refused or failed step is aborted:
 hooks restored, gradients zeroed, no optimizer step.
 """
 
-import inspect
-
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
 from megatron.core.utils import get_model_config
 
-from megatron.core.fork.mtp import router_losses, router_metrics, step_loss
+from megatron.core.fork.mtp import router_losses
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
-from megatron.core.fork.mtp.step_scope import (
-    MOE_SCALE_HOOK,
-    StepScope,
-    reduced_sums,
-    refuse_in_step,
-    refuse_what_any_rank_found,
-)
+from megatron.core.fork.mtp.statistics import metrics_from_sums
+from megatron.core.fork.mtp.step.normalization import FrameworkNormalization, StepCounts
+from megatron.core.fork.mtp.step.running import MOE_SCALE_HOOK, RunningStep
 from megatron.core.fork.runtime import device as compute_device
-
-
-def _counts(counts) -> "step_loss.StepCounts | None":
-    if counts is None or isinstance(counts, step_loss.StepCounts):
-        return counts
-    raise TypeError(f"counts must be a StepCounts or None, got {type(counts).__name__}")
 
 
 def _loss_scale(optimizer, config):
@@ -76,108 +61,59 @@ def _loss_scale(optimizer, config):
     return scale
 
 
-def _innermost(chunk):
-    """The model inside a chunk's wrappers (DDP, Float16Module): its forward names its arguments."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-def _check_packed_forward(model, args, kwargs):
-    """Before a model forward: the router losses' refusals (padding masks, seq_aux_loss on packed rows),
-    raised on every rank before the gradient reduce (step_scope.refuse_in_step)."""
-    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
-    try:
-        router_losses.check_packed_forward(model.config, bound.get("packed_seq_params"), bound.get("padding_mask"))
-    except ValueError as refusal:
-        refuse_in_step(str(refusal))
-
-
-class ExactMTPStep:
+class ExactMTPStep(RunningStep):
     def __init__(self, model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
-                 main_loss: str | None = None, grad_scale_func=None, metrics: bool = False):
+                 metrics: bool = False):
         """`counts`: the step's global StepCounts if known up front (else the streaming form);
         `routed_tokens`: T of spec section 11, needed with MoE router losses; `optimizer`: the one
-        the framework steps (its loss scale; its group norms in the metrics); `main_loss`: None for a
-        framework's step, else the level of step_loss.main_loss (SplitStep, megatron.training);
-        `grad_scale_func`: the loss scale the routers carry (default: the optimizer's); `metrics`:
-        True measures the metric projections (megatron.core.fork.mtp.statistics.metric_projections)."""
-        self.chunks = list(model_chunks)
-        self.config = get_model_config(self.chunks[0])
+        the framework steps (its loss scale; its group norms in the metrics); `metrics`: True
+        measures the metric projections (megatron.core.fork.mtp.forward_settings.ForwardSettings)."""
+        chunks = list(model_chunks)
+        config = get_model_config(chunks[0])
+        if config.finalize_model_grads_func is None:
+            raise ValueError("a framework step reduces its gradients through config.finalize_model_grads_func "
+                             "(megatron-core's finalize_model_grads), which is not set: set it before the step")
+        if router_losses.active(config) and not config.calculate_per_token_loss:
+            raise ValueError("MoE router losses in a framework's step are exact only with "
+                             "calculate_per_token_loss=True: otherwise its schedule divides them by its "
+                             "micro-batch count, which the step cannot see. Set calculate_per_token_loss=True "
+                             "(as NeMo-RL does), or turn the router losses off (moe_aux_loss_coeff=0, no z-loss)")
+        average = 1.0 if config.calculate_per_token_loss else 1.0 / parallel_state.get_data_parallel_world_size(
+            with_context_parallel=True)  # the framework's DDP, after backward, on every gradient
+        normalization = FrameworkNormalization(bool(config.mtp_detach_heads), counts, average,
+                                               _loss_scale(optimizer, config))
+        if router_losses.active(config) and counts is None:
+            raise ValueError("MoE router losses in a framework step need its counts: without them the MTP "
+                             "depths' parameters are corrected after the reduce, and their router losses with "
+                             "them. Pass exact_mtp_step(chunks, counts=StepCounts(...), routed_tokens=T)")
+        super().__init__(chunks, normalization, routed_tokens=routed_tokens,
+                         grad_scale_func=optimizer.scale_loss if optimizer is not None else None, metrics=metrics)
         self.optimizer = optimizer
-        counts = _counts(counts)
-        config = self.config
-        normalization = None
-        self.framework = main_loss is None
-        if self.framework:
-            if config.finalize_model_grads_func is None:
-                raise ValueError("a framework step reduces its gradients through config.finalize_model_grads_func "
-                                 "(megatron-core's finalize_model_grads), which is not set: set it before the step")
-            if router_losses.active(config) and not config.calculate_per_token_loss:
-                raise ValueError("MoE router losses in a framework's step are exact only with "
-                                 "calculate_per_token_loss=True: otherwise its schedule divides them by its "
-                                 "micro-batch count, which the step cannot see. Set calculate_per_token_loss=True "
-                                 "(as NeMo-RL does), or turn the router losses off (moe_aux_loss_coeff=0, no z-loss)")
-            average = 1.0 if config.calculate_per_token_loss else 1.0 / parallel_state.get_data_parallel_world_size(
-                with_context_parallel=True)  # the framework's DDP, after backward, on every gradient
-            normalization = step_loss.FrameworkNormalization(bool(config.mtp_detach_heads), counts, average,
-                                                             _loss_scale(optimizer, config))
-            if router_losses.active(config) and counts is None:
-                raise ValueError("MoE router losses in a framework step need its counts: without them the MTP "
-                                 "depths' parameters are corrected after the reduce, and their router losses with "
-                                 "them. Pass exact_mtp_step(chunks, counts=StepCounts(...), routed_tokens=T)")
-        if grad_scale_func is None and optimizer is not None:
-            grad_scale_func = optimizer.scale_loss
-        self.scope = StepScope(config, main_loss, counts, routed_tokens=routed_tokens,
-                               grad_scale_func=grad_scale_func, normalization=normalization, metrics=metrics)
         self.metrics: dict = {}
         self._scaled = 1.0  # the factors the framework applied through scale_gradients
         self._finalized = False
         self._sums = None
         self._microbatches = 0
-        self._forward_checks = []  # the router losses' checks of each model forward (hook handles)
-
-    @property
-    def normalization(self):
-        return self.scope.normalization
 
     def enter(self, overrides: dict | None = None) -> None:
-        """Start the step: `overrides` are the config hooks a step driver sets for the step's duration
-        (a framework step sets its own: finalize_model_grads through the step's checks)."""
-        overrides = dict(overrides or {})
-        if self.framework:
-            overrides["finalize_model_grads_func"] = self._finalize_through(self.config.finalize_model_grads_func)
-            for chunk in self.chunks:
-                chunk.scale_gradients = self._recording(chunk.scale_gradients)
-        self.scope.enter(overrides)
-        if router_losses.active(self.config):
-            self._forward_checks = [_innermost(chunk).register_forward_pre_hook(_check_packed_forward, with_kwargs=True)
-                                    for chunk in self.chunks]
+        """Start the step: finalize_model_grads runs through the step's checks, and the factors the
+        framework applies through scale_gradients are recorded."""
+        super().enter({"finalize_model_grads_func": self._finalize_through(self.config.finalize_model_grads_func),
+                       **(overrides or {})})
+        for chunk in self.chunks:
+            chunk.scale_gradients = self._recording(chunk.scale_gradients)
 
     def exit(self) -> None:
         """The config and the chunks as before ``enter``. Idempotent."""
-        self.scope.exit()
-        for handle in self._forward_checks:
-            handle.remove()
-        self._forward_checks = []
-        if self.framework:
-            for chunk in self.chunks:
-                chunk.__dict__.pop("scale_gradients", None)
+        super().exit()
+        for chunk in self.chunks:
+            chunk.__dict__.pop("scale_gradients", None)
 
     def abort(self) -> None:
         """Drop the step: hooks restored, gradients zeroed, no optimizer step taken here."""
-        self.exit()
-        for chunk in self.chunks:
-            chunk.zero_grad_buffer()
+        super().abort()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
-        reset_model_temporary_tensors(self.config, self.chunks)
-        STEP_STATISTICS.reset()
-
-    def reduced_sums(self, extra: torch.Tensor | None = None) -> tuple:
-        """(extra summed, MTP sums [D, FIELDS] or None) over the last stage's data-parallel and
-        context-parallel ranks, on every rank: the step's one collective."""
-        return reduced_sums(self.config, extra)
 
     def __enter__(self) -> "ExactMTPStep":
         self.enter()
@@ -193,13 +129,9 @@ class ExactMTPStep:
     def __exit__(self, kind, error, trace) -> bool:
         if kind is not None:
             self.abort()
-        elif self.framework:
-            self.close()
         else:
-            self.exit()
+            self.close()
         return False
-
-    # The framework's step.
 
     def _recording(self, scale_gradients):
         def recorded(factor):
@@ -209,7 +141,7 @@ class ExactMTPStep:
 
     def _finalize_through(self, finalize):
         def finalize_exactly(model, num_tokens=None, **kwargs):
-            refuse_what_any_rank_found()
+            self.refuse_what_any_rank_found()
             self._check_before_reduce(num_tokens)
             finalize(model, num_tokens, **kwargs)
             for chunk in self.chunks:
@@ -230,7 +162,7 @@ class ExactMTPStep:
         tokens, microbatches, divisor = extra.tolist()
         self._microbatches = round(microbatches / parallel_state.get_data_parallel_world_size(
             with_context_parallel=True))
-        step.final_counts = step_loss.StepCounts(tokens=round(tokens), sequences=-1)
+        step.final_counts = StepCounts(tokens=round(tokens), sequences=-1)
         if divisor > 0:
             raise ValueError(f"finalize_model_grads would divide every gradient, MTP's too, by the step's count "
                              f"({divisor:.0f}, from (loss, count, report) loss functions in per-token mode): return "
@@ -242,7 +174,7 @@ class ExactMTPStep:
             raise ValueError(f"the framework scaled every gradient by {self._scaled:g} inside a step with counts "
                              "given, which would scale the MTP branch too: normalize the main loss in its loss "
                              "function, or drop the counts (the streaming form)")
-        if self.scope.moe_scale is not None and getattr(config, MOE_SCALE_HOOK) is not self.scope.moe_scale:
+        if self.moe_scale is not None and getattr(config, MOE_SCALE_HOOK) is not self.moe_scale:
             raise ValueError("the framework replaced moe_grad_scale_func inside exact_mtp_step, which gives the "
                              "routers the spec's scale (loss scale / routed tokens): drop that assignment")
 
@@ -257,7 +189,7 @@ class ExactMTPStep:
         norms = getattr(self.optimizer, "grad_norms_by_group", {}) if self.optimizer is not None else {}
         if MTP_GRAD_NORM_GROUP in norms:
             metrics["mtp grad norm"] = float(norms[MTP_GRAD_NORM_GROUP])
-        metrics.update(router_metrics.step_values(self.config, max(self._microbatches, 1)))
+        metrics.update(self.router_metrics.step_values(self.config, max(self._microbatches, 1)))
         return metrics
 
 
@@ -267,4 +199,3 @@ def exact_mtp_step(model_chunks, counts=None, *, optimizer=None, routed_tokens: 
     around the step, or call ``enter()`` before and ``close()`` after where the step is split over
     calls (``abort()`` drops it)."""
     return ExactMTPStep(model_chunks, counts, optimizer=optimizer, routed_tokens=routed_tokens, metrics=metrics)
-

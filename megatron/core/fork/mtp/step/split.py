@@ -6,32 +6,30 @@ An RL or SFT controller that sends a step in chunks calls ``accumulate`` once pe
 a plain trainer calls it once. Chunks run forward/backward through megatron-core's own
 schedules (``get_forward_backward_func``) on raw loss sums, with gradient
 synchronisation and finalize_model_grads held back; ``finish`` reduces the step's counts
-once, runs finalize_model_grads once (which reduces the gradients and applies the exact
-normalization of megatron.core.fork.mtp.step_loss), clips each gradient-norm group by its
+once, runs finalize_model_grads once (which reduces the gradients), applies the exact
+normalization of megatron.core.fork.mtp.step.normalization, clips each gradient-norm group by its
 own norm, steps the optimizer and returns the step's exact metrics. What every exact step
-does around that (checks, config hooks, normalization, router scale, the one reduce of its
-sums) is megatron.core.fork.mtp.exact_mtp_step's, the front of step_scope's core, shared with
-megatron.training's steps and with the steps frameworks run themselves.
+does around that (checks, config hooks, binding to its chunks, normalization, router scale, the
+one reduce of its sums) is the running step's (megatron.core.fork.mtp.step.running), which each
+``begin`` opens.
 
 Requires ``calculate_per_token_loss=True`` and a forward step whose loss function is
-``step_loss.main_loss`` (or returns the same triple). Micro-batches are opaque to the
-step (tensors, tuples or dicts, whatever the forward step reads); the schedule's shapes
-are given to the constructor. Not thread-safe: one step per process at a time.
+``main_loss`` (megatron.core.fork.mtp.step.loss_function, or one returning the same triple).
+Micro-batches are opaque to the step (tensors, tuples or dicts, whatever the forward step reads);
+the schedule's shapes are given to the constructor. Not thread-safe: one step per process at a
+time.
 """
 
 import contextlib
 
 import torch
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads, reset_model_temporary_tensors
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-from megatron.core.fork.mtp import router_metrics, step_loss
-from megatron.core.fork.mtp.exact_mtp_step import ExactMTPStep
 from megatron.core.fork.mtp.isolation import MTP_GRAD_NORM_GROUP
-from megatron.core.fork.mtp.statistics import STEP_STATISTICS, metrics_from_sums
-from megatron.core.fork.mtp.step_scope import refuse_what_any_rank_found
+from megatron.core.fork.mtp.statistics import metrics_from_sums
+from megatron.core.fork.mtp.step.normalization import MAIN_LOSS_LEVELS, TOKEN, StepCounts, StepNormalization
+from megatron.core.fork.mtp.step.running import RunningStep
 from megatron.core.fork.runtime import device as compute_device
 
 MAIN_GRAD_NORM_GROUP = "main"
@@ -52,8 +50,8 @@ class SplitStep:
         optimizer (MegatronOptimizer): the optimizer whose ``step()`` ends the step; with
             ``--mtp-detach-heads`` built with the MTP gradient-norm group (its own clipping).
         forward_step_func (callable): megatron-core's forward step, ``(data_iterator, model) ->
-            (output, loss_func)``, its loss function ``step_loss.main_loss`` or one returning the
-            same triple (loss sum, token count, a report with "main loss sums").
+            (output, loss_func)``, its loss function ``main_loss`` or one returning the same triple
+            (loss sum, token count, a report with "main loss sums").
         seq_length (int): the schedule's sequence length (every chunk's micro-batches).
         micro_batch_size (int): the schedule's micro-batch size.
         main_loss (str): the main loss's level, ``"token"`` (sum over valid tokens / N_tok) or
@@ -62,29 +60,27 @@ class SplitStep:
     """
 
     def __init__(self, model_chunks, optimizer, forward_step_func, *, seq_length: int, micro_batch_size: int,
-                 main_loss: str = step_loss.TOKEN):
+                 main_loss: str = TOKEN):
         self.chunks = list(model_chunks)
         self.config = self.chunks[0].config
-        if main_loss not in step_loss.MAIN_LOSS_LEVELS:
-            raise ValueError(f"main loss level must be one of {step_loss.MAIN_LOSS_LEVELS}, got {main_loss!r}")
+        if main_loss not in MAIN_LOSS_LEVELS:
+            raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {main_loss!r}")
         self.optimizer = optimizer
         self.forward_step_func = forward_step_func
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
         self.main_loss = main_loss
-        self._scope = None
+        self._step = None  # the running step, between begin and finish
         self._no_sync = None
         self._main_sums = None
-        self._mtp_loss_scale = None
-        self._moe_loss_scale = None
         self._microbatches = 0
 
     @property
     def in_progress(self) -> bool:
         """Whether a step has begun and neither finished nor been aborted."""
-        return self._scope is not None
+        return self._step is not None
 
-    def begin(self, counts: "step_loss.StepCounts | None" = None, *, routed_tokens: int | None = None,
+    def begin(self, counts: "StepCounts | None" = None, *, routed_tokens: int | None = None,
               metrics: bool = False) -> None:
         """Start a step: checks the model and the counts, zeroes the gradients, holds back the
         gradient sync and finalize_model_grads until ``finish``.
@@ -110,18 +106,16 @@ class SplitStep:
             raise RuntimeError("this step is already in progress; finish() or abort() it first")
         if not self.config.calculate_per_token_loss:
             raise ValueError("split steps need calculate_per_token_loss=True (raw loss sums per micro-batch)")
-        scope = ExactMTPStep(self.chunks, counts, main_loss=self.main_loss, routed_tokens=routed_tokens,
-                             grad_scale_func=self.optimizer.scale_loss, metrics=metrics)
+        step = RunningStep(self.chunks, StepNormalization(self.main_loss, bool(self.config.mtp_detach_heads), counts),
+                           routed_tokens=routed_tokens, grad_scale_func=self.optimizer.scale_loss, metrics=metrics)
         # Nothing has changed yet: everything above may refuse.
-        self._mtp_loss_scale = MTPLossAutoScaler.main_loss_backward_scale
-        self._moe_loss_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         # The schedules neither finalize nor synchronize inside a step. The optimizer's
         # (dynamic, for fp16) loss scale reaches the main loss through the schedules and every
         # MTP depth through MTPLossAutoScaler; unscaling then restores each branch exactly
         # (pinning a branch to 1 would leave it 1/S too small).
-        scope.enter({"finalize_model_grads_func": None, "no_sync_func": _no_sync_inside_step,
-                     "grad_sync_func": None, "grad_scale_func": self.optimizer.scale_loss})
-        self._scope = scope
+        step.enter({"finalize_model_grads_func": None, "no_sync_func": _no_sync_inside_step,
+                    "grad_sync_func": None, "grad_scale_func": self.optimizer.scale_loss})
+        self._step = step
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -175,14 +169,14 @@ class SplitStep:
         if not self.in_progress:
             raise RuntimeError("begin() the step before finish()")
         try:
-            refuse_what_any_rank_found()  # what a rank found in the forwards, on every rank (before exit drops it)
+            self._step.refuse_what_any_rank_found()  # what a rank found in the forwards, on every rank
             self._release_step_hooks()
             # The step's one reduce of counts and metric sums.
-            main_sums, mtp_sums = self._scope.reduced_sums(self._main_sums)
+            main_sums, mtp_sums = self._step.reduced_sums(self._main_sums)
             main_sum, tokens, sequences = main_sums.tolist()
-            observed = step_loss.StepCounts(tokens=int(round(tokens)), sequences=int(round(sequences)))
-            router = router_metrics.step_values(self.config, self._microbatches)
-            step = self._scope.normalization
+            observed = StepCounts(tokens=int(round(tokens)), sequences=int(round(sequences)))
+            router = self._step.router_metrics.step_values(self.config, self._microbatches)
+            step = self._step.normalization
             if step.counts is not None and step.counts != observed:
                 raise ValueError(
                     f"the counts given to begin() ({step.counts}) differ from the step's data ({observed}); "
@@ -199,7 +193,7 @@ class SplitStep:
             self.abort()
             raise
         self._end()
-        denominator = observed.tokens if self.main_loss == step_loss.TOKEN else observed.sequences
+        denominator = observed.tokens if self.main_loss == TOKEN else observed.sequences
         # The optimizer returns the main group's norm and keeps separate groups' by name.
         grad_norms = {}
         if update_successful and grad_norm is not None:
@@ -226,20 +220,15 @@ class SplitStep:
         if not self.in_progress:
             return
         self._release_step_hooks()
-        for chunk in self.chunks:
-            chunk.zero_grad_buffer()
+        self._step.abort()
         self.optimizer.zero_grad()
-        reset_model_temporary_tensors(self.config, self.chunks)  # the routers' per-step token counts
         self._end()
 
     def _release_step_hooks(self) -> None:
         if self._no_sync is not None:
             self._no_sync.close()
             self._no_sync = None
-        self._scope.exit()
+        self._step.exit()
 
     def _end(self) -> None:
-        MTPLossAutoScaler.set_loss_scale(self._mtp_loss_scale)
-        MoEAuxLossAutoScaler.main_loss_backward_scale = self._moe_loss_scale
-        STEP_STATISTICS.reset()  # an aborted step's sums are not the next one's
-        self._scope = None
+        self._step = None

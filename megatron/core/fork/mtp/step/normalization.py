@@ -9,7 +9,7 @@ sequences of each sequence's token mean). The denominators are global: all micro
 chunks and data-parallel ranks of the step. This builds on megatron-core's
 ``calculate_per_token_loss`` mode, where losses are raw sums; the step runs
 finalize_model_grads without a token count (so it reduces and divides by nothing) and
-an active ``StepNormalization`` applies the division itself:
+the step's ``StepNormalization`` applies the division itself:
 
 - counts given up front (``StepCounts``): each branch is seeded with its exact global
   scale (main loss by 1/N_main, MTP by 1/N_tok) and nothing is left to divide.
@@ -19,8 +19,9 @@ an active ``StepNormalization`` applies the division itself:
   isolated or when N_main = N_tok (token-level main loss). Isolation off with a
   sequence-level main loss cannot be corrected afterwards and is refused up front.
 
-The main-loss level (token or sequence) is the step's: ``main_loss`` reads it from the
-active step, so it cannot disagree with the normalization.
+The main-loss level (token or sequence) is the normalization's, decided once when the step is
+built: ``main_loss`` (megatron.core.fork.mtp.step.loss_function) reads it from the open step, so
+it cannot disagree with the normalization.
 """
 
 from dataclasses import dataclass
@@ -80,6 +81,8 @@ class StepNormalization:
     seeds_mtp = False  # the MTP seed's loss scale comes through MTPLossAutoScaler (the step's hooks)
 
     def __init__(self, main_loss: str, isolated: bool, counts: StepCounts | None):
+        if counts is not None and not isinstance(counts, StepCounts):
+            raise TypeError(f"counts must be a StepCounts or None, got {type(counts).__name__}")
         if main_loss not in MAIN_LOSS_LEVELS:
             raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {main_loss!r}")
         if counts is None and main_loss == SEQUENCE and not isolated:
@@ -129,19 +132,8 @@ def _scale_mtp_gradients(model_chunk, factor: float) -> None:
                 grad.mul_(factor)
 
 
-def _context_parallel_group():
-    """The CP group when context parallelism is on, else None."""
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_context_parallel_group()
-
-
 class FrameworkNormalization(StepNormalization):
-    """A framework's own step (megatron.core.fork.mtp.exact_mtp_step, main_loss=None): the framework
+    """A framework's own step (megatron.core.fork.mtp.step.framework, no main-loss level): the framework
     scales its main loss as it always does; the step owns only the MTP branch's seed, the whole of
     it: lambda / D (applied by the heads) times the loss scale, 1/N_tok when the counts are given,
     and the inverse of the uniform factor the framework's DDP applies after backward
@@ -149,8 +141,8 @@ class FrameworkNormalization(StepNormalization):
     the reduced MTP gradient is (lambda / D) S_k / N_tok whatever the framework's schedule sets on
     MTPLossAutoScaler. Without counts the seed is raw, and after the framework's finalize the
     MTP-only parameters (isolated heads) are divided by N_tok times any factor the framework applied
-    through scale_gradients. The heads report each micro-batch's main valid targets here, so the
-    counts given can be checked against the data."""
+    through scale_gradients. The step's own model's MTP forwards report each micro-batch's main valid
+    targets here (``observe``), so the counts given can be checked against the data."""
 
     seeds_mtp = True
 
@@ -182,74 +174,3 @@ class FrameworkNormalization(StepNormalization):
         if self.counts is not None:
             return
         _scale_mtp_gradients(model_chunk, 1.0 / (max(self.final_counts.tokens, 1) * applied))
-
-
-_ACTIVE: StepNormalization | None = None
-_DEFAULT_LEVEL = TOKEN  # of main_loss when no step is active (evaluation)
-
-
-def set_default_level(level: str) -> None:
-    """The main-loss level outside steps (evaluation); a trainer sets it to its steps' level."""
-    global _DEFAULT_LEVEL
-    if level not in MAIN_LOSS_LEVELS:
-        raise ValueError(f"main loss level must be one of {MAIN_LOSS_LEVELS}, got {level!r}")
-    _DEFAULT_LEVEL = level
-
-
-def active() -> StepNormalization | None:
-    return _ACTIVE
-
-
-def activate(normalization: StepNormalization) -> None:
-    global _ACTIVE
-    if _ACTIVE is not None:
-        raise RuntimeError("a training step is already in progress; finish() or abort() it first")
-    _ACTIVE = normalization
-
-
-def deactivate() -> None:
-    global _ACTIVE
-    _ACTIVE = None
-
-
-def mtp_backward_scale() -> float:
-    return _ACTIVE.mtp_scale() if _ACTIVE is not None else 1.0
-
-
-def main_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
-    """A loss function for megatron-core's calculate_per_token_loss mode.
-
-    Args:
-        per_token_loss (Tensor): the main head's cross-entropy per position [b, s] (or [s, b]
-            flattened alike with the mask; under CP this rank's piece).
-        loss_mask (Tensor): 1 where a position's target counts, same shape.
-
-    Returns:
-        tuple[Tensor, Tensor, dict]: the tensor to backpropagate, the raw main-loss sum at the
-        active step's level (token: the masked cross-entropy summed; sequence: each sequence's
-        token mean summed over sequences with valid targets; outside a step, e.g. in evaluation,
-        the default level) times the step's main scale; the micro-batch's main count (int); and
-        {"main loss sums": [main sum, valid tokens, valid sequences]}, the sums that reduce
-        exactly into metrics.
-    """
-    level = _ACTIVE.main_loss if _ACTIVE is not None else _DEFAULT_LEVEL
-    mask = loss_mask.reshape(loss_mask.size(0), -1).float()
-    losses = per_token_loss.float().reshape(mask.shape) * mask
-    per_sequence_tokens = mask.sum(dim=1)
-    tokens = per_sequence_tokens.sum()
-    cp_group = _context_parallel_group()
-    if cp_group is not None:
-        # Each context-parallel rank holds a piece of every sequence: a sequence's mean divides
-        # by all its valid targets, and it is counted once (by CP rank 0) in the step's sums.
-        per_sequence_tokens = per_sequence_tokens.detach().clone()
-        dist.all_reduce(per_sequence_tokens, group=cp_group)
-    sequences = (per_sequence_tokens > 0).sum().to(tokens.dtype)
-    if cp_group is not None and dist.get_rank(cp_group) != 0:
-        sequences = torch.zeros_like(sequences)
-    if level == TOKEN:
-        raw, count = losses.sum(), tokens
-    else:
-        raw, count = (losses.sum(dim=1) / per_sequence_tokens.clamp(min=1)).sum(), sequences
-    scale = _ACTIVE.main_scale() if _ACTIVE is not None else 1.0
-    report = torch.stack([raw.detach(), tokens, sequences])
-    return raw * scale, count.to(torch.int), {"main loss sums": report}
