@@ -65,16 +65,26 @@ class ForwardSettings:
     and its temperature tau; whether the branch reads the main head at t + k, p^k_t (a draft
     objective trains on it; under ``ce`` a forward that measures the sampled and greedy-draft
     acceptances reads it); whether each depth's rows are those that its loss or a deeper depth's
-    chain reads (``mtp_sparse_loss``: sparse_loss.rows_needed), or every row; whether the step
-    seeds the MTP branch whole (a framework's step: its normalization's ``seeds_mtp``); and the
-    model's running step (None: a plain forward), where its statistics go."""
+    chain reads (``sparse``: sparse_loss.rows_needed), or every row; whether the chunked projection
+    computes the losses (``chunked``: the sparse loss or a draft objective; else upstream's dense
+    cross-entropy at every position); and the step it answers to: the model's running step (None:
+    a plain forward), whether that step normalizes the losses (``exact``) and seeds the MTP branch
+    whole (``seeds_whole``: a framework's step), and where the forward's statistics go."""
 
     objective: str
     temperature: float
     reads_main_head: bool
     sparse: bool
-    seeds_whole: bool
+    chunked: bool
     step: Optional[object]
+    exact: bool
+    seeds_whole: bool
+    statistics: MTPStatistics
+
+    @staticmethod
+    def sparse_loss(config) -> bool:
+        """Whether the MTP loss reads only the rows that count (``mtp_sparse_loss``)."""
+        return bool(config.mtp_sparse_loss)
 
     @classmethod
     def of(cls, model) -> "ForwardSettings":
@@ -82,25 +92,12 @@ class ForwardSettings:
         objective = objective_of(config)
         measures = step.measures_metrics if step is not None else STEP_STATISTICS.reporting
         projections = bool(config.mtp_sampled_acceptance) and measures  # the metric projections
+        sparse = cls.sparse_loss(config)
         normalization = step.normalization if step is not None else None
-        return cls(objective, config.mtp_draft_temperature, objective != "ce" or projections,
-                   bool(config.mtp_sparse_loss), normalization is not None and normalization.seeds_mtp, step)
-
-    @property
-    def chunked(self) -> bool:
-        """Whether the chunked projection computes the losses (sparse_loss.sparse_depth_losses): the
-        sparse loss, or a draft objective; else upstream's dense cross-entropy at every position."""
-        return self.sparse or self.objective != "ce"
-
-    @property
-    def statistics(self) -> MTPStatistics:
-        """Where this forward's per-depth sums go: its step's, or the plain forwards' record."""
-        return self.step.statistics if self.step is not None else STEP_STATISTICS
-
-    @property
-    def exact(self) -> bool:
-        """Whether the forward runs inside an exact step (one that normalizes its losses)."""
-        return self.step is not None and self.step.normalization is not None
+        return cls(objective, config.mtp_draft_temperature, objective != "ce" or projections, sparse,
+                   sparse or objective != "ce", step, normalization is not None,
+                   normalization is not None and normalization.seeds_mtp,
+                   step.statistics if step is not None else STEP_STATISTICS)
 
     def mtp_loss_weight(self, config, main_valid_tokens):
         """Backward weight of a depth's raw masked sum: lambda / D times what the step's

@@ -32,8 +32,8 @@ def rows_of_last_depth(model, input_ids, labels, loss_mask, packed_seq_params=No
     """Around the MTP block's forward: the last depth's MLP runs only where the sparse loss
     reads h^D (megatron.core.fork.mtp.last_depth), when the loss is computed on this stage."""
     depths, rows = model.config.mtp_num_layers or 0, None
-    sparse = depths and model.post_process and ForwardSettings.of(model).sparse
-    if sparse and last_depth.rows_can_be_taken(model.config):
+    if depths and model.post_process and ForwardSettings.sparse_loss(model.config) \
+            and last_depth.rows_can_be_taken(model.config):
         supervised = labels_and_mask(model, input_ids, labels, loss_mask, packed_seq_params)
         if supervised is not None:
             *_, (_, _, last_mask) = depth_targets(*supervised, depths, packed_seq_params, model.cp_group)
