@@ -9,7 +9,7 @@ patched megatron-core; see docs/series.md, "Builds, and how fork-owned files rea
 
 One folder per part of the series (each patch's header names its ``Part:``), each holding what
 that part's hunks call; a module imports only from its own part or an earlier one:
-runtime, fixes, mtp, training_loop (part "training-loop"). ``for_0_16`` holds what only the
-kept release's series (0.16.1) calls. docs/series.md tables which fork functions each patch
-calls.
+runtime, upstream_fixes (part "fixes"), mtp, training_loop (part "training-loop"). ``backports``
+holds what megatron-core 0.19 has upstream, which only the kept release's series (0.16.1) calls.
+docs/series.md tables which fork functions each patch calls.
 """

@@ -1,6 +1,6 @@
 # Copyright (c) 2026, The Megatron-MTP authors. Licensed under the Apache License, Version 2.0 (LICENSE).
 # Part of a modified NVIDIA megatron-core / Megatron-LM (Copyright (c) NVIDIA CORPORATION): see NOTICE.
-"""Fork modules that only the megatron-core 0.16.1 series uses.
+"""Backports: what megatron-core 0.19 has upstream, for the 0.16.1 series, which alone uses them.
 
 Each gives 0.16.1 what megatron-core 0.19 has upstream, with the same parameter names,
 attributes and results, so that both series train the same objective:

@@ -5,16 +5,19 @@ MTP block call into, and the step that normalizes every loss branch exactly.
 
 - options: validation of the MTP flags on TransformerConfig.
 - isolation: gradient isolation of the MTP heads (``mtp_detach_heads``).
+- rng: detached heads draw their random numbers from streams of their own.
 - supervision: per-depth targets and masks, labels derived from input ids.
-- statistics: exact per-depth sums and counts (loss, acceptance, chain acceptance).
-- heads: the per-depth loss branch of GPTModel's postprocess.
+- forward_settings: what one MTP forward computes, and the running step bound to its model.
+- loss_branch: the per-depth loss branch of GPTModel's and HybridModel's postprocess.
 - sparse_loss: that branch at the needed rows only, in chunks (``mtp_sparse_loss``).
 - last_depth: the last depth's MLP at the rows its loss reads (with ``mtp_sparse_loss``).
-- sparse_cross_entropy: the main head's loss at valid positions only, in chunks.
-- draft_objectives: the depths' draft objectives (cross-entropy, TV, KL).
-- rng: detached heads draw their random numbers from streams of their own.
+- sparse_cross_entropy: the chunked vocabulary-parallel cross-entropy, the main head's at valid
+  positions only (``sparse_lm_loss``).
+- chunk_buffers: the buffers the chunks of one chunked projection share.
+- draft_objectives: the depths' draft objectives (cross-entropy, TV, KL) and the acceptances.
+- statistics: exact per-depth sums and counts (loss, acceptance, chain acceptance), the plain
+  forwards' record.
 - router_losses, router_metrics: MoE router losses per depth, normalized by the step.
-- step_loss: one step's loss, every branch divided by its global count (the active step).
-- step_scope: what a step reduces and reports across its micro-batches.
-- exact_mtp_step, split_step: the step as a framework drives it (``ExactMTPStep``, ``SplitStep``).
+- step: the exact step, one mechanism (``step.running``) with its adapters for a framework's own step
+  and a controller's step in chunks; the public names a caller imports.
 """

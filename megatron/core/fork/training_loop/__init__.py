@@ -5,7 +5,8 @@
 hooks (patch "MTP: exact steps and metrics in megatron.training"); nothing here runs in
 megatron-core without it.
 
-- exact_step: each step is the spec's objective, with counts up front (spec section 4).
+- exact_step: each step is the spec's objective, with counts up front (spec section 4), a running
+  step (megatron.core.fork.mtp.step.running) bound to the trainer's model; evaluations too.
 - checkpoint, model_shape: what checkpoints carry for MTP training, checked on load.
 - loss_contract: the loss function's returns the exact step reads.
 - metrics: per-depth MTP metrics for the console, TensorBoard and W&B, with counters that
