@@ -27,6 +27,11 @@ step run as they do. The step owns the rest (spec sections 4-7, 11, 12):
 - the MTP clipping group: the optimizer's groups, measured and clipped in its step;
 - the metrics: the step's MTP sums and router values reduced once (in its finalize).
 
+A framework whose loss function returns (loss, count, report) in per-token mode, so that
+finalize_model_grads divides every gradient by the step's count (verl's per-token regime: its routed
+tokens), announces that count up front (``finalize_divisor``): the MTP seed carries it, and the
+division leaves the MTP branch exact.
+
 Refused in one line before anything changes: what StepScope refuses (section 11's kinds, router
 losses with CP, streaming with attached heads), a framework without finalize_model_grads, MoE
 router losses in a step that averages micro-batches; found in a forward, on the ranks whose forward
@@ -95,13 +100,15 @@ def _check_packed_forward(model, args, kwargs):
 
 class ExactMTPStep:
     def __init__(self, model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
-                 main_loss: str | None = None, grad_scale_func=None, metrics: bool = False):
+                 main_loss: str | None = None, grad_scale_func=None, metrics: bool = False,
+                 finalize_divisor: int | None = None):
         """`counts`: the step's global StepCounts if known up front (else the streaming form);
         `routed_tokens`: T of spec section 11, needed with MoE router losses; `optimizer`: the one
         the framework steps (its loss scale; its group norms in the metrics); `main_loss`: None for a
         framework's step, else the level of step_loss.main_loss (SplitStep, megatron.training);
         `grad_scale_func`: the loss scale the routers carry (default: the optimizer's); `metrics`:
-        True measures the metric projections (megatron.core.fork.mtp.statistics.metric_projections)."""
+        True measures the metric projections (megatron.core.fork.mtp.statistics.metric_projections);
+        `finalize_divisor`: the count finalize_model_grads divides every gradient by (see the module)."""
         self.chunks = list(model_chunks)
         self.config = get_model_config(self.chunks[0])
         self.optimizer = optimizer
@@ -118,8 +125,15 @@ class ExactMTPStep:
                                  "calculate_per_token_loss=True: otherwise its schedule divides them by its "
                                  "micro-batch count, which the step cannot see. Set calculate_per_token_loss=True "
                                  "(as NeMo-RL does), or turn the router losses off (moe_aux_loss_coeff=0, no z-loss)")
+            if finalize_divisor is not None and not (config.calculate_per_token_loss and finalize_divisor > 0
+                                                     and not router_losses.active(config)):
+                raise ValueError(f"finalize_divisor={finalize_divisor}: finalize_model_grads divides by a count only "
+                                 "with calculate_per_token_loss=True, the count must be > 0, and MoE router losses "
+                                 "are not normalized under that division")
             average = 1.0 if config.calculate_per_token_loss else 1.0 / parallel_state.get_data_parallel_world_size(
                 with_context_parallel=True)  # the framework's DDP, after backward, on every gradient
+            if finalize_divisor is not None:
+                average = 1.0 / finalize_divisor  # finalize_model_grads, on every gradient
             normalization = step_loss.FrameworkNormalization(bool(config.mtp_detach_heads), counts, average,
                                                              _loss_scale(optimizer, config))
             if router_losses.active(config) and counts is None:
@@ -132,6 +146,7 @@ class ExactMTPStep:
                                grad_scale_func=grad_scale_func, normalization=normalization, metrics=metrics)
         self.metrics: dict = {}
         self._scaled = 1.0  # the factors the framework applied through scale_gradients
+        self.finalize_divisor = finalize_divisor
         self._finalized = False
         self._sums = None
         self._microbatches = 0
@@ -212,8 +227,8 @@ class ExactMTPStep:
             refuse_what_any_rank_found()
             self._check_before_reduce(num_tokens)
             finalize(model, num_tokens, **kwargs)
-            for chunk in self.chunks:
-                self.normalization.normalize_reduced_gradients(chunk, self._scaled)
+            for chunk in self.chunks:  # the announced division is in the seed already
+                self.normalization.normalize_reduced_gradients(chunk, self._scaled * (self.finalize_divisor or 1))
         return finalize_exactly
 
     def _check_before_reduce(self, num_tokens) -> None:
@@ -231,10 +246,14 @@ class ExactMTPStep:
         self._microbatches = round(microbatches / parallel_state.get_data_parallel_world_size(
             with_context_parallel=True))
         step.final_counts = step_loss.StepCounts(tokens=round(tokens), sequences=-1)
-        if divisor > 0:
+        if round(divisor) != (self.finalize_divisor or 0):
+            if self.finalize_divisor:
+                raise ValueError(f"finalize_model_grads divides by {divisor:.0f}, not by the finalize_divisor given "
+                                 f"({self.finalize_divisor}); no gradient was reduced and no optimizer step taken")
             raise ValueError(f"finalize_model_grads would divide every gradient, MTP's too, by the step's count "
                              f"({divisor:.0f}, from (loss, count, report) loss functions in per-token mode): return "
-                             "(loss, report) normalized by your counts (as NeMo-RL does), or drive a SplitStep")
+                             "(loss, report) normalized by your counts (as NeMo-RL does), announce the count up "
+                             "front (exact_mtp_step(..., finalize_divisor=count)), or drive a SplitStep")
         if step.counts is not None and step.counts.tokens != round(tokens):
             raise ValueError(f"the counts given ({step.counts.tokens} valid next-token targets) differ from the "
                              f"step's data ({round(tokens)}); no gradient was reduced and no optimizer step taken")
@@ -262,9 +281,10 @@ class ExactMTPStep:
 
 
 def exact_mtp_step(model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
-                   metrics: bool = False) -> ExactMTPStep:
+                   metrics: bool = False, finalize_divisor: int | None = None) -> ExactMTPStep:
     """A framework's training step made exact for MTP (see the module): use it as a context manager
     around the step, or call ``enter()`` before and ``close()`` after where the step is split over
     calls (``abort()`` drops it)."""
-    return ExactMTPStep(model_chunks, counts, optimizer=optimizer, routed_tokens=routed_tokens, metrics=metrics)
+    return ExactMTPStep(model_chunks, counts, optimizer=optimizer, routed_tokens=routed_tokens, metrics=metrics,
+                        finalize_divisor=finalize_divisor)
 
