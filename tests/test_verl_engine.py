@@ -14,8 +14,8 @@ the same steps give verl's own figure: gradients far from the reference and apar
 mini-batch that counts a sequence's first token, and an override that contradicts detach_encoder, are
 refused in one line, nothing changed.
 
-Default tier: DP = 2 on two ranks (with and without the step patch); TP = 2 x DP = 2 and PP = 2 x DP = 2
-on four ranks.
+Default tier: DP = 2 on two ranks (with and without the step patch), PP = 2 x DP = 2 on four. Matrix
+tier: TP = 2 x DP = 2 (sequence parallel, as verl's engine config sets it with TP) on four.
 """
 
 import shutil
@@ -53,7 +53,8 @@ PAIRS = [("bshd_mb1", "bshd_mb2"), ("thd_mb1", "thd_mb4"), ("thd_per_token_mb1",
 WITHOUT = [c for c in CASES if c["name"] in ("bshd_mb1", "bshd_mb2", "thd_per_token_mb1", "thd_per_token_mb2")]
 WITHOUT_PAIRS = [("bshd_mb1", "bshd_mb2"), ("thd_per_token_mb1", "thd_per_token_mb2")]
 # on four ranks: each layout with DP = 2 (the same rank shares), both regimes
-LAYOUTS = [("tp2_dp2", 2, 1), ("pp2_dp2", 1, 2)]
+LAYOUTS = [("pp2_dp2", 1, 2)]
+MATRIX_LAYOUTS = [("tp2_dp2", 2, 1)]
 LAYOUT_CASES = [c for c in CASES if c["name"] in ("bshd_mb2", "thd_per_token_mb1", "thd_detached_d1_mb2")]
 
 
@@ -151,10 +152,19 @@ def test_bad_input_is_refused_in_one_line_and_changes_nothing(with_series):
         assert override and "contradicts mtp.detach_encoder=False" in override and "\n" not in override
 
 
-def test_tensor_and_pipeline_parallel_layouts(tmp_path):
-    ranks = verl_launch(4, {"ckpt_root": str(tmp_path), "cases": LAYOUT_CASES, "layouts": LAYOUTS, "pairs": []})
+def check_layouts(tmp_path, layouts: list) -> None:
+    ranks = verl_launch(4, {"ckpt_root": str(tmp_path), "cases": LAYOUT_CASES, "layouts": layouts, "pairs": []})
     for rank in ranks:
-        for layout, *_ in LAYOUTS:
+        for layout, *_ in layouts:
             for c in LAYOUT_CASES:
                 result = rank["layouts"][f"{layout}/{c['name']}"]
                 assert result["rel"] < TOL and result["moved"], (layout, c["name"], result["rel"])
+
+
+def test_pipeline_parallel_layout(tmp_path):
+    check_layouts(tmp_path, LAYOUTS)
+
+
+@pytest.mark.matrix
+def test_tensor_parallel_layout(tmp_path):
+    check_layouts(tmp_path, MATRIX_LAYOUTS)
