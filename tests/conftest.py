@@ -64,14 +64,15 @@ def matrix(request) -> bool:
     return request.config.getoption("--matrix")
 
 
-# The default tier's longest files (their serial seconds in fresh-clone CI on 2026-12-03: 70-150),
+# The default tier's longest files (their serial seconds in fresh-clone CI on 2026-12-03: 70-150; verl's
+# engine tests about 170-280 s on a loaded host on 2026-12-07, not yet timed alone),
 # longest first: pytest-xdist (--dist loadfile, --no-loadscope-reorder in pytest.ini) hands out
 # files in collection order, so the two workers start on these and finish together instead of
 # one of them running a long file alone at the end (a tail of about a minute before).
-LONGEST_FIRST = ("tests/test_data_and_logging.py", "tests/test_fork_tool.py", "tests/test_trainer_faults.py",
-                 "tests/test_serving.py", "tests/test_trainer_moe.py", "tests/test_trainer_exactness.py",
-                 "tests/test_normalization.py", "tests/test_architectures.py", "tests/test_user_checkout.py",
-                 "tests/test_upstream_loss_contract.py")
+LONGEST_FIRST = ("tests/test_verl_engine.py", "tests/test_data_and_logging.py", "tests/test_fork_tool.py",
+                 "tests/test_trainer_faults.py", "tests/test_serving.py", "tests/test_trainer_moe.py",
+                 "tests/test_trainer_exactness.py", "tests/test_normalization.py", "tests/test_architectures.py",
+                 "tests/test_user_checkout.py", "tests/test_upstream_loss_contract.py")
 
 
 def _cost_rank(item) -> int:

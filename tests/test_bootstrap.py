@@ -28,8 +28,8 @@ PROBES = {
 }
 
 
-def bootstrap(tmp_path: Path, probe: str, torch_build: str | None,
-              local_wheel: bool = True) -> tuple[subprocess.CompletedProcess, list]:
+def bootstrap(tmp_path: Path, probe: str, torch_build: str | None, local_wheel: bool = True,
+              arguments: tuple = ()) -> tuple[subprocess.CompletedProcess, list]:
     stubs = tmp_path / "stubs"
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     stubs.mkdir()
@@ -51,8 +51,8 @@ def bootstrap(tmp_path: Path, probe: str, torch_build: str | None,
     environment.update(VENV=str(tmp_path / "venv"), PATH=f"{stubs}:/usr/bin:/bin")
     if torch_build is not None:
         environment["TORCH_BUILD"] = torch_build
-    result = subprocess.run(["bash", "tools/bootstrap"], cwd=REPO_ROOT, env=environment, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(["bash", "tools/bootstrap", *arguments], cwd=REPO_ROOT, env=environment,
+                            capture_output=True, text=True, timeout=60)
     recorded = calls.read_text().splitlines() if calls.exists() else []
     return result, [line.split("\0")[:-1] for line in recorded if line]
 
@@ -88,3 +88,16 @@ def test_an_unknown_build_is_refused_in_one_line_before_anything_runs(tmp_path):
     result, calls = bootstrap(tmp_path, "gpu", "rocm")
     assert result.returncode == 2 and calls == [], (result.stderr, calls)
     assert result.stderr.strip() == "TORCH_BUILD=rocm: give auto, cpu, cuda or the URL of a package index"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("--framework", "nemo-rl"), "--framework nemo-rl: the framework this checkout installs is verl"),
+    (("--framework",), "--framework (none): the framework this checkout installs is verl"),
+    (("--engine", "sglang"), "--engine sglang: the engine this checkout installs is vllm"),
+    (("--frameworks", "verl"), "unknown argument --frameworks (give nothing, --engine vllm or --framework verl)"),
+])
+def test_another_framework_or_engine_is_refused_in_one_line_before_anything_runs(tmp_path, arguments, message):
+    """Seen failing before `--framework verl` existed: the framework's argument was unknown."""
+    result, calls = bootstrap(tmp_path, "no gpu", None, arguments=arguments)
+    assert result.returncode == 2 and calls == [], (result.stderr, calls)
+    assert result.stderr.strip() == f"tools/bootstrap: {message}"

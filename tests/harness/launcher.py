@@ -64,7 +64,8 @@ PORT_ATTEMPTS = 3
 
 def launch(body: str, world_size: int, args: dict | None = None, timeout: float = 300.0,
            tmp_dir: Path | None = None, use_gpus: bool = False, build: str | None = None,
-           upstream_tree: Path | None = None) -> list:
+           upstream_tree: Path | None = None, python: str | None = None,
+           first_on_path: Path | None = None) -> list:
     """Run `body` ("package.module:function") on every rank; return each rank's return value.
 
     The body is called as function(**args) after torch.distributed (gloo) is up; it sets
@@ -72,17 +73,21 @@ def launch(body: str, world_size: int, args: dict | None = None, timeout: float 
     the CPU with gloo unless `use_gpus` (one GPU per rank, NCCL). They import this
     checkout's patched megatron-core of upstream version `build` (default: `current`),
     which they check before running the body, or, with `upstream_tree`, that other
-    megatron-core tree (pristine upstream for comparisons; not checked).
+    megatron-core tree (pristine upstream for comparisons; not checked). `python`: another
+    environment's interpreter runs the ranks (a framework's, e.g. .venv-verl), each a fresh process;
+    `first_on_path`: a directory its imports find first (a framework's package patched otherwise).
     """
     for attempt in range(1, PORT_ATTEMPTS + 1):
         try:
-            return _launch_once(body, world_size, args, timeout, tmp_dir, use_gpus, build, upstream_tree)
+            return _launch_once(body, world_size, args, timeout, tmp_dir, use_gpus, build, upstream_tree, python,
+                                first_on_path)
         except DistributedTestFailure as failure:
             if PORT_TAKEN not in str(failure) or attempt == PORT_ATTEMPTS:
                 raise
 
 
-def _launch_once(body, world_size, args, timeout, tmp_dir, use_gpus, build, upstream_tree) -> list:
+def _launch_once(body, world_size, args, timeout, tmp_dir, use_gpus, build, upstream_tree, python=None,
+                 first_on_path=None) -> list:
     if upstream_tree is not None:
         pythonpath_first, check_version = str(upstream_tree), None
     else:
@@ -94,8 +99,10 @@ def _launch_once(body, world_size, args, timeout, tmp_dir, use_gpus, build, upst
         spec.write_text(json.dumps({"body": body, "args": args or {}, "build": check_version}))
         port = free_port()
         base_env = zygotes.environment(pythonpath_first, str(REPO_ROOT), cpu=not use_gpus)
+        if first_on_path is not None:
+            base_env["PYTHONPATH"] = os.pathsep.join((str(first_on_path), base_env["PYTHONPATH"]))
         zygote = None
-        if not use_gpus and zygotes.enabled():
+        if not use_gpus and zygotes.enabled() and python is None and first_on_path is None:
             zygote = zygotes.zygote_for(pythonpath_first, str(REPO_ROOT))
         procs, logs = [], []
         for rank in range(world_size):
@@ -109,7 +116,7 @@ def _launch_once(body, world_size, args, timeout, tmp_dir, use_gpus, build, upst
                 continue
             with open(log, "w") as out:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.harness.worker", *argv],
+                    [python or sys.executable, "-m", "tests.harness.worker", *argv],
                     cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 ))
         deadline = time.monotonic() + timeout

@@ -14,7 +14,7 @@ from megatron_mtp.patched_core import (
     series_patches,
 )
 
-from . import callers, check, engine, install, rebase, series
+from . import callers, check, install, installed, rebase, series
 from .errors import ForkError
 
 
@@ -90,8 +90,8 @@ def cmd_callers(args) -> int:
     return 1 if errors else 0
 
 
-def cmd_engine(args) -> int:
-    ok, lines = engine.apply(args.python, check_only=args.check)
+def cmd_installed(args) -> int:
+    ok, lines = installed.apply(args.python, args.command, check_only=args.check)
     print("\n".join(lines))
     return 0 if ok else 1
 
@@ -169,21 +169,25 @@ def parser() -> argparse.ArgumentParser:
 
     add("callers", cmd_callers, "Print the table of the fork functions each patch's hunks call (docs/series.md "
         "holds it); exits 1 if a patch or a fork module calls a folder of a later part than its own.")
-    p = sub.add_parser("engine", help=(text := "Apply the serving engine's series (patches/upstream.toml's [engine], "
-                       "patches/PACKAGE-VERSION/) to its installed files in PYTHON's environment, pristine "
-                       "files verified against the wheel first; a no-op when applied. Exits 1 if a patch fails."),
-                       description=text)
-    p.add_argument("--python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"),
-                   help="the engine environment's interpreter (default: this checkout's .venv-vllm)")
-    p.add_argument("--check", action="store_true", help="only report whether every patch applies; change nothing")
-    p.set_defaults(func=cmd_engine, version=None)
+    for section, what in (("engine", "the serving engine's (vLLM's CPU build)"),
+                          ("framework", "the RL framework's (verl)")):
+        p = sub.add_parser(section, help=(text := (
+            f"Apply {what} series (patches/upstream.toml's [{section}], patches/PACKAGE-VERSION/) to its installed "
+            "files in PYTHON's environment, pristine files verified against the wheel first; a no-op when applied. "
+            "Exits 1 if a patch fails.")), description=text)
+        venv = installed.SECTIONS[section]
+        p.add_argument("--python", default=str(REPO_ROOT / venv / "bin" / "python"),
+                       help=f"the environment's interpreter (default: this checkout's {venv})")
+        p.add_argument("--check", action="store_true",
+                       help="only report whether every patch applies and whether the series is applied; change nothing")
+        p.set_defaults(func=cmd_installed, version=None)
     return top
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        if args.command != "engine":
+        if args.command not in installed.SECTIONS:
             args.version = args.version or current_upstream_version()
         return args.func(args)
     except (ForkError, PatchedCoreError) as error:

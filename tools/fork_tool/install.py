@@ -144,7 +144,8 @@ def install(version: str, copy: bool = False, force: bool = False, python: str =
     build_version = expected_build_version(version)
     if not force and is_installed(python, build_version, copy):
         return f"megatron-core {build_version} is already installed; nothing to do"
-    tree = make_tree(version, copy)
+    # an editable install into another environment (a framework's) takes the build already there
+    tree = build_tree(version) if not copy and not force and is_built(version) else make_tree(version, copy)
     pip_install(python, tree, editable=not copy)
     if copy:
         shutil.rmtree(tree)

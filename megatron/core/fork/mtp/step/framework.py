@@ -26,6 +26,11 @@ own model chunks only (a reference model's forwards in the same process are not 
 - the MTP clipping group: the optimizer's groups, measured and clipped in its step;
 - the metrics: the step's MTP sums and router values reduced once (in its finalize).
 
+A framework whose loss function returns (loss, count, report) in per-token mode, so that
+finalize_model_grads divides every gradient by the step's count (verl's per-token regime: its routed
+tokens), announces that count up front (``finalize_divisor``): the MTP seed carries it, and the
+division leaves the MTP branch exact.
+
 Refused in one line before anything changes: what a running step refuses (section 11's kinds, router
 losses with CP), streaming with attached heads, a framework without finalize_model_grads, MoE
 router losses in a step that averages micro-batches; found in a forward, on the ranks whose forward
@@ -63,11 +68,12 @@ def _loss_scale(optimizer, config):
 
 class ExactMTPStep(RunningStep):
     def __init__(self, model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
-                 metrics: bool = False):
+                 metrics: bool = False, finalize_divisor: int | None = None):
         """`counts`: the step's global StepCounts if known up front (else the streaming form);
         `routed_tokens`: T of spec section 11, needed with MoE router losses; `optimizer`: the one
         the framework steps (its loss scale; its group norms in the metrics); `metrics`: True
-        measures the metric projections (megatron.core.fork.mtp.forward_settings.ForwardSettings)."""
+        measures the metric projections (megatron.core.fork.mtp.forward_settings.ForwardSettings);
+        `finalize_divisor`: the count finalize_model_grads divides every gradient by (see the module)."""
         chunks = list(model_chunks)
         config = get_model_config(chunks[0])
         if config.finalize_model_grads_func is None:
@@ -78,8 +84,16 @@ class ExactMTPStep(RunningStep):
                              "calculate_per_token_loss=True: otherwise its schedule divides them by its "
                              "micro-batch count, which the step cannot see. Set calculate_per_token_loss=True "
                              "(as NeMo-RL does), or turn the router losses off (moe_aux_loss_coeff=0, no z-loss)")
-        average = 1.0 if config.calculate_per_token_loss else 1.0 / parallel_state.get_data_parallel_world_size(
-            with_context_parallel=True)  # the framework's DDP, after backward, on every gradient
+        if finalize_divisor is not None and not (config.calculate_per_token_loss and finalize_divisor > 0
+                                                 and not router_losses.active(config)):
+            raise ValueError(f"finalize_divisor={finalize_divisor}: finalize_model_grads divides by a count only "
+                             "with calculate_per_token_loss=True, the count must be > 0, and MoE router losses "
+                             "are not normalized under that division")
+        if finalize_divisor is not None:
+            average = 1.0 / finalize_divisor  # finalize_model_grads, on every gradient
+        else:  # the framework's DDP, after backward, on every gradient
+            average = 1.0 if config.calculate_per_token_loss else 1.0 / parallel_state.get_data_parallel_world_size(
+                with_context_parallel=True)
         normalization = FrameworkNormalization(bool(config.mtp_detach_heads), counts, average,
                                                _loss_scale(optimizer, config))
         if router_losses.active(config) and counts is None:
@@ -91,6 +105,7 @@ class ExactMTPStep(RunningStep):
         self.optimizer = optimizer
         self.metrics: dict = {}
         self._scaled = 1.0  # the factors the framework applied through scale_gradients
+        self.finalize_divisor = finalize_divisor
         self._finalized = False
         self._sums = None
         self._microbatches = 0
@@ -144,8 +159,8 @@ class ExactMTPStep(RunningStep):
             self.refuse_what_any_rank_found()
             self._check_before_reduce(num_tokens)
             finalize(model, num_tokens, **kwargs)
-            for chunk in self.chunks:
-                self.normalization.normalize_reduced_gradients(chunk, self._scaled)
+            for chunk in self.chunks:  # the announced division is in the seed already
+                self.normalization.normalize_reduced_gradients(chunk, self._scaled * (self.finalize_divisor or 1))
         return finalize_exactly
 
     def _check_before_reduce(self, num_tokens) -> None:
@@ -163,10 +178,14 @@ class ExactMTPStep(RunningStep):
         self._microbatches = round(microbatches / parallel_state.get_data_parallel_world_size(
             with_context_parallel=True))
         step.final_counts = StepCounts(tokens=round(tokens), sequences=-1)
-        if divisor > 0:
+        if round(divisor) != (self.finalize_divisor or 0):
+            if self.finalize_divisor:
+                raise ValueError(f"finalize_model_grads divides by {divisor:.0f}, not by the finalize_divisor given "
+                                 f"({self.finalize_divisor}); no gradient was reduced and no optimizer step taken")
             raise ValueError(f"finalize_model_grads would divide every gradient, MTP's too, by the step's count "
                              f"({divisor:.0f}, from (loss, count, report) loss functions in per-token mode): return "
-                             "(loss, report) normalized by your counts (as NeMo-RL does), or drive a SplitStep")
+                             "(loss, report) normalized by your counts (as NeMo-RL does), announce the count up "
+                             "front (exact_mtp_step(..., finalize_divisor=count)), or drive a SplitStep")
         if step.counts is not None and step.counts.tokens != round(tokens):
             raise ValueError(f"the counts given ({step.counts.tokens} valid next-token targets) differ from the "
                              f"step's data ({round(tokens)}); no gradient was reduced and no optimizer step taken")
@@ -194,8 +213,9 @@ class ExactMTPStep(RunningStep):
 
 
 def exact_mtp_step(model_chunks, counts=None, *, optimizer=None, routed_tokens: int | None = None,
-                   metrics: bool = False) -> ExactMTPStep:
+                   metrics: bool = False, finalize_divisor: int | None = None) -> ExactMTPStep:
     """A framework's training step made exact for MTP (see the module): use it as a context manager
     around the step, or call ``enter()`` before and ``close()`` after where the step is split over
     calls (``abort()`` drops it)."""
-    return ExactMTPStep(model_chunks, counts, optimizer=optimizer, routed_tokens=routed_tokens, metrics=metrics)
+    return ExactMTPStep(model_chunks, counts, optimizer=optimizer, routed_tokens=routed_tokens, metrics=metrics,
+                        finalize_divisor=finalize_divisor)
